@@ -1,0 +1,77 @@
+"""Microbatches: padded inputs and aligned labels.
+
+For a sequence ``x`` of length L the model reads ``x[0 .. L-2]`` and the label at position ``t`` is ``x[t+1]``:
+labels are aligned, so ``labels[b, t]`` is the target for ``logits[b, t]`` and no recipe has to shift anything.
+Padding positions and targets inside the prompt get ``IGNORE_INDEX`` and never enter a denominator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from harness.corpus import Row
+
+PAD = 0
+"""Input id at padding positions."""
+
+IGNORE_INDEX = -100
+"""Label at every position that is not supervised (padding, prompt prefix); cross-entropy's default ignore index."""
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One forward pass worth of rows on one rank."""
+
+    inputs: torch.Tensor
+    """int64 ``[B, T]``; ``PAD`` after each row's end."""
+
+    labels: torch.Tensor
+    """int64 ``[B, T]``; the target for the same position, ``IGNORE_INDEX`` where not supervised."""
+
+    def __post_init__(self) -> None:
+        for name in ("inputs", "labels"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2:
+                msg = f"Microbatch.{name} must be an int64 tensor [B, T], got {_describe(t)}"
+                raise TypeError(msg)
+        if self.inputs.shape != self.labels.shape or self.inputs.shape[0] < 1:
+            msg = (
+                f"Microbatch inputs {tuple(self.inputs.shape)} and labels {tuple(self.labels.shape)} must have the "
+                "same shape [B, T] with B >= 1"
+            )
+            raise ValueError(msg)
+
+    @property
+    def supervised(self) -> int:
+        """Positions that count in the loss (and in the denominator)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> Microbatch:
+        return Microbatch(self.inputs.to(device), self.labels.to(device))
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
+def collate(rows: Sequence[Row], device: torch.device | str = "cpu") -> Microbatch:
+    """Pad ``rows`` into one microbatch; unsupervised targets (prompt, padding) get ``IGNORE_INDEX``."""
+    if not rows:
+        msg = "rows must hold at least one Row; a microbatch has at least one row"
+        raise ValueError(msg)
+    width = max(len(r.tokens) for r in rows) - 1
+    inputs = torch.full((len(rows), width), PAD, dtype=torch.int64)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        n = len(r.tokens) - 1
+        inputs[b, :n] = torch.tensor(r.tokens[:-1])
+        targets = torch.tensor(r.tokens[1:])
+        # Target t is tokens[t+1]; it lies in the prompt while t + 1 < prompt_len.
+        first = max(r.prompt_len - 1, 0)
+        labels[b, first:n] = targets[first:]
+    return Microbatch(inputs.to(device), labels.to(device))

@@ -1,0 +1,59 @@
+"""The single-device control: the gradient DDP must reproduce.
+
+Same initial weights, every rank's microbatches on one device, and the gradient of
+``(total loss sum over all ranks' windows) / (total supervised count)``: the objective stated without any
+distributed machinery, so it cannot share a bug with the code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harness.batching import Microbatch
+from harness.compare import flat_grad
+from harness.loss import loss_sum
+
+
+@dataclass(frozen=True)
+class Reference:
+    gradient: torch.Tensor
+    """Flat gradient vector, parameters in model order."""
+    loss: float
+    """The global token mean: total loss sum / total supervised count."""
+    tokens: int
+    """The global supervised count."""
+
+
+def reference_gradient(model: nn.Module, windows: Sequence[Sequence[Microbatch]]) -> Reference:
+    """Gradient of the global token mean over ``windows[rank][microbatch]``, on a private copy of ``model``.
+
+    ``model`` itself (its weights, its ``.grad``, its mode) is left untouched.
+    """
+    if not windows or any(len(w) == 0 for w in windows):
+        msg = "windows must hold at least one rank, each with at least one Microbatch"
+        raise ValueError(msg)
+    microbatches = [mb for window in windows for mb in window]
+    for mb in microbatches:
+        if not isinstance(mb, Microbatch):
+            msg = f"windows must hold Microbatch objects, found {type(mb).__name__}"
+            raise TypeError(msg)
+    total = sum(mb.supervised for mb in microbatches)
+    if total <= 0:
+        msg = "windows hold no supervised token: the global token mean (and its gradient) is undefined"
+        raise ValueError(msg)
+    local = copy.deepcopy(getattr(model, "module", model))
+    local.zero_grad(set_to_none=True)
+    device = next(local.parameters()).device
+    loss = 0.0
+    for mb in microbatches:
+        # One backward per microbatch keeps memory flat; dividing each sum by the same total is exactly
+        # d(sum of sums)/d(theta) / N.
+        s = loss_sum(local(mb.inputs.to(device)), mb.labels.to(device))
+        (s / total).backward()
+        loss += float(s.detach())
+    return Reference(gradient=flat_grad(local), loss=loss / total, tokens=total)
