@@ -180,6 +180,15 @@ class _RankSpec:
 
 def _die_with_parent() -> None:
     """Tie this process's life to its parent's (the forkserver), so that nothing outlives a killed caller."""
+    # The forkserver exits when every holder of its "alive" pipe is gone, and it hands that pipe to each child it
+    # forks. A rank holding it would keep the forkserver alive, and the forkserver the rank: close our copy.
+    from multiprocessing import forkserver
+
+    alive_fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
