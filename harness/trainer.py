@@ -1,0 +1,393 @@
+"""The training loop of seed 000's r1 workflow, with checkpoints whose resume lands on the same bits.
+
+Called on every rank inside an initialized process group (the test launcher, or torchrun through
+``python -m harness.train``). Every piece of state a resume must restore is made to matter, so that a checkpoint that
+forgets one is caught by the bitwise comparison at the last step:
+
+* SGD **with momentum**: the optimizer holds a buffer per parameter.
+* A learning-rate schedule (linear warm-up, then linear decay to 0 at ``config.updates``) defined over the whole run:
+  a stop at 50 does not shorten it, so the scheduler's position is state.
+* Dropout > 0 drawn from each rank's own torch RNG stream, seeded from ``(seed, rank)``: ranks draw different masks,
+  so restoring rank 0's RNG state on every rank changes rank 1's masks.
+* The plan (ids per step, rank, microbatch) is drawn once from its own seed; the position in it is state.
+
+``resume_bug`` reproduces real resume mistakes as negative controls for the tests; never set it in a real run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness.batching import Microbatch, collate
+from harness.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from harness.config import Config
+from harness.corpus import data_lock, make_corpus
+from harness.model import build_model
+from harness.plan import make_plan
+from harness.recipes import Recipe, global_token_mean
+
+RESUME_BUGS = ("reseed", "drop_optimizer", "rank0_rng", "restart_plan")
+"""Negative controls: re-seed the RNGs instead of restoring them; do not load the optimizer state; restore rank 0's
+RNG states on every rank; restart the plan from its first step."""
+
+FAULT_ENV = "HARNESS_FAULT"
+FAULT_POINTS = ("in-window", "after-rank-temp", "before-manifest", "after-manifest")
+"""Where a rank can be killed: ``in-window`` between the first and second microbatch of a step's window;
+``after-rank-temp`` after the rank file's temporary write, before its rename; ``before-manifest`` (rank 0) after every
+rank file is in, before the manifest; ``after-manifest`` once the checkpoint is complete."""
+
+
+# ----------------------------------------------------------------------------------------------- fault injection
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Kill ``rank`` with SIGKILL at ``point`` of step ``step`` (1-based: the step whose update or checkpoint it is)."""
+
+    rank: int
+    step: int
+    point: str
+
+
+def parse_fault(value: str | None) -> Fault | None:
+    """Parse ``HARNESS_FAULT="rank=1,step=37,point=in-window"``; None or empty means no fault."""
+    if not value:
+        return None
+    allowed = ", ".join(FAULT_POINTS)
+    fix = f"use e.g. {FAULT_ENV}='rank=1,step=37,point=in-window' with point one of: {allowed}"
+    try:
+        fields = dict(part.split("=", 1) for part in value.split(","))
+    except ValueError:
+        fields = {}
+    if set(fields) != {"rank", "step", "point"}:
+        msg = f"{FAULT_ENV}={value!r} must give exactly rank=, step= and point=; {fix}"
+        raise ValueError(msg)
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+    except ValueError:
+        msg = f"{FAULT_ENV}={value!r}: rank and step must be integers; {fix}"
+        raise ValueError(msg) from None
+    point = fields["point"].strip()
+    if point not in FAULT_POINTS:
+        msg = f"{FAULT_ENV}={value!r}: point={point!r} is not a fault point; {fix}"
+        raise ValueError(msg)
+    if rank < 0 or step < 1:
+        msg = f"{FAULT_ENV}={value!r}: rank must be >= 0 and step >= 1; {fix}"
+        raise ValueError(msg)
+    if point == "before-manifest" and rank != 0:
+        msg = f"{FAULT_ENV}={value!r}: only rank 0 writes the manifest, so point=before-manifest needs rank=0"
+        raise ValueError(msg)
+    return Fault(rank, step, point)
+
+
+def _die_at(fault: Fault | None, rank: int, step: int, point: str) -> None:
+    if fault is not None and (fault.rank, fault.step, fault.point) == (rank, step, point):
+        # SIGKILL, not an exception: a real crash runs no finally blocks, flushes nothing, releases no lock.
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------ the schedule
+
+
+class WarmupLinearDecay:
+    """LambdaLR factor: ``(s+1)/warmup`` during warm-up, then linear decay to 0 at ``updates``.
+
+    A class rather than a lambda so that its definition travels with the scheduler's state (LambdaLR saves the
+    ``__dict__`` of callable objects), and so that a resume that changed ``updates`` is visible in the state.
+    """
+
+    def __init__(self, warmup: int, updates: int) -> None:
+        self.warmup = warmup
+        self.updates = updates
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return max(0.0, (self.updates - step) / (self.updates - self.warmup))
+
+
+# ---------------------------------------------------------------------------------------------------- RNG state
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Each rank's own stream: different per rank (dropout masks differ), reproducible per (seed, rank)."""
+    return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63)
+
+
+def seed_rngs(seed: int, rank: int) -> None:
+    s = rank_seed(seed, rank)
+    random.seed(s)
+    np.random.seed(s % (2**32))
+    torch.manual_seed(s)  # also seeds every CUDA device
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's generator states, as tensors and plain Python (loadable with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    return {
+        "python": random.getstate(),
+        "numpy": (name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ----------------------------------------------------------------------------------------------------- the loop
+
+
+def resolve_recipe(recipe: Recipe | str | None) -> Recipe:
+    """A recipe instance, or ``"package.module:attr"`` naming an instance or a zero-argument factory."""
+    if recipe is None:
+        return global_token_mean
+    if isinstance(recipe, str):
+        module, _, attr = recipe.partition(":")
+        if not module or not attr:
+            msg = f"recipe={recipe!r} must be an import path 'package.module:attr'"
+            raise ValueError(msg)
+        obj = getattr(importlib.import_module(module), attr)
+        recipe = obj if hasattr(obj, "backward_window") else obj()
+    if not isinstance(recipe, Recipe):
+        msg = f"recipe={recipe!r} has no backward_window(model, window) and name; see harness.recipes.Recipe"
+        raise TypeError(msg)
+    return recipe
+
+
+def _device() -> torch.device:
+    # NCCL reduces CUDA tensors only; under gloo the trainer stays on the CPU (and on CPU its ops are deterministic).
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _is_checkpoint_step(step: int, config: Config, end: int) -> bool:
+    return step % config.checkpoint_every == 0 or step in (config.stop_at, end)
+
+
+def run(
+    config: Config,
+    run_dir: str | Path,
+    *,
+    stop_at: int | None = None,
+    resume: str | Path | None = None,
+    recipe: Recipe | str | None = None,
+    resume_bug: str | None = None,
+    evaluate: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train from scratch (or from ``resume``, a step directory) up to ``stop_at`` (default ``config.updates``).
+
+    Checkpoints every ``config.checkpoint_every`` steps, at ``config.stop_at`` and at the last step. Returns a plain
+    summary: final step, loss history, checkpoints written, the final model / optimizer / scheduler state (small CPU
+    tensors) and a draw from each RNG, so a test can compare a resumed run with a continuous one bit for bit.
+    """
+    if not dist.is_initialized():
+        msg = "trainer.run must be called on every rank inside an initialized process group (launcher or torchrun)"
+        raise RuntimeError(msg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != config.world_size:
+        msg = f"world_size={world} (ranks started) differs from config world_size={config.world_size}; start that many"
+        raise ValueError(msg)
+    end = config.updates if stop_at is None else stop_at
+    if isinstance(end, bool) or not isinstance(end, int) or not 1 <= end <= config.updates:
+        msg = f"stop_at={stop_at!r} must be an integer in [1, updates={config.updates}]"
+        raise ValueError(msg)
+    if resume_bug is not None and resume_bug not in RESUME_BUGS:
+        msg = f"resume_bug={resume_bug!r} must be None or one of {RESUME_BUGS} (negative controls for tests only)"
+        raise ValueError(msg)
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    if fault and fault.point != "in-window" and not _is_checkpoint_step(fault.step, config, end):
+        msg = f"{FAULT_ENV}: step={fault.step} writes no checkpoint, so point={fault.point!r} would never be reached"
+        raise ValueError(msg)
+    say = log if log is not None else (print if rank == 0 else (lambda _m: None))
+    the_recipe = resolve_recipe(recipe)
+    device = _device()
+
+    rows = make_corpus(config)
+    lock = data_lock(rows, config)
+    plan = make_plan(rows, config)  # always the full run's plan: a stop at 50 must not change step 51's data
+
+    # Seed before building anything: DDP broadcasts rank 0's weights, but each rank's dropout stream is its own.
+    seed_rngs(config.seed, rank)
+    model = DDP(build_model(config, dropout=config.dropout).to(device), device_ids=[device] if device.type == "cuda" else None)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinearDecay(config.warmup, config.updates))
+
+    start, losses = 0, []
+    if resume is not None:
+        shared, state = load_checkpoint(resume, config=config, data_lock=lock, rank=rank, world_size=world)
+        model.module.load_state_dict(shared["model"])
+        if resume_bug != "drop_optimizer":
+            optimizer.load_state_dict(shared["optimizer"])
+        scheduler.load_state_dict(shared["scheduler"])
+        if resume_bug == "reseed":
+            seed_rngs(config.seed, rank)
+        elif resume_bug == "rank0_rng":
+            _, state0 = load_checkpoint(resume, config=config, data_lock=lock, rank=0, world_size=world)
+            set_rng_state(state0["rng"], device)
+        else:
+            set_rng_state(state["rng"], device)
+        start = 0 if resume_bug == "restart_plan" else int(state["position"])
+        losses = list(state["losses"])
+        say(f"resumed from {resume} at step {start}")
+
+    written: list[str] = []
+    for index in range(start, end):
+        step = index + 1
+        model.zero_grad(set_to_none=True)
+        window = [collate([rows[i] for i in ids], device) for ids in plan[index][rank]]
+        loss = _backward_window(the_recipe, model, window, fault, rank, step)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss) if loss is not None else float("nan"))
+        if step % 10 == 0 or step == end:
+            say(f"step {step:4d}  loss {losses[-1]:.4f}  lr {scheduler.get_last_lr()[0]:.5f}")
+        if _is_checkpoint_step(step, config, end):
+            folder = _checkpoint(run_dir, step, model, optimizer, scheduler, config, lock, losses, device, fault)
+            written.append(str(folder))
+
+    summary: dict[str, Any] = {
+        "rank": rank,
+        "final_step": end,
+        "start_step": start,
+        "losses": losses,
+        "checkpoints": written,
+        "state": {
+            "model": {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()},
+            "optimizer": _cpu(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict(),
+        },
+    }
+    if evaluate:
+        from harness.evaluation import evaluate_model, write_eval
+
+        result = evaluate_model(model.module, rows, config, device)
+        if rank == 0:
+            write_eval(run_dir, result, step=end)
+            say(f"eval at step {end}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float)))
+        summary["eval"] = result
+    # A draw from every generator after the last step: Python's and numpy's streams do not shape this trainer's
+    # numbers, but a user's code may use them, so the resume tests compare these draws as well.
+    summary["rng_draws"] = (random.random(), float(np.random.random()), float(torch.rand(1)))
+    del model  # before the process group goes away: a live DDP module can hang the rank's exit (FACTS.md)
+    return summary
+
+
+def _backward_window(
+    recipe: Recipe, model: DDP, window: Sequence[Microbatch], fault: Fault | None, rank: int, step: int
+) -> float | None:
+    if fault is None or fault.point != "in-window" or (fault.rank, fault.step) != (rank, step):
+        return recipe.backward_window(model, window)
+    # Kill on the second forward pass: after the first microbatch's backward, before the second's, whatever the
+    # recipe does in between.
+    calls = [0]
+
+    def hook(_module: Any, _inputs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            _die_at(fault, rank, step, "in-window")
+
+    handle = model.module.register_forward_pre_hook(hook)
+    try:
+        return recipe.backward_window(model, window)
+    finally:
+        handle.remove()
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def _checkpoint(
+    run_dir: str | Path, step: int, model: DDP, optimizer: torch.optim.Optimizer, scheduler: Any, config: Config,
+    lock: str, losses: list[float], device: torch.device, fault: Fault | None,
+) -> Path:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shared = None
+    if rank == 0:
+        shared = {
+            "step": step,
+            "model": _cpu(model.module.state_dict()),
+            "optimizer": _cpu(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict(),
+            "config": config.to_dict(),
+            "data_lock": lock,
+        }
+    state = {
+        "rank": rank,
+        "world_size": world,
+        "position": step,  # the next step index into the plan
+        "losses": list(losses),
+        "rng": rng_state(device),
+    }
+    return save_checkpoint(
+        run_dir, step, shared=shared, rank_state=state, rank=rank, world_size=world,
+        point=lambda name: _die_at(fault, rank, step, name),
+    )
+
+
+def launched_run(config: Config | dict[str, Any], run_dir: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank body for :func:`harness.launcher.launch`: ``launch(launched_run, 2, config, run_dir, {"stop_at": 50})``.
+
+    A module-level function of the package, so the launcher's forkserver has it preloaded. ``options`` (a dict,
+    because the launcher passes positional arguments only) are :func:`run`'s keywords: ``stop_at``, ``resume``,
+    ``recipe``, ``resume_bug``, ``evaluate``; ``resume="latest:<run dir>"`` resumes from that run directory's latest
+    complete checkpoint, found inside the ranks, after whatever killed the previous run.
+    """
+    cfg = config if isinstance(config, Config) else Config(**config)
+    kwargs = dict(options or {})
+    resume = kwargs.get("resume")
+    if isinstance(resume, str) and resume.startswith("latest:"):
+        folder = latest_checkpoint(resume[len("latest:") :])
+        if folder is None:
+            msg = f"resume={resume!r}: that run directory holds no complete checkpoint (no valid manifest)"
+            raise ValueError(msg)
+        kwargs["resume"] = str(folder)
+    kwargs.setdefault("log", _quiet)  # tests read the summary, not the console
+    return run(cfg, run_dir, **kwargs)
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+__all__ = [
+    "FAULT_ENV",
+    "FAULT_POINTS",
+    "RESUME_BUGS",
+    "Fault",
+    "WarmupLinearDecay",
+    "launched_run",
+    "parse_fault",
+    "rank_seed",
+    "run",
+]
+
