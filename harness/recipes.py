@@ -35,12 +35,15 @@ class GlobalTokenMean:
     name = "global_token_mean"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        world = _world_size()
         # The denominator covers the whole window on every rank, so it is counted (and all-reduced) before the
         # first backward; every rank calls global_count, also a rank whose count is 0.
         total = global_count(sum(mb.supervised for mb in window))
         # Every rank saw the same total, so every rank raises here together and none waits in a collective.
         check_global_count(total)
+        return self._backward(model, window, total)
+
+    def _backward(self, model: nn.Module, window: Sequence[Microbatch], total: int, log: bool = True) -> float | None:
+        world = _world_size()
         logged = 0.0
         for i, mb in enumerate(window):
             last = i == len(window) - 1
@@ -51,7 +54,7 @@ class GlobalTokenMean:
                 global_token_loss(s, total, world).backward()
             logged += float(s.detach())
         # The logged loss must be the global token mean on every rank, not this rank's share of it.
-        return global_sum(logged) / total
+        return global_sum(logged) / total if log else None
 
 
 def global_sum(value: float) -> float:
@@ -68,3 +71,181 @@ def global_sum(value: float) -> float:
 
 
 global_token_mean = GlobalTokenMean()
+
+
+# --- Negative controls -------------------------------------------------------------------------------------------
+# Each reproduces a mistake real projects made. The battery must reject every one of them; tests assert that it does.
+
+
+class MeanOfLocalMeans:
+    """Seed 000's ``wrong=True``: each rank divides by its *local* count, and DDP averages the local means.
+
+    Right only when every rank holds the same number of tokens (or the same local mean), which is why the battery's
+    uneven fixture exists.
+    """
+
+    name = "mean_of_local_means"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        local = sum(mb.supervised for mb in window)
+        for i, mb in enumerate(window):
+            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
+                s = loss_sum(model(mb.inputs), mb.labels)
+                (s / max(local, 1)).backward()
+        return None
+
+
+class ExtraMicrobatchDivision:
+    """The correct normalization, then divided again by the number of microbatches (seed 000: 2.5 becomes 1.25)."""
+
+    name = "extra_microbatch_division"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        world = _world_size()
+        total = global_count(sum(mb.supervised for mb in window))
+        check_global_count(total)
+        for i, mb in enumerate(window):
+            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
+                s = loss_sum(model(mb.inputs), mb.labels)
+                (global_token_loss(s, total, world) / len(window)).backward()
+        return None
+
+
+class NoWorldSizeFactor:
+    """Each rank backpropagates ``S_r / N``: DDP's average then divides the gradient by W once too often."""
+
+    name = "no_world_size_factor"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total = global_count(sum(mb.supervised for mb in window))
+        check_global_count(total)
+        for i, mb in enumerate(window):
+            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
+                (loss_sum(model(mb.inputs), mb.labels) / total).backward()
+        return None
+
+
+class SkipBackwardWhenEmpty:
+    """A rank with no supervised token returns without forward or backward: its peers wait in DDP's all-reduce
+    (or, worse, pair with its next collective of the same size)."""
+
+    name = "skip_backward_when_empty"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        local = sum(mb.supervised for mb in window)
+        total = global_count(local)
+        check_global_count(total)
+        if local == 0:
+            return None
+        return GlobalTokenMean()._backward(model, window, total, log=False)
+
+
+class NeverNoSync:
+    """Right numbers, but every microbatch synchronizes: W-1 extra all-reduces of every gradient per window.
+    Parity cannot see it (gradients agree within ~6e-8); only the synchronization count can."""
+
+    name = "never_no_sync"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        world = _world_size()
+        total = global_count(sum(mb.supervised for mb in window))
+        check_global_count(total)
+        for mb in window:
+            global_token_loss(loss_sum(model(mb.inputs), mb.labels), total, world).backward()
+        return None
+
+
+class Float32Loss:
+    """The correct recipe computing its loss in float32 (a stray ``.float()``, an autocast region).
+
+    Invisible at float32, where it changes nothing; the float64 lane sees the lost digits.
+    """
+
+    name = "float32_loss"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        world = _world_size()
+        total = global_count(sum(mb.supervised for mb in window))
+        check_global_count(total)
+        for i, mb in enumerate(window):
+            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
+                s = loss_sum(model(mb.inputs).float(), mb.labels)
+                global_token_loss(s, total, world).backward()
+        return None
+
+
+class LocalLoggedLoss:
+    """Right gradients, but logs this rank's own token mean: the logged loss differs between ranks."""
+
+    name = "local_logged_loss"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        GlobalTokenMean().backward_window(model, window)
+        # Recomputing the forward outside the backward: only for the number, under no_grad.
+        import torch
+
+        with torch.no_grad():
+            local = sum(mb.supervised for mb in window)
+            s = sum(float(loss_sum(model(mb.inputs), mb.labels)) for mb in window)
+        return s / max(local, 1)
+
+
+mean_of_local_means = MeanOfLocalMeans()
+extra_microbatch_division = ExtraMicrobatchDivision()
+no_world_size_factor = NoWorldSizeFactor()
+skip_backward_when_empty = SkipBackwardWhenEmpty()
+never_no_sync = NeverNoSync()
+float32_loss = Float32Loss()
+local_logged_loss = LocalLoggedLoss()
+
+NEGATIVE_CONTROLS = (
+    "mean_of_local_means",
+    "extra_microbatch_division",
+    "no_world_size_factor",
+    "skip_backward_when_empty",
+    "never_no_sync",
+    "float32_loss",
+    "local_logged_loss",
+)
+"""Attribute names in this module of every negative control (``harness.recipes:<name>``)."""
+
+
+class RecipeError(ValueError):
+    """A ``--recipe`` path that cannot be imported or whose object does not satisfy the contract."""
+
+
+def load_recipe(path: str) -> Recipe:
+    """Resolve ``package.module:attr`` (an instance, or a zero-argument callable returning one) and check its shape."""
+    import importlib
+
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        msg = f"recipe={path!r} must look like 'package.module:attr' (for example harness.recipes:global_token_mean)"
+        raise RecipeError(msg)
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        msg = f"recipe={path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        raise RecipeError(msg) from exc
+    obj: object = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            msg = f"recipe={path!r}: {module_name!r} has no attribute {attr!r}"
+            raise RecipeError(msg)
+        obj = getattr(obj, part)
+    if not hasattr(obj, "backward_window") and callable(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            msg = f"recipe={path!r}: calling {attr}() to build the recipe failed: {type(exc).__name__}: {exc}"
+            raise RecipeError(msg) from exc
+    if not callable(getattr(obj, "backward_window", None)):
+        msg = (
+            f"recipe={path!r}: {type(obj).__name__} has no backward_window(model, window) method; "
+            "see the recipe contract in the README"
+        )
+        raise RecipeError(msg)
+    if not isinstance(getattr(obj, "name", None), str):
+        msg = f"recipe={path!r}: {type(obj).__name__} needs a `name` attribute (a str) for reports"
+        raise RecipeError(msg)
+    return obj  # type: ignore[return-value]

@@ -326,6 +326,35 @@ def _cpu(obj: Any) -> Any:
     return obj
 
 
+def state_difference(a: Any, b: Any) -> float:
+    """Largest absolute difference between two nested states (dicts, lists, tensors, numbers); 0.0 means equal bits.
+
+    A difference in structure or in a non-numeric leaf counts as ``inf``: it is never "close".
+    """
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return float("inf")
+        if not a.numel():
+            return 0.0
+        if not a.is_floating_point():
+            return 0.0 if torch.equal(a.cpu(), b.cpu()) else float("inf")
+        return float((a.detach().cpu().double() - b.detach().cpu().double()).abs().max())
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return float("inf")
+        return max((state_difference(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return float("inf")
+        return max((state_difference(x, y) for x, y in zip(a, b)), default=0.0)
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        if a == b:
+            return 0.0
+        return abs(float(a) - float(b)) if a == a and b == b else float("inf")  # NaN is never equal
+    return 0.0 if a == b else float("inf")
+
+
 def _checkpoint(
     run_dir: str | Path, step: int, model: DDP, optimizer: torch.optim.Optimizer, scheduler: Any, config: Config,
     lock: str, losses: list[float], device: torch.device, fault: Fault | None,
@@ -389,5 +418,6 @@ __all__ = [
     "parse_fault",
     "rank_seed",
     "run",
+    "state_difference",
 ]
 
