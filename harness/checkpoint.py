@@ -108,8 +108,8 @@ def save_checkpoint(
     ``after-manifest``) so a test can kill a rank exactly there.
     """
     folder = Path(run_dir) / step_dir_name(step)
+    folder.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
         # A folder left by an earlier, killed attempt at this step must not keep an old manifest that would vouch
         # for files about to be replaced.
         (folder / MANIFEST).unlink(missing_ok=True)
@@ -230,7 +230,7 @@ def trajectory_mismatch(saved: Mapping[str, Any], config: Config) -> tuple[str, 
 def load_checkpoint(
     folder: str | Path, *, config: Config, data_lock: str, rank: int, world_size: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Validate ``folder`` against this run and return ``(shared, this rank's state)``; ValueError names what differs."""
+    """Validate ``folder`` against this run; return ``(shared, this rank's state)``. ValueError names what differs."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest["world_size"] != world_size:

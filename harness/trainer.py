@@ -135,7 +135,7 @@ def seed_rngs(seed: int, rank: int) -> None:
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's generator states, as tensors and plain Python (loadable with ``weights_only=True``)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
         "numpy": (name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)),
@@ -230,7 +230,8 @@ def run(
 
     # Seed before building anything: DDP broadcasts rank 0's weights, but each rank's dropout stream is its own.
     seed_rngs(config.seed, rank)
-    model = DDP(build_model(config, dropout=config.dropout).to(device), device_ids=[device] if device.type == "cuda" else None)
+    module = build_model(config, dropout=config.dropout).to(device)
+    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinearDecay(config.warmup, config.updates))
@@ -291,7 +292,7 @@ def run(
     # A draw from every generator after the last step: Python's and numpy's streams do not shape this trainer's
     # numbers, but a user's code may use them, so the resume tests compare these draws as well.
     summary["rng_draws"] = (random.random(), float(np.random.random()), float(torch.rand(1)))
-    del model  # before the process group goes away: a live DDP module can hang the rank's exit (FACTS.md)
+    del model, module  # before the process group goes away: a live DDP module can hang the rank's exit (FACTS.md)
     return summary
 
 
@@ -383,7 +384,9 @@ def _checkpoint(
     )
 
 
-def launched_run(config: Config | dict[str, Any], run_dir: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+def launched_run(
+    config: Config | dict[str, Any], run_dir: str, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Rank body for :func:`harness.launcher.launch`: ``launch(launched_run, 2, config, run_dir, {"stop_at": 50})``.
 
     A module-level function of the package, so the launcher's forkserver has it preloaded. ``options`` (a dict,
