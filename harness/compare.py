@@ -94,7 +94,9 @@ def compare(
     allowed = atol + rtol * ref.abs()
     # NaN anywhere is a failure: a NaN difference compares False with everything, so count it explicitly.
     bad = ~(diff <= allowed)
-    ratio = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff / allowed)
+    # A component with no difference misses by nothing, also where its tolerance is 0 (atol=0, ref=0: 0/0).
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / allowed)
+    ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, float("inf")), ratio)
     return Comparison(
         components=ref.numel(),
         max_abs_error=float(diff.nan_to_num(float("inf")).max()) if ref.numel() else 0.0,

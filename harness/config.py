@@ -182,6 +182,10 @@ def load_config(path: str | Path, **overrides: Any) -> Config:
     if unknown:
         msg = f"{unknown[0]}={data[unknown[0]]!r} is not a config key (in {p}); known keys: {', '.join(sorted(known))}"
         raise ValueError(msg)
+    bad = sorted(set(overrides) - known)
+    if bad:
+        msg = f"{bad[0]}={overrides[bad[0]]!r} is not a config key; known keys: {', '.join(sorted(known))}"
+        raise ValueError(msg)
     data.update(overrides)
     try:
         return Config(**data)

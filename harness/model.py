@@ -84,14 +84,17 @@ def build_model(config: Config, *, dropout: float | None = None, seed: int | Non
 
     The weights come from a private generator, so building a model never touches the global RNG state.
     """
-    model = TinyCausalLM(
-        vocab_size=config.vocab_size,
-        max_len=config.max_len,
-        d_model=config.d_model,
-        n_layers=config.n_layers,
-        n_heads=config.n_heads,
-        dropout=config.dropout if dropout is None else dropout,
-    )
+    # nn.Linear and nn.Embedding draw their default initialization from the global RNG; fork it so that building a
+    # model leaves the caller's RNG state exactly as it was (the weights are overwritten below anyway).
+    with torch.random.fork_rng(devices=[]):
+        model = TinyCausalLM(
+            vocab_size=config.vocab_size,
+            max_len=config.max_len,
+            d_model=config.d_model,
+            n_layers=config.n_layers,
+            n_heads=config.n_heads,
+            dropout=config.dropout if dropout is None else dropout,
+        )
     g = torch.Generator().manual_seed(config.seed if seed is None else seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -19,7 +19,7 @@ Plan = list[list[list[list[int]]]]
 
 def length_bands(world_size: int, max_len: int) -> list[tuple[int, int]]:
     """Inclusive ``(low, high)`` length bounds of each rank's band; band r is ``(max_len*r/W, max_len*(r+1)/W]``."""
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         msg = f"world_size={world_size!r} must be a positive integer"
         raise ValueError(msg)
     if not isinstance(max_len, int) or max_len < world_size:
@@ -43,7 +43,7 @@ def make_plan(rows: Sequence[Row], config: Config, world_size: int | None = None
     """
     world = config.world_size if world_size is None else world_size
     n_steps = config.updates if steps is None else steps
-    if not isinstance(n_steps, int) or n_steps < 0:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
         msg = f"steps={n_steps!r} must be a non-negative integer"
         raise ValueError(msg)
     pools = rank_pools(rows, world, config.max_len)

@@ -1,11 +1,21 @@
 """The harness's pytest plugin: markers, options and fixtures shared by the repository's tests and the shipped battery.
 
-Loaded by the repository's ``conftest.py`` from a checkout, or by the ``pytest11`` entry point once installed.
+Loaded by the repository's ``conftest.py`` from a checkout, or by the ``pytest11`` entry point once installed, so
+another project can run ``pytest --pyargs harness.battery --recipe=theirpkg.module:attr``.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
+
+from harness.battery.checks import Verdict
+from harness.recipes import RecipeError, load_recipe
+
+DEFAULT_RECIPE = "harness.recipes:global_token_mean"
 
 MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
@@ -14,7 +24,58 @@ MARKERS = {
     "slow": "takes more than a few seconds; CI runs it, `-m 'not slow'` leaves it out locally",
 }
 
+_VERDICTS = pytest.StashKey[list[Verdict]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ddp-harness", "distributed gradient semantics")
+    group.addoption(
+        "--recipe", default=DEFAULT_RECIPE, metavar="PKG.MODULE:ATTR",
+        help=f"the recipe the battery checks: an instance or a zero-argument factory (default: {DEFAULT_RECIPE})",
+    )
+    group.addoption(
+        "--battery-report", default=None, metavar="PATH",
+        help="write every battery check's verdict (world size, precision, pass/fail, max error, tolerance ratio) "
+        "as JSON to PATH",
+    )
+
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    # A bad --recipe is a usage error now, in the parent, not a traceback from deep inside a rank later.
+    try:
+        load_recipe(config.getoption("recipe"))
+    except RecipeError as exc:
+        raise pytest.UsageError(f"--recipe: {exc}") from None
+    config.stash[_VERDICTS] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("battery_report")
+    verdicts = session.config.stash.get(_VERDICTS, [])
+    if path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        payload = {"recipe": session.config.getoption("recipe"), "checks": [v.to_dict() for v in verdicts]}
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        tmp.replace(out)
+
+
+@pytest.fixture(scope="session")
+def recipe_path(pytestconfig: pytest.Config) -> str:
+    """The ``package.module:attr`` of the recipe under test."""
+    return str(pytestconfig.getoption("recipe"))
+
+
+@pytest.fixture
+def battery_check(pytestconfig: pytest.Config) -> Callable[[Verdict], None]:
+    """Record a verdict for ``--battery-report`` and fail the test with its message unless it passed."""
+
+    def check(verdict: Verdict) -> None:
+        pytestconfig.stash[_VERDICTS].append(verdict)
+        if not verdict.passed:
+            pytest.fail(verdict.message, pytrace=False)
+
+    return check

@@ -21,5 +21,6 @@ requires_gloo = pytest.mark.skipif(
 requires_cuda = pytest.mark.skipif(cuda_devices() < 1, reason=f"needs 1 CUDA device, found {cuda_devices()}")
 requires_two_gpus = pytest.mark.skipif(
     cuda_devices() < 2 or not _nccl(),
-    reason=f"needs 2 CUDA devices and NCCL, found {cuda_devices()} device(s), NCCL {'available' if _nccl() else 'missing'}",
+    reason=f"needs 2 CUDA devices and NCCL, found {cuda_devices()} device(s) and NCCL "
+    f"{'available' if _nccl() else 'missing'}",
 )

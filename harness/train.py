@@ -73,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(msg)
     world = int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
-        msg = f"torchrun started {world} ranks but world_size={config.world_size} in {args.config}; use --nproc-per-node"
+        msg = (
+            f"torchrun started {world} ranks but world_size={config.world_size} in {args.config}; "
+            f"use --nproc-per-node={config.world_size}"
+        )
         raise SystemExit(msg)
     mode = "resumed" if args.resume else "continuous" if args.continuous else "stopped"
     run_dir = Path(args.run_dir or DEFAULT_RUN_DIRS[mode])

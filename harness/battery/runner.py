@@ -10,7 +10,6 @@ run (parity, rank agreement, sync count, logged loss) launch it once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ from harness.reference import Reference, reference_gradient
 LR = 0.1
 """SGD step between windows (plain SGD: the battery checks gradients, not optimizer state)."""
 
-DEADLINE = 60.0
+DEADLINE = 30.0
 """Seconds one battery run may take; a recipe that hangs is reported at this deadline, never waited on longer."""
 
 PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}

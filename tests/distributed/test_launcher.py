@@ -188,7 +188,10 @@ def test_two_runs_at_once_do_not_collide() -> None:
         ({"expect": ValueError}, TypeError, "expect="),
         ({"threads": 0}, ValueError, "threads=0"),
     ],
-    ids=["world0", "negative-deadline", "unknown-backend", "nccl-on-cpu", "unknown-device", "expect-not-tuple", "threads0"],
+    ids=[
+        "world0", "negative-deadline", "unknown-backend", "nccl-on-cpu", "unknown-device", "expect-not-tuple",
+        "threads0",
+    ],
 )
 def test_bad_arguments_are_refused_before_any_rank_starts(kwargs: dict, error: type, names: str) -> None:
     """Each invalid argument is named in the error, with the expected form."""

@@ -8,8 +8,6 @@ arithmetic the test is plain Python; where a seed's number comes from a loss, it
 
 from __future__ import annotations
 
-# Expected value first (`assert 2.5 == got`), as STYLE.md asks: SIM300 calls that a Yoda condition.
-# ruff: noqa: SIM300
 import math
 import random
 from dataclasses import dataclass

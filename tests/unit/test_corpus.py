@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-# Expected value first (`assert 2.5 == got`), as STYLE.md asks: SIM300 calls that a Yoda condition.
-# ruff: noqa: SIM300
 from pathlib import Path
 
 import pytest

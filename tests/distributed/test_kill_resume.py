@@ -1,0 +1,107 @@
+"""Kill a rank with SIGKILL at a named point, resume from the latest complete checkpoint, land on the same bits.
+
+A planned stop at 50 only proves resumption at a clean boundary. Real jobs die anywhere, also while a checkpoint is
+being written: each case below kills one rank at one fault point (``HARNESS_FAULT``), checks that the launcher reports
+that rank's death at once, that discovery skips the step directory the kill left incomplete, and that resuming from
+the step it finds reaches step 100 with the continuous run's exact model, optimizer and scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.checkpoint import MANIFEST, latest_checkpoint
+from harness.config import Config, load_config
+from harness.launcher import LaunchError, launch
+from harness.trainer import FAULT_ENV, launched_run, state_difference
+
+MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
+DEADLINE = 60.0
+
+
+@dataclass(frozen=True)
+class Kill:
+    rank: int
+    step: int
+    point: str
+    resumes_at: int
+    """The latest complete checkpoint after the kill."""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {FAULT_ENV: f"rank={self.rank},step={self.step},point={self.point}"}
+
+
+KILLS = [
+    Kill(rank=1, step=37, point="in-window", resumes_at=30),
+    Kill(rank=1, step=40, point="after-rank-temp", resumes_at=30),
+    Kill(rank=0, step=40, point="after-rank-temp", resumes_at=30),
+    Kill(rank=0, step=40, point="before-manifest", resumes_at=30),
+    Kill(rank=1, step=40, point="after-manifest", resumes_at=40),
+]
+
+
+@pytest.fixture(scope="module")
+def kill_config() -> Config:
+    return load_config(MINIMUM)
+
+
+@pytest.fixture(scope="module")
+def continuous_for_kills(kill_config: Config, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The uninterrupted control run to step 100."""
+    return launch(launched_run, 2, kill_config, str(tmp_path_factory.mktemp("continuous")), {}, deadline=DEADLINE)
+
+
+@pytest.mark.parametrize("kill", KILLS, ids=lambda k: f"{k.point}-rank{k.rank}-step{k.step}")
+def test_a_killed_run_resumes_from_its_latest_complete_checkpoint_to_the_same_bits(
+    kill: Kill, kill_config: Config, continuous_for_kills: list[dict], tmp_path: Path
+) -> None:
+    """SIGKILL at the fault point; the death is reported for that rank; the resume equals the continuous run at 100."""
+    killed_dir, resumed_dir = tmp_path / "killed", tmp_path / "resumed"
+    with pytest.raises(LaunchError) as caught:
+        launch(launched_run, 2, kill_config, str(killed_dir), {}, deadline=DEADLINE, env=kill.env)
+    # "died", not "deadline": the peer blocked in a collective was stopped as soon as the killed rank's death was seen.
+    assert (caught.value.kind, caught.value.ranks[0]) == ("died", kill.rank)
+    assert f"rank {kill.rank} of 2 died from SIGKILL" in str(caught.value)
+
+    latest = latest_checkpoint(killed_dir)
+    assert latest is not None
+    assert latest.name == f"step-{kill.resumes_at:04d}"
+    if kill.resumes_at < kill.step and kill.point != "in-window":
+        # The interrupted step directory exists, but without its manifest: discovery had to skip it.
+        assert (killed_dir / f"step-{kill.step:04d}").is_dir()
+        assert not (killed_dir / f"step-{kill.step:04d}" / MANIFEST).exists()
+
+    resumed = launch(launched_run, 2, kill_config, str(resumed_dir), {"resume": f"latest:{killed_dir}"},
+                     deadline=DEADLINE)
+    assert [s["start_step"] for s in resumed] == [kill.resumes_at] * 2
+    for rank in range(2):
+        got = state_difference(continuous_for_kills[rank]["state"], resumed[rank]["state"])
+        assert got == 0.0, f"rank {rank}: step-100 state differs from the continuous run by {got}"
+        assert continuous_for_kills[rank]["losses"] == resumed[rank]["losses"]
+
+
+def test_a_rank_file_killed_before_its_rename_leaves_only_a_temporary_name(
+    kill_config: Config, tmp_path: Path
+) -> None:
+    """After a kill between the temporary write and the rename, rank-1.pt is absent and a hidden temporary file holds
+    the bytes: a reader never sees half a rank file under its final name."""
+    kill = Kill(rank=1, step=20, point="after-rank-temp", resumes_at=10)
+    with pytest.raises(LaunchError):
+        launch(launched_run, 2, kill_config.replace(updates=30, stop_at=30), str(tmp_path), {}, deadline=DEADLINE,
+               env=kill.env)
+    folder = tmp_path / "step-0020"
+    names = {p.name for p in folder.iterdir()}
+    assert "rank-1.pt" not in names
+    assert any(n.startswith(".rank-1.pt.tmp-") for n in names), names
+    assert latest_checkpoint(tmp_path).name == "step-0010"  # type: ignore[union-attr]
+
+
+def test_a_fault_at_a_step_without_checkpoint_is_refused(kill_config: Config, tmp_path: Path) -> None:
+    """A checkpoint fault point at a step that writes no checkpoint would never fire: every rank refuses it."""
+    results = launch(launched_run, 2, kill_config, str(tmp_path), {}, deadline=DEADLINE, expect=(ValueError,),
+                     env={FAULT_ENV: "rank=1,step=37,point=after-rank-temp"})
+    assert all(r.type == "ValueError" and "step=37 writes no checkpoint" in r.message for r in results)
