@@ -64,7 +64,9 @@ class Run:
         return f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
 
 
-def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, device: str) -> list[WindowRecord]:
+def rank_body(
+    recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean"
+) -> list[WindowRecord]:
     """Runs on every rank: the recipe under DDP with the counting hook, window after window."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -77,7 +79,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     recipe = load_recipe(recipe_path)
     model = build_model(scenarios.BATTERY_CONFIG).to(PRECISIONS[precision]).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    counter = attach(ddp)
+    counter = attach(ddp, reduction)
     ddp.train()
     records = []
     for window in windows:
@@ -133,32 +135,45 @@ def reference_chain(windows: scenarios.Windows, precision: str) -> list[Referenc
     return refs
 
 
-_CACHE: dict[tuple[str, str, int, str, str], Run] = {}
+_CACHE: dict[tuple[str, str, int, str, str, str], Run] = {}
 
 
 def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, device: str = "cpu",
-        backend: str = "gloo", deadline: float = DEADLINE) -> Run:
-    """Launch ``recipe`` on ``scenario`` (cached per arguments for the session)."""
+        backend: str = "gloo", deadline: float = DEADLINE, reduction: str = "mean") -> Run:
+    """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
+    key = (recipe, scenario, world_size, precision, device, reduction)
+    if key not in _CACHE:
+        windows = scenarios.build(scenario, world_size)
+        _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, device=device, backend=backend,
+                                  deadline=deadline, reduction=reduction)
+    return _CACHE[key]
+
+
+def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32", *, scenario: str = "custom",
+                device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
+                reduction: str = "mean") -> Run:
+    """Launch ``recipe`` on explicit ``windows[k][rank][microbatch]`` (world size = ranks per window); not cached.
+
+    ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default).
+    """
     if precision not in PRECISIONS:
         msg = f"precision={precision!r} must be one of {sorted(PRECISIONS)}"
         raise ValueError(msg)
-    key = (recipe, scenario, world_size, precision, device)
-    if key in _CACHE:
-        return _CACHE[key]
-    windows = scenarios.build(scenario, world_size)
+    if not windows or len({len(w) for w in windows}) != 1:
+        msg = "windows must be a non-empty list of windows with the same number of ranks each"
+        raise ValueError(msg)
+    world_size = len(windows[0])
     references = reference_chain(windows, precision)
     try:
-        records = launch(rank_body, world_size, recipe, windows, precision, device, deadline=deadline,
+        records = launch(rank_body, world_size, recipe, windows, precision, device, reduction, deadline=deadline,
                          backend=backend, device=device)
-        result = Run(recipe, scenario, world_size, precision, windows, records, references)
+        return Run(recipe, scenario, world_size, precision, windows, records, references)
     except LaunchError as exc:
-        result = Run(recipe, scenario, world_size, precision, windows, None, references, failure=exc)
-    _CACHE[key] = result
-    return result
+        return Run(recipe, scenario, world_size, precision, windows, None, references, failure=exc)
 
 
 def clear_cache() -> None:
     _CACHE.clear()
 
 
-__all__ = ["Run", "WindowRecord", "clear_cache", "rank_body", "reference_chain", "run"]
+__all__ = ["Run", "WindowRecord", "clear_cache", "rank_body", "reference_chain", "run", "run_windows"]
