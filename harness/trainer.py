@@ -92,8 +92,15 @@ def parse_fault(value: str | None) -> Fault | None:
     return Fault(rank, step, point)
 
 
-def _die_at(fault: Fault | None, rank: int, step: int, point: str) -> None:
+FAULT_RECORD = "fault-fired.txt"
+"""Written into the run directory by the rank a fault kills, just before it dies: proof the kill came from the fault."""
+
+
+def _die_at(fault: Fault | None, rank: int, step: int, point: str, run_dir: str | Path) -> None:
     if fault is not None and (fault.rank, fault.step, fault.point) == (rank, step, point):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / FAULT_RECORD, "a") as f:
+            f.write(f"rank={rank},step={step},point={point}\n")
         # SIGKILL, not an exception: a real crash runs no finally blocks, flushes nothing, releases no lock.
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -259,7 +266,7 @@ def run(
         step = index + 1
         model.zero_grad(set_to_none=True)
         window = [collate([rows[i] for i in ids], device) for ids in plan[index][rank]]
-        loss = _backward_window(the_recipe, model, window, fault, rank, step)
+        loss = _backward_window(the_recipe, model, window, fault, rank, step, run_dir)
         optimizer.step()
         scheduler.step()
         losses.append(float(loss) if loss is not None else float("nan"))
@@ -297,7 +304,8 @@ def run(
 
 
 def _backward_window(
-    recipe: Recipe, model: DDP, window: Sequence[Microbatch], fault: Fault | None, rank: int, step: int
+    recipe: Recipe, model: DDP, window: Sequence[Microbatch], fault: Fault | None, rank: int, step: int,
+    run_dir: str | Path,
 ) -> float | None:
     if fault is None or fault.point != "in-window" or (fault.rank, fault.step) != (rank, step):
         return recipe.backward_window(model, window)
@@ -308,7 +316,7 @@ def _backward_window(
     def hook(_module: Any, _inputs: Any) -> None:
         calls[0] += 1
         if calls[0] == 2:
-            _die_at(fault, rank, step, "in-window")
+            _die_at(fault, rank, step, "in-window", run_dir)
 
     handle = model.module.register_forward_pre_hook(hook)
     try:
@@ -380,7 +388,7 @@ def _checkpoint(
     }
     return save_checkpoint(
         run_dir, step, shared=shared, rank_state=state, rank=rank, world_size=world,
-        point=lambda name: _die_at(fault, rank, step, name),
+        point=lambda name: _die_at(fault, rank, step, name, run_dir),
     )
 
 
