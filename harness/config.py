@@ -113,6 +113,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
+
+
 def _positive_ints(c: Config) -> tuple[str, ...]:
     return (
         "train_size", "val_size", "test_size", "min_len", "max_len", "vocab_size", "world_size",
@@ -129,7 +132,7 @@ def _fail(key: str, value: Any, rule: str, where: str) -> None:
 def _validate(c: Config, where: str = "fix it in the config file or the keyword argument") -> None:
     for f in dataclasses.fields(c):
         value = getattr(c, f.name)
-        expected = {"int": int, "float": (int, float), "str": str}[str(f.type)]
+        expected = _FIELD_TYPES[str(f.type)]
         if isinstance(value, bool) or not isinstance(value, expected):
             _fail(f.name, value, f"must be of type {f.type}", where)
     for key in _positive_ints(c):

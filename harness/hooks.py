@@ -27,7 +27,7 @@ class SyncCounter:
 
 # No annotations on the hook: DDP inspects them and rejects anything but the real GradBucket/Future classes, which
 # postponed (string) annotations are not.
-def counting_hook(state, bucket):  # type: ignore[no-untyped-def]
+def counting_hook(state, bucket):
     tensor = bucket.buffer()
     if state.reduction == "mean":
         # DDP's default allreduce_hook divides before reducing; so do we, to reproduce its numbers.

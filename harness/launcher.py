@@ -184,11 +184,12 @@ def _die_with_parent() -> None:
     # forks. A rank holding it would keep the forkserver alive, and the forkserver the rank: close our copy.
     from multiprocessing import forkserver
 
-    alive_fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    server: Any = forkserver._forkserver
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
     if alive_fd is not None:
         with contextlib.suppress(OSError):
             os.close(alive_fd)
-        forkserver._forkserver._forkserver_alive_fd = None
+        server._forkserver_alive_fd = None
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -259,9 +260,9 @@ def _collect(procs: list[Any], conns: dict[Connection, int], end: float, deadlin
         ready = wait([*open_conns, *sentinels], timeout=remaining)
         for obj in ready:
             if obj in open_conns:
-                rank = open_conns.pop(obj)  # type: ignore[call-overload]
+                rank = open_conns.pop(obj)  # type: ignore[call-overload,unused-ignore]
                 try:
-                    status, value = pickle.loads(obj.recv_bytes())  # type: ignore[union-attr]
+                    status, value = pickle.loads(obj.recv_bytes())  # type: ignore[union-attr,unused-ignore]
                 except EOFError:
                     continue  # the rank died before sending: its sentinel reports it
                 if status == "error":
@@ -269,7 +270,7 @@ def _collect(procs: list[Any], conns: dict[Connection, int], end: float, deadlin
                 results[rank] = value
         for obj in ready:
             if obj in sentinels:
-                rank = sentinels.pop(obj)  # type: ignore[call-overload]
+                rank = sentinels.pop(obj)  # type: ignore[call-overload,unused-ignore]
                 if rank in results:
                     continue
                 conn = next((c for c, r in open_conns.items() if r == rank), None)
