@@ -1,0 +1,61 @@
+"""The battery runs on a user's recipe from another directory, through the installed package."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+installed = any(ep.value == "harness.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+requires_installed_plugin = pytest.mark.skipif(
+    not installed, reason="needs the package installed (pip install -e .) so its pytest11 entry point is registered"
+)
+
+
+@pytest.mark.slow
+@requires_installed_plugin
+def test_the_installed_battery_checks_a_recipe_in_a_separate_directory(tmp_path: Path) -> None:
+    """`pytest --pyargs harness.battery --recipe=...` from a directory that is not this checkout passes the example."""
+    user = tmp_path / "userproject"
+    user.mkdir()
+    shutil.copy(ROOT / "examples" / "token_mean_recipe.py", user / "token_mean_recipe.py")
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(user)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "harness.battery", "-q",
+         "--recipe=token_mean_recipe:recipe", f"--battery-report={report}"],
+        cwd=user, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = json.loads(report.read_text())["checks"]
+    assert len(checks) >= 40
+    assert all(c["passed"] for c in checks)
+    assert {1, 2, 3} == {c["world_size"] for c in checks}
+
+
+@pytest.mark.slow
+@requires_installed_plugin
+def test_the_installed_battery_rejects_a_wrong_recipe_in_a_separate_directory(tmp_path: Path) -> None:
+    """The same command fails on a user's mean-of-means recipe, naming the failed check."""
+    user = tmp_path / "userproject"
+    user.mkdir()
+    source = (ROOT / "examples" / "token_mean_recipe.py").read_text()
+    # The user's mistake: divide by the local count instead of scaling by world_size / N.
+    wrong = source.replace("(s * (world / total)).backward()", "(s / max(local, 1)).backward()")
+    assert wrong != source
+    (user / "wrong_recipe.py").write_text(wrong)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "harness.battery", "-q",
+         "--recipe=wrong_recipe:recipe", "-k", "uneven and world2"],
+        cwd=user, env={**os.environ, "PYTHONPATH": str(user)}, capture_output=True, text=True, timeout=600,
+    )
+    assert 1 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "check parity FAILED" in done.stdout
