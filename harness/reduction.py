@@ -1,0 +1,67 @@
+"""The reduction contract (seed 001): the loss scale depends on how the communication hook reduces.
+
+Rank r backpropagates ``c * S_r`` (``S_r`` its loss sum); the hook combines the ranks' gradients. The objective is
+``(sum_r S_r) / N`` with ``N`` the global supervised count. Derive ``c`` from the hook, never copy it:
+
+* **averaging hook** (DDP's default, the harness's ``reduction="mean"``): the result is ``(1/W) sum_r c g_r``, so
+  ``c = W / N`` (:func:`harness.loss.global_token_loss`);
+* **summing hook** (``reduction="sum"``): the result is ``sum_r c g_r``, so ``c = 1 / N``. The correct recipe for the
+  averaging hook is W times too large under it; at W = 1 the two hooks, and the two scales, coincide.
+
+The harness's one comm hook (``harness.hooks``, which also counts synchronizations; DDP takes a single hook) does
+either: ``run_windows(..., reduction="sum")`` selects the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from collections.abc import Sequence
+
+from torch import nn
+
+from harness.batching import Microbatch
+from harness.hooks import REDUCTIONS
+from harness.loss import check_global_count, global_count, loss_sum
+
+
+def loss_scale(reduction: str, global_count: int, world_size: int) -> float:
+    """The factor ``c`` each rank multiplies its loss sum by, so that the hook's result is the global token mean."""
+    if reduction not in REDUCTIONS:
+        msg = f"reduction={reduction!r} must be one of {REDUCTIONS} (how the comm hook combines rank gradients)"
+        raise ValueError(msg)
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        msg = f"world_size={world_size!r} must be a positive integer (the number of ranks the hook combines)"
+        raise ValueError(msg)
+    check_global_count(global_count)
+    # mean: the hook divides by W, so multiply by W first; sum: the hook adds, nothing to cancel.
+    return (world_size if reduction == "mean" else 1) / global_count
+
+
+class SummingHookTokenMean:
+    """The global token mean derived for a *summing* comm hook: each rank backpropagates ``S_r / N``.
+
+    Passes parity under ``run_windows(..., reduction="sum")``; under DDP's averaging it is W times too small, which
+    is why the reduction is part of the recipe's contract and not a detail of the launcher.
+    """
+
+    name = "summing_hook_token_mean"
+    reduction = "sum"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        total = global_count(sum(mb.supervised for mb in window))
+        check_global_count(total)
+        scale = loss_scale(self.reduction, total, world)
+        for i, mb in enumerate(window):
+            # Only the last microbatch synchronizes; forward and backward of the others inside no_sync().
+            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
+                (loss_sum(model(mb.inputs), mb.labels) * scale).backward()
+        return None
+
+
+summing_hook_token_mean = SummingHookTokenMean()
+
+__all__ = ["SummingHookTokenMean", "loss_scale", "summing_hook_token_mean"]
