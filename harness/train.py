@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.checkpoint import MANIFEST, latest_checkpoint
+from harness.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint
 from harness.config import load_config
+from harness.corpus import data_lock, make_corpus
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 DEFAULT_RUN_DIRS = {"stopped": "runs/stopped", "continuous": "runs/continuous", "resumed": "runs/resumed"}
@@ -81,8 +82,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "resumed" if args.resume else "continuous" if args.continuous else "stopped"
     run_dir = Path(args.run_dir or DEFAULT_RUN_DIRS[mode])
     resume = resolve_resume(args.resume) if args.resume else None
+    if resume is not None:
+        # Refuse a wrong checkpoint before any rank joins a process group: a clean message, not W tracebacks.
+        rows = make_corpus(config)
+        try:
+            load_checkpoint(resume, config=config, data_lock=data_lock(rows, config), rank=int(os.environ["RANK"]),
+                            world_size=world)
+        except ValueError as exc:
+            raise SystemExit(f"--resume: {exc}") from None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = args.backend or default_backend(local_world)
+    if "nccl" in backend and torch.cuda.device_count() < local_world:
+        msg = (
+            f"--backend {backend} needs one CUDA device per local rank ({local_world}), found "
+            f"{torch.cuda.device_count()}; use --backend gloo"
+        )
+        raise SystemExit(msg)
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
