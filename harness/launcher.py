@@ -266,6 +266,14 @@ def _collect(procs: list[Any], conns: dict[Connection, int], end: float, deadlin
                 except EOFError:
                     continue  # the rank died before sending: its sentinel reports it
                 if status == "error":
+                    # A peer's death often surfaces first as this rank's "Connection closed by peer": report the
+                    # death, the cause, rather than its echo.
+                    dead = _dead_peer(procs, results, open_conns, rank)
+                    if dead is not None:
+                        reason = _exit_reason(procs[dead].exitcode)
+                        _fail_with_peers(procs, {**results, rank: None}, tmp, "died", dead,
+                                         f"{reason}\n(rank {rank} then raised:)\n{value}",
+                                         f"rank {dead} of {len(procs)} {reason} before returning a result")
                     _fail_with_peers(procs, results, tmp, "raised", rank, value, f"rank {rank} of {len(procs)} raised")
                 results[rank] = value
         for obj in ready:
@@ -282,6 +290,20 @@ def _collect(procs: list[Any], conns: dict[Connection, int], end: float, deadlin
                 summary = f"rank {rank} of {len(procs)} {reason} before returning a result"
                 _fail_with_peers(procs, results, tmp, "died", rank, reason, summary)
     return [results[r] for r in range(len(procs))]
+
+
+def _dead_peer(procs: list[Any], results: dict[int, Any], open_conns: dict[Connection, int], rank: int,
+               grace: float = 0.5) -> int | None:
+    """A peer of ``rank`` that ended without a result within ``grace`` seconds, if any."""
+    pending = {p.sentinel: r for r, p in enumerate(procs) if r != rank and r not in results}
+    if not pending:
+        return None
+    wait(list(pending), timeout=grace)
+    for r in pending.values():
+        has_result = any(rr == r and c.poll() for c, rr in open_conns.items())
+        if not procs[r].is_alive() and not has_result:
+            return r
+    return None
 
 
 def _fail_with_peers(procs: list[Any], results: dict[int, Any], tmp: str, kind: str, rank: int, detail: str,
