@@ -230,7 +230,11 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple[Any, ...], c
             message = ("ok", Expected(type(exc).__name__, str(exc)))
         # And none may leave while a peer may still be reading its last sends. A rank that skipped a collective
         # is still found out: its peers then wait here alone, past the process-group timeout.
-        dist.barrier()
+        try:
+            dist.barrier()
+        except BaseException:
+            message = ("error", "this rank returned, but its peers never reached the end of the run (a peer is stuck, "
+                       "or skipped or added a collective):\n" + traceback.format_exc())
     except BaseException:
         message = ("error", traceback.format_exc())
     try:
@@ -243,6 +247,10 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple[Any, ...], c
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        if message[0] == "error":
+            # Stay until the parent kills us: exiting would close our connections, and peers blocked in a collective
+            # would fail with "Connection closed by peer" before the parent could read where they were stuck.
+            time.sleep(spec.pg_timeout * 4 + 60)
         os._exit(0)
 
 
@@ -271,10 +279,11 @@ def _collect(procs: list[Any], conns: dict[Connection, int], end: float, deadlin
                     dead = _dead_peer(procs, results, open_conns, rank)
                     if dead is not None:
                         reason = _exit_reason(procs[dead].exitcode)
-                        _fail_with_peers(procs, {**results, rank: None}, tmp, "died", dead,
+                        _fail_with_peers(procs, {**results, rank: None}, open_conns, tmp, "died", dead,
                                          f"{reason}\n(rank {rank} then raised:)\n{value}",
                                          f"rank {dead} of {len(procs)} {reason} before returning a result")
-                    _fail_with_peers(procs, results, tmp, "raised", rank, value, f"rank {rank} of {len(procs)} raised")
+                    _fail_with_peers(procs, results, open_conns, tmp, "raised", rank, value,
+                                     f"rank {rank} of {len(procs)} raised")
                 results[rank] = value
         for obj in ready:
             if obj in sentinels:
@@ -288,7 +297,7 @@ def _collect(procs: list[Any], conns: dict[Connection, int], end: float, deadlin
                 procs[rank].join(1)
                 reason = _exit_reason(procs[rank].exitcode)
                 summary = f"rank {rank} of {len(procs)} {reason} before returning a result"
-                _fail_with_peers(procs, results, tmp, "died", rank, reason, summary)
+                _fail_with_peers(procs, results, open_conns, tmp, "died", rank, reason, summary)
     return [results[r] for r in range(len(procs))]
 
 
@@ -306,16 +315,28 @@ def _dead_peer(procs: list[Any], results: dict[int, Any], open_conns: dict[Conne
     return None
 
 
-def _fail_with_peers(procs: list[Any], results: dict[int, Any], tmp: str, kind: str, rank: int, detail: str,
-                     summary: str) -> None:
-    """Raise for ``rank``'s failure, with the Python stacks of the peers still running (where each one was stuck)."""
-    peers = [r for r, p in enumerate(procs) if r != rank and r not in results and p.is_alive()]
+def _fail_with_peers(procs: list[Any], results: dict[int, Any], open_conns: dict[Connection, int], tmp: str, kind: str,
+                     rank: int, detail: str, summary: str) -> None:
+    """Raise for ``rank``'s failure, with what each peer still running has to say: its own error if it has already
+    sent one, else its Python stack (where it was stuck)."""
     details = {rank: detail}
-    if peers:
-        for peer, stack in _stacks(procs, peers, tmp).items():
-            details[peer] = f"(still running when rank {rank} failed; its stack)\n{stack}"
-    summary += "; every rank was stopped" + (f"; stacks of the ranks still running: {peers}" if peers else "")
-    raise LaunchError(kind, [rank, *peers], details, summary)
+    peers = [r for r in range(len(procs)) if r != rank and r not in results]
+    waiting = []
+    for peer in peers:
+        conn = next((c for c, r in open_conns.items() if r == peer), None)
+        if conn is not None and conn.poll():
+            with contextlib.suppress(EOFError, OSError):
+                status, value = pickle.loads(conn.recv_bytes())
+                if status == "error":
+                    details[peer] = f"(it failed too)\n{value}"
+                    continue
+        if procs[peer].is_alive():
+            waiting.append(peer)
+    for peer, stack in _stacks(procs, waiting, tmp).items():
+        details[peer] = f"(still running when rank {rank} failed; its stack)\n{stack}"
+    reported = [r for r in peers if r in details]
+    summary += "; every rank was stopped" + (f"; also reported: rank(s) {reported}" if reported else "")
+    raise LaunchError(kind, [rank, *reported], details, summary)
 
 
 def _exit_reason(code: int | None) -> str:

@@ -109,7 +109,9 @@ def test_a_rank_stuck_in_a_collective_fails_within_the_deadline() -> None:
     with pytest.raises(LaunchError) as info:
         launch(probes.skip_collective_on, 2, 1, deadline=4)
     assert "raised" == info.value.kind
-    assert 0 == info.value.ranks[0]
+    # Both ranks are stuck: rank 0 in the all-reduce, rank 1 at the end of the run waiting for rank 0. Whichever
+    # times out first is reported with its traceback, the other with its stack.
+    assert {0, 1} == set(info.value.ranks)
     assert "all_reduce" in info.value.details[0]
 
 
