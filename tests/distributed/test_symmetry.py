@@ -62,8 +62,8 @@ def test_a_skipped_backward_that_blocks_is_reported_with_the_ranks_named(mode: s
         assert 0 in err.ranks, str(err)
         assert any("skipped_backward_body" in d and "backward" in d for d in err.details.values()), str(err)
     else:
-        # gloo's size check aborts a rank (SIGABRT, seen on the skipping rank); its peer is named with its stack.
-        assert {0, 1} == set(err.ranks), str(err)
+        # gloo's size check aborts the skipping rank (SIGABRT); its peer, if still running, is named with its stack.
+        assert 1 == err.ranks[0], str(err)
 
 
 def test_a_skipped_backward_silently_paired_with_a_same_size_collective_is_found_by_the_checksum() -> None:
