@@ -159,3 +159,33 @@ def test_dividing_each_microbatch_by_its_own_count_is_found_out_by_a_search() ->
 
     with pytest.raises(AssertionError):
         claim()
+
+
+# --- The profiles themselves ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [({}, "quick"), ({"CI": "true"}, "ci"), ({"HARNESS_HYPOTHESIS_PROFILE": "thorough", "CI": "true"}, "thorough")],
+    ids=["default-quick", "ci-when-CI-is-true", "variable-wins-over-CI"],
+)
+def test_the_profile_is_chosen_by_one_variable(
+    env: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HARNESS_HYPOTHESIS_PROFILE picks the profile; unset, CI=true means the derandomized ci profile."""
+    from harness.hypothesis_profiles import profile_name
+
+    for key in ("HARNESS_HYPOTHESIS_PROFILE", "CI"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert expected == profile_name()
+
+
+def test_an_unknown_profile_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misspelt profile is an error naming the variable and the choices, not a silent default."""
+    from harness.hypothesis_profiles import profile_name
+
+    monkeypatch.setenv("HARNESS_HYPOTHESIS_PROFILE", "nightly")
+    with pytest.raises(ValueError, match="HARNESS_HYPOTHESIS_PROFILE='nightly'"):
+        profile_name()
