@@ -34,6 +34,7 @@ from harness.batching import Microbatch, collate
 from harness.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from harness.config import Config
 from harness.corpus import data_lock, make_corpus
+from harness.evaluation import evaluate_model, write_eval
 from harness.model import build_model
 from harness.plan import make_plan
 from harness.recipes import Recipe, global_token_mean
@@ -259,6 +260,9 @@ def run(
             set_rng_state(state["rng"], device)
         start = 0 if resume_bug == "restart_plan" else int(state["position"])
         losses = list(state["losses"])
+        if start > end:
+            msg = f"stop_at={end} lies before the checkpoint's step {start} ({resume}); stop later or resume earlier"
+            raise ValueError(msg)
         say(f"resumed from {resume} at step {start}")
 
     written: list[str] = []
@@ -289,8 +293,6 @@ def run(
         },
     }
     if evaluate:
-        from harness.evaluation import evaluate_model, write_eval
-
         result = evaluate_model(model.module, rows, config, device)
         if rank == 0:
             write_eval(run_dir, result, step=end)
