@@ -59,11 +59,12 @@ def _worst(control: list[dict], other: list[dict], what: str = "state") -> float
 
 
 def test_the_stopped_run_ends_with_a_complete_checkpoint_at_step_50(stopped_minimum: tuple) -> None:
-    """Stopping at 50 writes step-0050 last; no later step exists."""
+    """Stopping at 50 writes step-0050 last; no later step exists and no temporary file is left behind."""
     run_dir, summaries = stopped_minimum
     assert [s["final_step"] for s in summaries] == [50, 50]
     assert latest_checkpoint(run_dir).name == "step-0050"  # type: ignore[union-attr]
     assert [f"step-{k:04d}" for k in range(10, 51, 10)] == sorted(p.name for p in run_dir.glob("step-*"))
+    assert [] == [p.name for p in run_dir.rglob("*.tmp-*")]
 
 
 def test_resume_at_50_is_bitwise_equal_to_the_continuous_run_at_100_on_every_rank(
