@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 PRECISIONS = ("fp32", "fp64")
 OPTIMIZERS = ("sgd",)
 
@@ -168,6 +166,8 @@ def _validate(c: Config, where: str = "fix it in the config file or the keyword 
 
 def load_config(path: str | Path, **overrides: Any) -> Config:
     """Read a YAML mapping whose keys are exactly :class:`Config`'s fields (any subset)."""
+    import yaml  # here, not at the top: a machine without PyYAML fails only where YAML is read
+
     p = Path(path)
     if not p.is_file():
         msg = f"config={str(path)!r} does not exist; pass a YAML file such as configs/minimum.yaml"

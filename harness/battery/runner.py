@@ -135,13 +135,13 @@ def reference_chain(windows: scenarios.Windows, precision: str) -> list[Referenc
     return refs
 
 
-_CACHE: dict[tuple[str, str, int, str, str, str], Run] = {}
+_CACHE: dict[tuple[str, str, int, str, str, str, str], Run] = {}
 
 
 def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, device: str = "cpu",
         backend: str = "gloo", deadline: float = DEADLINE, reduction: str = "mean") -> Run:
     """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
-    key = (recipe, scenario, world_size, precision, device, reduction)
+    key = (recipe, scenario, world_size, precision, device, backend, reduction)
     if key not in _CACHE:
         windows = scenarios.build(scenario, world_size)
         _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, device=device, backend=backend,
