@@ -204,8 +204,8 @@ def cmd_exercise(args: argparse.Namespace) -> int:
     for m in result["measured"]:
         means = ", ".join(f"{x:.4f}" for x in m["local_means"])
         print(f"  tokens {m['tokens']}: local means [{means}], mean of means {m['mean_of_means']:.6f}, global token "
-              f"mean {m['global_mean']:.6f}; rank 0's weight: {m['short_rank_weight_mean_of_means']:.2f} in the mean of means, "
-              f"{m['short_rank_weight_global']:.2f} in the token mean")
+              f"mean {m['global_mean']:.6f}; rank 0's weight: {m['short_rank_weight_mean_of_means']:.2f} in the mean "
+              f"of means, {m['short_rank_weight_global']:.2f} in the token mean")
     print(f"Gradients produced on 2 ranks vs the single-device reference ({result['components']} components):")
     for name, g in result["gradients"].items():
         for row in g["layouts"]:
@@ -346,8 +346,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise BadInput(f"--scaling-steps={args.scaling_steps} must be a positive number of steps, e.g. 20")
     out = _outputs(args)
     start = time.monotonic()
-    report = run_report(config, _config_path(args), out, progress=_progress,
-                        scaling_steps=args.scaling_steps)
+    controls = args.battery_controls.split(",") if args.battery_controls else None
+    report = run_report(config, _config_path(args), out, progress=_progress, scaling_steps=args.scaling_steps,
+                        controls=controls)
     print(summary_table(report))
     print(f"\nreport written to {out / 'report.md'} (with {out / 'report.json'} and {out / 'report.png'}) in "
           f"{time.monotonic() - start:.0f} s")
@@ -416,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="the whole protocol; writes report.md, report.json and report.png")
     _add_config(p)
     p.add_argument("--scaling-steps", type=int, default=20, help="timed steps per world size in the scaling table")
+    p.add_argument("--battery-controls", metavar="NAME,...",
+                   help="negative controls the battery runs (default: every one; e.g. mean_of_local_means)")
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("battery", help="run every check on the correct recipe and each negative control")

@@ -519,10 +519,21 @@ def plan_token_counts(prepared: Prepared) -> list[list[int]]:
 
 
 def run_report(config: Config, config_path: str, outputs: Path, progress: Progress = stderr_progress,
-               scaling_worlds: Sequence[int] = SCALING_WORLDS, scaling_steps: int = SCALING_STEPS) -> Report:
-    """The whole protocol; writes report.md, report.json and report.png into ``outputs`` and returns the report."""
+               scaling_worlds: Sequence[int] = SCALING_WORLDS, scaling_steps: int = SCALING_STEPS,
+               controls: Sequence[str] | None = None) -> Report:
+    """The whole protocol; writes report.md, report.json and report.png into ``outputs`` and returns the report.
+
+    ``controls`` limits the battery's negative controls (default: every one in ``harness.recipes.NEGATIVE_CONTROLS``).
+    """
     from harness.battery.table import format_table, run_table
     from harness.recipes import NEGATIVE_CONTROLS
+
+    chosen = list(NEGATIVE_CONTROLS if controls is None else controls)
+    unknown = [c for c in chosen if c not in NEGATIVE_CONTROLS]
+    if unknown or not chosen:
+        msg = (f"--battery-controls={','.join(chosen)!r} must name one or more of {', '.join(NEGATIVE_CONTROLS)}; "
+               "leave it out to run them all")
+        raise BadInput(msg)
 
     start = time.monotonic()
     n_steps = 8
@@ -558,7 +569,7 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
                                f"max abs error {bad['max_abs_error']:.3e}, {bad['over_tolerance']} over tolerance"))
 
     step(4, "battery: the correct recipe and every negative control at W=2")
-    recipes = [CORRECT, *(f"harness.recipes:{n}" for n in NEGATIVE_CONTROLS)]
+    recipes = [CORRECT, *(f"harness.recipes:{n}" for n in chosen)]
     verdicts = run_table(recipes, [2], 30.0)
     r["battery"] = {"table": format_table(verdicts), "verdicts": [v.to_dict() for v in verdicts]}
     correct_failed = [v.check + f" ({v.scenario})" for v in verdicts if v.recipe == CORRECT and not v.passed]
