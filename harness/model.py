@@ -79,7 +79,9 @@ class TinyCausalLM(nn.Module):
         return self.head(self.ln(x))
 
 
-def build_model(config: Config, *, dropout: float | None = None, seed: int | None = None) -> TinyCausalLM:
+def build_model(
+    config: Config, *, dropout: float | None = None, seed: int | None = None, activation_checkpointing: bool = False
+) -> TinyCausalLM:
     """The model of ``config`` with initial weights drawn from ``seed`` (default ``config.seed``).
 
     The weights come from a private generator, so building a model never touches the global RNG state.
@@ -94,6 +96,7 @@ def build_model(config: Config, *, dropout: float | None = None, seed: int | Non
             n_layers=config.n_layers,
             n_heads=config.n_heads,
             dropout=config.dropout if dropout is None else dropout,
+            activation_checkpointing=activation_checkpointing,
         )
     g = torch.Generator().manual_seed(config.seed if seed is None else seed)
     with torch.no_grad():

@@ -23,10 +23,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _model(checkpointing: bool, seed: int | None = None) -> nn.Module:
-    model = build_model(CONFIG, seed=seed)
-    # build_model has no option for it (see the final report): the flag is an attribute the forward reads.
-    model.activation_checkpointing = checkpointing
-    return model.train()
+    return build_model(CONFIG, seed=seed, activation_checkpointing=checkpointing).train()
 
 
 def _saved_bytes_and_grad(model: nn.Module) -> tuple[int, torch.Tensor]:
