@@ -570,7 +570,16 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 
     step(4, "battery: the correct recipe and every negative control at W=2")
     recipes = [CORRECT, *(f"harness.recipes:{n}" for n in chosen)]
-    verdicts = run_table(recipes, [2], 30.0)
+    seen: set[str] = set()
+
+    def battery_progress(message: str) -> None:
+        # run_table reports every row (88 of them); one line per recipe is enough to show the step is alive.
+        name = message.split(":")[0]
+        if name not in seen:
+            seen.add(name)
+            progress(f"  battery: {name} ({len(seen)}/{len(recipes)})")
+
+    verdicts = run_table(recipes, [2], 30.0, progress=battery_progress)
     r["battery"] = {"table": format_table(verdicts), "verdicts": [v.to_dict() for v in verdicts]}
     correct_failed = [v.check + f" ({v.scenario})" for v in verdicts if v.recipe == CORRECT and not v.passed]
     unrejected = [rc.split(":")[-1] for rc in recipes[1:] if all(v.passed for v in verdicts if v.recipe == rc)]

@@ -250,3 +250,22 @@ def test_the_figure_is_a_png_with_both_panels(tmp_path: Path) -> None:
     """write_figure writes a PNG from token counts and two loss curves."""
     path = write_figure(tmp_path / "fig.png", [[10, 30], [12, 28]], [3.0, 2.5, 2.0, 1.8], [3.0, 2.5, 2.0, 1.8], 2)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_names_the_failing_check_on_the_last_line_and_exits_1(
+    small: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When a check of the protocol fails, the command exits 1 and its last line says which one."""
+    import harness.report as report
+
+    def fake_run(config: object, config_path: str, outputs: Path, **_: object) -> report.Report:
+        r = report.Report(config_path, outputs)
+        r.checks = [report.Check("parity of the correct normalization", True, "ok"),
+                    report.Check("resume equals continuous at the last step", False, "max abs difference 1e-07")]
+        return r
+
+    monkeypatch.setattr(report, "run_report", fake_run)
+    monkeypatch.setattr(report, "summary_table", lambda r: "table")
+    assert 1 == main(["report", "--config", small, "--outputs", str(tmp_path / "out")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "FAILED: report: resume equals continuous at the last step (max abs difference 1e-07)" == last
