@@ -20,8 +20,6 @@ from harness.trainer import FAULT_ENV, FAULT_RECORD, launched_run, state_differe
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 DEADLINE = 60.0
-LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-"""How gloo reports, on a surviving rank, that a peer's process is gone."""
 
 
 @dataclass(frozen=True)
@@ -57,23 +55,25 @@ def continuous_for_kills(kill_config: Config, tmp_path_factory: pytest.TempPathF
     return launch(launched_run, 2, kill_config, str(tmp_path_factory.mktemp("continuous")), {}, deadline=DEADLINE)
 
 
-def _assert_reported_promptly(error: LaunchError, killed: int) -> None:
-    """The launcher stopped the run because of the kill, not at its deadline.
+LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""How gloo reports, on a surviving rank, that a peer's process is gone."""
 
-    Usually it reports ``died`` for the killed rank. But the surviving rank's gloo call fails with "Connection closed
-    by peer" the instant the killed rank's sockets close, and the launcher can read that error before it reaps the
-    killed process: it then reports ``raised`` for the survivor, and lists the killed rank only if it has not been
-    reaped yet. That race belongs to the launcher (it should prefer a dead peer over an error the death caused); until
-    it does, the survivor's error must at least show the lost connection (the fault record proves who was killed).
+
+def _reported_death(error: LaunchError, killed: int) -> bool:
+    """True when the launcher names the killed rank's death as the cause; False when it reported the echo instead.
+
+    The survivor's gloo call fails with "Connection closed by peer" the instant the killed rank's sockets close, and
+    the launcher sometimes reads that error before it recognises the death (a race in the launcher, reported to its
+    owner). Either way the run must stop at once, not at the deadline, and an echo must show the lost connection.
     """
     assert error.kind != "deadline", str(error)
     if error.kind == "died":
-        assert error.ranks[0] == killed
+        assert error.ranks[0] == killed, str(error)
         assert f"rank {killed} of 2 died from SIGKILL" in str(error)
-    else:
-        assert error.kind == "raised" and error.ranks[0] != killed, str(error)
-        survivor = error.details[error.ranks[0]]
-        assert any(s in survivor for s in LOST_CONNECTION), str(error)
+        return True
+    assert error.kind == "raised" and error.ranks[0] != killed, str(error)
+    assert any(s in error.details[error.ranks[0]] for s in LOST_CONNECTION), str(error)
+    return False
 
 
 @pytest.mark.parametrize("kill", KILLS, ids=lambda k: f"{k.point}-rank{k.rank}-step{k.step}")
@@ -85,7 +85,7 @@ def test_a_killed_run_resumes_from_its_latest_complete_checkpoint_to_the_same_bi
     with pytest.raises(LaunchError) as caught:
         launch(launched_run, 2, kill_config, str(killed_dir), {}, deadline=DEADLINE, env=kill.env)
     assert (killed_dir / FAULT_RECORD).read_text() == f"rank={kill.rank},step={kill.step},point={kill.point}\n"
-    _assert_reported_promptly(caught.value, kill.rank)
+    death_reported = _reported_death(caught.value, kill.rank)
 
     latest = latest_checkpoint(killed_dir)
     assert latest is not None
@@ -102,6 +102,9 @@ def test_a_killed_run_resumes_from_its_latest_complete_checkpoint_to_the_same_bi
         got = state_difference(continuous_for_kills[rank]["state"], resumed[rank]["state"])
         assert got == 0.0, f"rank {rank}: step-100 state differs from the continuous run by {got}"
         assert continuous_for_kills[rank]["losses"] == resumed[rank]["losses"]
+    if not death_reported:
+        # Visible in the summary (-ra) rather than silently tolerated; everything else above was checked.
+        pytest.xfail(f"the launcher reported the survivor's lost connection, not rank {kill.rank}'s SIGKILL (race)")
 
 
 def test_a_rank_file_killed_before_its_rename_leaves_only_a_temporary_name(
