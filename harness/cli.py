@@ -11,6 +11,7 @@ checkpoint), in which case nothing was written and existing outputs are untouche
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -238,7 +239,7 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
     print(f"distributed {'available' if available else 'NOT available'}; gloo "
           f"{'yes' if available and dist.is_gloo_available() else 'no'}, nccl "
           f"{'yes' if available and dist.is_nccl_available() else 'no'}")
-    print(f"cpu         {platform.machine()}, {__import__('os').cpu_count()} cores")
+    print(f"cpu         {platform.machine()}, {os.cpu_count()} cores")
     names = [torch.cuda.get_device_name(i) for i in range(cuda)]
     print(f"cuda        {cuda} device(s){': ' + ', '.join(names) if names else ''}")
     print(f"config      {_config_path(args)}: world_size {config.world_size}")

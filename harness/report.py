@@ -591,16 +591,21 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 
     step(5, f"stop at {config.stop_at}, continuous to {config.updates}, resume {config.stop_at} -> {config.updates}")
     runs_tmp = _temp_dir(outputs / "runs")
-    trio = _trio(config, runs_tmp, progress)
+    try:
+        trio = _trio(config, runs_tmp, progress)
+        final_dir = checkpoint_to_evaluate(runs_tmp / "resumed")
+        step(6, "evaluate the resumed run's last checkpoint on the test split")
+        ev = evaluate(config, final_dir, prepared.lock)
+    except BaseException:
+        # A failed launch leaves the previous report's runs as they were, and no half-trained folder beside them.
+        shutil.rmtree(runs_tmp, ignore_errors=True)
+        raise
+    _swap_dir(runs_tmp, outputs / "runs")
     r["resume"] = trio
     report.checks.append(Check("resume equals continuous at the last step",
                                trio["max_abs_difference_all"] == 0.0 and trio["stopped_checkpoint_complete"],
                                f"max abs difference {trio['max_abs_difference_all']!r}"))
 
-    step(6, "evaluate the resumed run's last checkpoint on the test split")
-    final_dir = checkpoint_to_evaluate(runs_tmp / "resumed")
-    ev = evaluate(config, final_dir, prepared.lock)
-    _swap_dir(runs_tmp, outputs / "runs")
     ev["checkpoint"] = str(outputs / "runs" / "resumed" / final_dir.name)
     r["evaluate"] = ev
     report.checks.append(Check("evaluation on the test split", ev["test_tokens"] > 0 and math.isfinite(ev["test_loss"]),
