@@ -155,13 +155,17 @@ def _free_port() -> int:
 
 
 def _torchrun(cwd: Path, *args: str) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "harness.train", "--config", str(MINIMUM),
-        *args,
-    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    # A port found free can be taken by another process before torchrun binds it: try another one, a few times.
+    for _ in range(3):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            "-m", "harness.train", "--config", str(MINIMUM), *args,
+        ]
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+        if done.returncode == 0 or "address already in use" not in (done.stdout + done.stderr).lower():
+            break
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
