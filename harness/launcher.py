@@ -309,8 +309,9 @@ def _dead_peer(procs: list[Any], results: dict[int, Any], open_conns: dict[Conne
         return None
     wait(list(pending), timeout=grace)
     for r in pending.values():
-        has_result = any(rr == r and c.poll() for c, rr in open_conns.items())
-        if not procs[r].is_alive() and not has_result:
+        # A rank only ever exits on its own with status 0, after sending its result (a failed rank waits to be
+        # killed); any other ending is a death. (conn.poll() cannot tell: it is also true at EOF of a dead rank.)
+        if not procs[r].is_alive() and procs[r].exitcode != 0:
             return r
     return None
 
