@@ -182,10 +182,20 @@ def resolve_recipe(recipe: Recipe | str | None) -> Recipe:
     return recipe
 
 
-def _device() -> torch.device:
-    # NCCL reduces CUDA tensors only; under gloo the trainer stays on the CPU (and on CPU its ops are deterministic).
-    if "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+def _device(device: str | None = None) -> torch.device:
+    """``device=None`` picks from the backend: NCCL reduces CUDA tensors only, so it means this rank's GPU; under
+    gloo the trainer stays on the CPU (where its ops are deterministic) unless asked for ``"cuda"``: then the current
+    CUDA device, which the launcher (``launch(..., device="cuda")``) or torchrun's LOCAL_RANK chose."""
+    if device not in (None, "cpu", "cuda"):
+        msg = f"device={device!r} must be None (from the backend), 'cpu' or 'cuda'"
+        raise ValueError(msg)
+    if device == "cuda" or (device is None and "nccl" in str(dist.get_backend())):
+        if "nccl" in str(dist.get_backend()) and device is None:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torch.cuda.current_device())
+    if device == "cpu" and str(dist.get_backend()) == "nccl":
+        msg = "device='cpu' cannot train under a pure NCCL process group; use backend gloo or 'cpu:gloo,cuda:nccl'"
+        raise ValueError(msg)
     return torch.device("cpu")
 
 
@@ -203,6 +213,7 @@ def run(
     resume_bug: str | None = None,
     evaluate: bool = False,
     log: Callable[[str], None] | None = None,
+    device_choice: str | None = None,
 ) -> dict[str, Any]:
     """Train from scratch (or from ``resume``, a step directory) up to ``stop_at`` (default ``config.updates``).
 
@@ -230,7 +241,7 @@ def run(
         raise ValueError(msg)
     say = log if log is not None else (print if rank == 0 else (lambda _m: None))
     the_recipe = resolve_recipe(recipe)
-    device = _device()
+    device = _device(device_choice)
 
     rows = make_corpus(config)
     lock = data_lock(rows, config)
@@ -401,8 +412,9 @@ def launched_run(
 
     A module-level function of the package, so the launcher's forkserver has it preloaded. ``options`` (a dict,
     because the launcher passes positional arguments only) are :func:`run`'s keywords: ``stop_at``, ``resume``,
-    ``recipe``, ``resume_bug``, ``evaluate``; ``resume="latest:<run dir>"`` resumes from that run directory's latest
-    complete checkpoint, found inside the ranks, after whatever killed the previous run.
+    ``recipe``, ``resume_bug``, ``evaluate``, ``device_choice`` (None, "cpu" or "cuda");
+    ``resume="latest:<run dir>"`` resumes from that run directory's latest complete checkpoint, found inside the
+    ranks, after whatever killed the previous run.
     """
     cfg = config if isinstance(config, Config) else Config(**config)
     kwargs = dict(options or {})

@@ -192,3 +192,35 @@ def test_a_resume_that_reseeds_the_generators_is_caught_on_cuda(
     options = {"resume": str(stopped_on_cuda / "step-0050"), "resume_bug": "reseed"}
     resumed = train(cuda_config, tmp_path, options, deterministic_env)
     assert bitwise_differences(control, resumed)["model"] > 0.0
+
+
+# ------------------------------------------------------------- resume with two ranks sharing the device over gloo
+
+
+@pytest.fixture(scope="module")
+def shared_device_config() -> Config:
+    """Seed 000's minimum config at its own world size, 2: both ranks on the one device, gloo between them."""
+    return Config()
+
+
+def _train_shared(config: Config, run_dir: Path, options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    return train(config, run_dir, {**options, "device_choice": "cuda"}, env, backend="gloo")
+
+
+def test_two_ranks_sharing_the_device_resume_at_50_bitwise_equal_to_the_continuous_run(
+    shared_device_config: Config, deterministic_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Seed 000's W=2 trio on CUDA kernels over gloo: stop at 50, resume, and land on the continuous run's bits."""
+    control = _train_shared(shared_device_config, tmp_path / "continuous", {}, deterministic_env)
+    _train_shared(shared_device_config, tmp_path / "stopped", {"stop_at": 50}, deterministic_env)
+    assert torch.load(tmp_path / "stopped" / "step-0050" / rank_file(1), weights_only=True)["rng"]["cuda"] is not None
+    resumed = _train_shared(shared_device_config, tmp_path / "resumed",
+                            {"resume": str(tmp_path / "stopped" / "step-0050")}, deterministic_env)
+    differences = bitwise_differences(control, resumed)
+    unsure = sorted(set(control["nondeterministic"]) | set(resumed["nondeterministic"]))
+    assert all(d == 0.0 for d in differences.values()), f"differences {differences}; nondeterministic ops: {unsure}"
+    # Negative control on the same device: restoring rank 0's generators on every rank moves step 100.
+    wrong = _train_shared(shared_device_config, tmp_path / "rank0-rng",
+                          {"resume": str(tmp_path / "stopped" / "step-0050"), "resume_bug": "rank0_rng"},
+                          deterministic_env)
+    assert bitwise_differences(control, wrong)["model"] > 0.0
