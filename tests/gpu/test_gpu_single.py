@@ -6,8 +6,8 @@
   parity, synchronization count, rank agreement and empty-window checks for ``--recipe``, and the mean of local means
   rejected there, so the lane is shown able to fail.
 * Resume on CUDA kernels: stop at 50, resume, and land on the continuous run's bits at 100, with the CUDA generator's
-  state restored (dropout draws from it). One rank, because the trainer trains on CUDA only under an NCCL backend
-  (``cpu:gloo,cuda:nccl`` here), and NCCL will not put two ranks on one device.
+  state restored (dropout draws from it): on one rank over ``cpu:gloo,cuda:nccl``, and with seed 000's two ranks
+  sharing the device over gloo (``device_choice="cuda"``; NCCL will not put two ranks on one device).
 
 Deterministic settings where bit equality is claimed (the resume tests; the gradient checks use tolerances instead):
 every rank runs with ``torch.use_deterministic_algorithms(True, warn_only=True)`` and with
