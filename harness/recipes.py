@@ -8,14 +8,15 @@ over ranks) and ``window`` this rank's microbatches for one optimizer step. It m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from harness.batching import Microbatch
-from harness.loss import check_global_count, global_count, global_token_loss, loss_sum
+from harness.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
 
 
 @runtime_checkable
@@ -29,45 +30,60 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class GlobalTokenMean:
-    """The correct recipe: sums, one all-reduced count before any backward, ``no_sync`` around all but the last."""
+def window_count(window: Sequence[Microbatch]) -> int:
+    """The global supervised count of the window, all-reduced before any backward; ValueError (on every rank
+    alike) when it is 0."""
+    # Every rank calls global_count, also a rank whose own count is 0, and every rank sees the same total, so every
+    # rank raises together and none is left waiting in a collective.
+    total = global_count(sum(mb.supervised for mb in window))
+    check_global_count(total)
+    return total
 
-    name = "global_token_mean"
 
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        # The denominator covers the whole window on every rank, so it is counted (and all-reduced) before the
-        # first backward; every rank calls global_count, also a rank whose count is 0.
-        total = global_count(sum(mb.supervised for mb in window))
-        # Every rank saw the same total, so every rank raises here together and none waits in a collective.
-        check_global_count(total)
-        return self._backward(model, window, total)
+def accumulate(
+    model: nn.Module,
+    window: Sequence[Microbatch],
+    scale: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    sync_every_microbatch: bool = False,
+    loss_dtype: torch.dtype | None = None,
+) -> float:
+    """Forward and backward of every microbatch with loss ``scale(loss_sum)``; returns this rank's plain loss sum.
 
-    def _backward(self, model: nn.Module, window: Sequence[Microbatch], total: int, log: bool = True) -> float | None:
-        world = _world_size()
-        logged = 0.0
-        for i, mb in enumerate(window):
-            last = i == len(window) - 1
-            # In DDP only the last microbatch needs to synchronize gradients; the context must hold the forward
-            # as well as the backward, or DDP still prepares a reduction for this pass.
-            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
-                s = loss_sum(model(mb.inputs), mb.labels)
-                global_token_loss(s, total, world).backward()
-            logged += float(s.detach())
-        # The logged loss must be the global token mean on every rank, not this rank's share of it.
-        return global_sum(logged) / total if log else None
+    In DDP only the last microbatch needs to synchronize gradients. The ``no_sync()`` context must hold the forward as
+    well as the backward, or DDP still prepares a reduction for that pass. (``sync_every_microbatch`` and
+    ``loss_dtype`` exist for the negative controls.)
+    """
+    local = 0.0
+    for i, mb in enumerate(window):
+        last = i == len(window) - 1
+        with contextlib.nullcontext() if last or sync_every_microbatch else model.no_sync():  # type: ignore[operator]
+            logits = model(mb.inputs)
+            s = loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb.labels)
+            scale(s).backward()
+        local += float(s.detach())
+    return local
 
 
 def global_sum(value: float) -> float:
     """All-reduce (SUM) a float in float64 on the count device; the identity outside a process group."""
     if not dist.is_initialized():
         return value
-    import torch
-
-    from harness.loss import count_device
-
     t = torch.tensor(value, dtype=torch.float64, device=count_device())
     dist.all_reduce(t)
     return float(t)
+
+
+class GlobalTokenMean:
+    """The correct recipe: sums, one all-reduced count before any backward, ``no_sync`` around all but the last."""
+
+    name = "global_token_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        # The logged loss must be the global token mean on every rank, not this rank's share of it.
+        return global_sum(local) / total
 
 
 global_token_mean = GlobalTokenMean()
@@ -88,10 +104,7 @@ class MeanOfLocalMeans:
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
         local = sum(mb.supervised for mb in window)
-        for i, mb in enumerate(window):
-            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-                s = loss_sum(model(mb.inputs), mb.labels)
-                (s / max(local, 1)).backward()
+        accumulate(model, window, lambda s: s / max(local, 1))
         return None
 
 
@@ -101,13 +114,8 @@ class ExtraMicrobatchDivision:
     name = "extra_microbatch_division"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        world = _world_size()
-        total = global_count(sum(mb.supervised for mb in window))
-        check_global_count(total)
-        for i, mb in enumerate(window):
-            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-                s = loss_sum(model(mb.inputs), mb.labels)
-                (global_token_loss(s, total, world) / len(window)).backward()
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world) / len(window))
         return None
 
 
@@ -117,11 +125,8 @@ class NoWorldSizeFactor:
     name = "no_world_size_factor"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        total = global_count(sum(mb.supervised for mb in window))
-        check_global_count(total)
-        for i, mb in enumerate(window):
-            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-                (loss_sum(model(mb.inputs), mb.labels) / total).backward()
+        total = window_count(window)
+        accumulate(model, window, lambda s: s / total)
         return None
 
 
@@ -132,12 +137,11 @@ class SkipBackwardWhenEmpty:
     name = "skip_backward_when_empty"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        local = sum(mb.supervised for mb in window)
-        total = global_count(local)
-        check_global_count(total)
-        if local == 0:
+        total, world = window_count(window), _world_size()
+        if sum(mb.supervised for mb in window) == 0:
             return None
-        return GlobalTokenMean()._backward(model, window, total, log=False)
+        accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        return None
 
 
 class NeverNoSync:
@@ -147,11 +151,8 @@ class NeverNoSync:
     name = "never_no_sync"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        world = _world_size()
-        total = global_count(sum(mb.supervised for mb in window))
-        check_global_count(total)
-        for mb in window:
-            global_token_loss(loss_sum(model(mb.inputs), mb.labels), total, world).backward()
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world), sync_every_microbatch=True)
         return None
 
 
@@ -164,13 +165,8 @@ class Float32Loss:
     name = "float32_loss"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        world = _world_size()
-        total = global_count(sum(mb.supervised for mb in window))
-        check_global_count(total)
-        for i, mb in enumerate(window):
-            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-                s = loss_sum(model(mb.inputs).float(), mb.labels)
-                global_token_loss(s, total, world).backward()
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world), loss_dtype=torch.float32)
         return None
 
 
@@ -180,14 +176,9 @@ class LocalLoggedLoss:
     name = "local_logged_loss"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        GlobalTokenMean().backward_window(model, window)
-        # Recomputing the forward outside the backward: only for the number, under no_grad.
-        import torch
-
-        with torch.no_grad():
-            local = sum(mb.supervised for mb in window)
-            s = sum(float(loss_sum(model(mb.inputs), mb.labels)) for mb in window)
-        return s / max(local, 1)
+        total, world = window_count(window), _world_size()
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        return local / max(sum(mb.supervised for mb in window), 1)
 
 
 mean_of_local_means = MeanOfLocalMeans()

@@ -14,7 +14,6 @@ either: ``run_windows(..., reduction="sum")`` selects the sum.
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 from collections.abc import Sequence
 
@@ -22,7 +21,7 @@ from torch import nn
 
 from harness.batching import Microbatch
 from harness.hooks import REDUCTIONS
-from harness.loss import check_global_count, global_count, loss_sum
+from harness.loss import check_global_count
 
 
 def loss_scale(reduction: str, global_count: int, world_size: int) -> float:
@@ -51,14 +50,11 @@ class SummingHookTokenMean:
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
         import torch.distributed as dist
 
+        from harness.recipes import accumulate, window_count
+
         world = dist.get_world_size() if dist.is_initialized() else 1
-        total = global_count(sum(mb.supervised for mb in window))
-        check_global_count(total)
-        scale = loss_scale(self.reduction, total, world)
-        for i, mb in enumerate(window):
-            # Only the last microbatch synchronizes; forward and backward of the others inside no_sync().
-            with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-                (loss_sum(model(mb.inputs), mb.labels) * scale).backward()
+        scale = loss_scale(self.reduction, window_count(window), world)
+        accumulate(model, window, lambda s: s * scale)
         return None
 
 

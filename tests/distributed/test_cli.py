@@ -21,22 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = str(ROOT / "configs" / "minimum.yaml")
 EXERCISE = str(ROOT / "configs" / "exercise.yaml")
 
-SMALL = """\
-seed: 7
-train_size: 192
-val_size: 16
-test_size: 32
-min_len: 8
-max_len: 48
-prompt_max: 4
-world_size: 2
-batch_size_per_rank: 2
-accumulation: 2
-updates: 20
-stop_at: 10
-checkpoint_every: 5
-warmup: 2
-"""
+SMALL = ROOT / "configs" / "small.yaml"
 
 
 def harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -45,10 +30,8 @@ def harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture
-def small(tmp_path: Path) -> str:
-    path = tmp_path / "small.yaml"
-    path.write_text(SMALL)
-    return str(path)
+def small() -> str:
+    return str(SMALL)
 
 
 def test_exercise_shows_the_averages_move_and_only_the_mean_of_means_misses_at_12_36() -> None:

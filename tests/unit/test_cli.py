@@ -19,29 +19,12 @@ from harness.figures import write_figure
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = str(ROOT / "configs" / "minimum.yaml")
 
-SMALL = """\
-seed: 7
-train_size: 192
-val_size: 16
-test_size: 32
-min_len: 8
-max_len: 48
-prompt_max: 4
-world_size: 2
-batch_size_per_rank: 2
-accumulation: 2
-updates: 20
-stop_at: 10
-checkpoint_every: 5
-warmup: 2
-"""
+SMALL = ROOT / "configs" / "small.yaml"
 
 
 @pytest.fixture
-def small(tmp_path: Path) -> str:
-    path = tmp_path / "small.yaml"
-    path.write_text(SMALL)
-    return str(path)
+def small() -> str:
+    return str(SMALL)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -97,7 +80,7 @@ def test_prepare_refuses_an_outputs_folder_from_another_data_lock_and_leaves_it_
     before = _snapshot(out)
     lock = json.loads((out / "outputs.json").read_text())["data_lock"]
     other = tmp_path / "other.yaml"
-    other.write_text(SMALL.replace("seed: 7", "seed: 8"))
+    other.write_text(SMALL.read_text().replace("seed: 7", "seed: 8"))
     capsys.readouterr()
     for command in ("prepare", "reference", "report"):
         assert 2 == main([command, "--config", str(other), "--outputs", str(out)]), command
