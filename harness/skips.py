@@ -21,37 +21,28 @@ requires_gloo = pytest.mark.skipif(
 requires_cuda = pytest.mark.skipif(cuda_devices() < 1, reason=f"needs 1 CUDA device, found {cuda_devices()}")
 
 
-def two_gpus_missing() -> str:
-    """Why the ``gpu2`` lane (two ranks, one CUDA device each, NCCL) cannot run here; "" when it can.
+def gpus_with_nccl_missing(count: int) -> str:
+    """Why ``count`` CUDA devices with NCCL are not available here; "" when they are.
 
-    The first thing missing, in the words a user acts on (``check-environment --dual`` can print it as it is).
+    The first thing missing, in the words a user acts on (``check-environment --dual`` prints it as it is). NCCL
+    refuses two ranks on one device, so one GPU is never enough for two NCCL ranks.
     """
     found = cuda_devices()
-    if found < 2:
-        # NCCL refuses two ranks on one device, so one GPU is not enough even for two ranks.
-        return f"needs 2 CUDA devices, found {found}"
+    if found < count:
+        return f"needs {count} CUDA device{'s' if count > 1 else ''}, found {found}"
     if not _nccl():
         return "needs torch.distributed with NCCL, this torch build has none"
     return ""
 
 
-_WHY_NOT_TWO_GPUS = two_gpus_missing()
-requires_two_gpus = pytest.mark.skipif(
-    bool(_WHY_NOT_TWO_GPUS), reason=_WHY_NOT_TWO_GPUS or "two CUDA devices and NCCL are present"
-)
+def two_gpus_missing() -> str:
+    """Why the ``gpu2`` lane (two ranks, one CUDA device each, NCCL) cannot run here; "" when it can."""
+    return gpus_with_nccl_missing(2)
 
 
-def _one_gpu_with_nccl_missing() -> str:
-    found = cuda_devices()
-    if found < 1:
-        return f"needs 1 CUDA device, found {found}"
-    if not _nccl():
-        return "needs torch.distributed with NCCL, this torch build has none"
-    return ""
+def _skip_unless(missing: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(bool(missing), reason=missing or "present")
 
 
-_WHY_NOT_ONE_GPU_WITH_NCCL = _one_gpu_with_nccl_missing()
-requires_one_gpu_with_nccl = pytest.mark.skipif(
-    bool(_WHY_NOT_ONE_GPU_WITH_NCCL), reason=_WHY_NOT_ONE_GPU_WITH_NCCL or "a CUDA device and NCCL are present"
-)
-"""For one rank training on CUDA: the trainer puts its model on the GPU only under a backend that includes NCCL."""
+requires_two_gpus = _skip_unless(two_gpus_missing())
+requires_one_gpu_with_nccl = _skip_unless(gpus_with_nccl_missing(1))
