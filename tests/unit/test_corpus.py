@@ -6,23 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import Config, load_config
+from harness.config import Config
 from harness.corpus import SPLITS, Row, data_lock, make_corpus, split_rows
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 
 # Small enough to build in a few milliseconds, for the tests that build several corpora.
 SMALL = Config(train_size=64, val_size=8, test_size=8)
-
-
-@pytest.fixture(scope="module")
-def config() -> Config:
-    return load_config(MINIMUM)
-
-
-@pytest.fixture(scope="module")
-def rows(config: Config) -> list[Row]:
-    return make_corpus(config)
 
 
 # --- determinism and the data lock -----------------------------------------------------------------------------------

@@ -8,21 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import Config, load_config
-from harness.corpus import Row, make_corpus
+from harness.config import Config
+from harness.corpus import Row
 from harness.plan import Plan, length_bands, make_plan, rank_pools
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
-
-
-@pytest.fixture(scope="module")
-def config() -> Config:
-    return load_config(MINIMUM)
-
-
-@pytest.fixture(scope="module")
-def rows(config: Config) -> list[Row]:
-    return make_corpus(config)
 
 
 @pytest.fixture(scope="module", params=(2, 3, 4), ids=lambda w: f"world{w}")
