@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from harness.config import Config
 from harness.corpus import SPLITS, Row, data_lock, make_corpus, split_rows
-
-MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 
 # Small enough to build in a few milliseconds, for the tests that build several corpora.
 SMALL = Config(train_size=64, val_size=8, test_size=8)

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from harness.config import Config
 from harness.corpus import Row
 from harness.plan import Plan, length_bands, make_plan, rank_pools
-
-MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 
 
 @pytest.fixture(scope="module", params=(2, 3, 4), ids=lambda w: f"world{w}")
