@@ -24,7 +24,7 @@ MARKERS = {
     "slow": "takes more than a few seconds; CI runs it, `-m 'not slow'` leaves it out locally",
 }
 
-_VERDICTS = pytest.StashKey[list[Verdict]]()
+_PROPERTY = "battery_verdict"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -48,19 +48,31 @@ def pytest_configure(config: pytest.Config) -> None:
         load_recipe(config.getoption("recipe"))
     except RecipeError as exc:
         raise pytest.UsageError(f"--recipe: {exc}") from None
-    config.stash[_VERDICTS] = []
+    _CONTROLLER_VERDICTS.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Verdicts travel as the test report's user properties, which pytest-xdist sends from its workers to the
+    # controller: so the controller alone sees every verdict, with or without -n.
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name == _PROPERTY:
+                _CONTROLLER_VERDICTS.append(value)  # type: ignore[arg-type]
+
+
+_CONTROLLER_VERDICTS: list[dict[str, object]] = []
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("battery_report")
-    verdicts = session.config.stash.get(_VERDICTS, [])
-    if path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        payload = {"recipe": session.config.getoption("recipe"), "checks": [v.to_dict() for v in verdicts]}
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp.replace(out)
+    if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    payload = {"recipe": session.config.getoption("recipe"), "checks": list(_CONTROLLER_VERDICTS)}
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)
 
 
 @pytest.fixture(scope="session")
@@ -70,11 +82,11 @@ def recipe_path(pytestconfig: pytest.Config) -> str:
 
 
 @pytest.fixture
-def battery_check(pytestconfig: pytest.Config) -> Callable[[Verdict], None]:
+def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
     """Record a verdict for ``--battery-report`` and fail the test with its message unless it passed."""
 
     def check(verdict: Verdict) -> None:
-        pytestconfig.stash[_VERDICTS].append(verdict)
+        request.node.user_properties.append((_PROPERTY, verdict.to_dict()))
         if not verdict.passed:
             pytest.fail(verdict.message, pytrace=False)
 

@@ -161,14 +161,17 @@ def test_a_bad_recipe_option_is_a_usage_error_naming_the_problem(recipe: str, sa
 
 
 @pytest.mark.slow
-def test_the_battery_rejects_a_control_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
-    """`pytest -m recipe --recipe=<control>` fails, and --battery-report records which checks failed."""
+@pytest.mark.parametrize("workers", ([], ["-n", "2"]), ids=["serial", "xdist"])
+def test_the_battery_rejects_a_control_end_to_end_and_writes_its_report(tmp_path: Path, workers: list[str]) -> None:
+    """`pytest -m recipe --recipe=<control>` fails, and --battery-report records which checks failed (also when
+    pytest-xdist spreads the checks over workers: the controller writes every verdict)."""
     report = tmp_path / "battery.json"
     done = _pytest("-m", "recipe", "--recipe=harness.recipes:no_world_size_factor", f"--battery-report={report}",
-                   "harness/battery", "-q", "-k", "uneven")
+                   "harness/battery", "-q", "-k", "uneven", *workers)
     assert 1 == done.returncode, done.stdout + done.stderr
     import json
 
     data = json.loads(report.read_text())
     failed = {(c["world_size"], c["precision"]) for c in data["checks"] if not c["passed"]}
     assert {(2, "fp32"), (3, "fp32"), (2, "fp64"), (3, "fp64")} == failed
+    assert 6 == len(data["checks"])  # parity on the uneven windows at W = 1, 2, 3 in fp32 and fp64
