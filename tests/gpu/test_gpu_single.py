@@ -74,6 +74,13 @@ def train(config: Config, run_dir: Path, options: dict[str, Any], env: dict[str,
     return dict(summaries[0])
 
 
+def assert_bitwise_equal(control: dict[str, Any], resumed: dict[str, Any]) -> None:
+    """Every part of the final state equal to the bit; a failure names the ops that had no deterministic kernel."""
+    differences = bitwise_differences(control, resumed)
+    unsure = sorted(set(control["nondeterministic"]) | set(resumed["nondeterministic"]))
+    assert all(d == 0.0 for d in differences.values()), f"differences {differences}; nondeterministic ops: {unsure}"
+
+
 def bitwise_differences(control: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
     """Largest absolute difference per part of the final state (0.0: equal bits)."""
     parts = {part: state_difference(control["state"][part], other["state"][part])
@@ -177,9 +184,7 @@ def test_resume_at_50_on_cuda_is_bitwise_equal_to_the_continuous_run_at_100(
     assert torch.load(run_dir / "step-0100" / rank_file(0), weights_only=True)["rng"]["cuda"] is not None
     resumed = train(cuda_config, tmp_path, {"resume": str(stopped_on_cuda / "step-0050")}, deterministic_env)
     assert 50 == resumed["start_step"]
-    differences = bitwise_differences(control, resumed)
-    unsure = sorted(set(control["nondeterministic"]) | set(resumed["nondeterministic"]))
-    assert all(d == 0.0 for d in differences.values()), f"differences {differences}; nondeterministic ops: {unsure}"
+    assert_bitwise_equal(control, resumed)
 
 
 @requires_one_gpu_with_nccl
@@ -216,9 +221,7 @@ def test_two_ranks_sharing_the_device_resume_at_50_bitwise_equal_to_the_continuo
     assert torch.load(tmp_path / "stopped" / "step-0050" / rank_file(1), weights_only=True)["rng"]["cuda"] is not None
     resumed = _train_shared(shared_device_config, tmp_path / "resumed",
                             {"resume": str(tmp_path / "stopped" / "step-0050")}, deterministic_env)
-    differences = bitwise_differences(control, resumed)
-    unsure = sorted(set(control["nondeterministic"]) | set(resumed["nondeterministic"]))
-    assert all(d == 0.0 for d in differences.values()), f"differences {differences}; nondeterministic ops: {unsure}"
+    assert_bitwise_equal(control, resumed)
     # Negative control on the same device: restoring rank 0's generators on every rank moves step 100.
     wrong = _train_shared(shared_device_config, tmp_path / "rank0-rng",
                           {"resume": str(tmp_path / "stopped" / "step-0050"), "resume_bug": "rank0_rng"},
