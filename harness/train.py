@@ -8,16 +8,25 @@
 The three runs write to ``runs/stopped``, ``runs/continuous`` and ``runs/resumed`` unless ``--run-dir`` says otherwise,
 so a resumed run never overwrites the checkpoints it came from. ``--resume`` takes a step directory, or a run
 directory (its latest complete checkpoint is used).
+
+Run as a module (the torchrun worker), it leaves through :func:`entry`: the process group is destroyed, stdout and
+stderr are flushed, and the process ends with ``os._exit``, skipping the interpreter's teardown, in which gloo's and
+DDP's threads could abort the worker ("terminate called without an active exception", SIGABRT) after its work was
+done. :func:`main` itself returns (or raises) like any function, so tests can call it in-process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -112,9 +121,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"done at step {summary['final_step']}; checkpoints in {run_dir}", flush=True)
         del summary  # holds tensors copied off the model; nothing of DDP may outlive the process group
     finally:
+        gc.collect()  # frees a DDP module held only by a reference cycle while its process group still exists
         dist.destroy_process_group()
     return 0
 
 
+def _status(exc: SystemExit) -> int:
+    """The exit status the interpreter gives ``SystemExit(code)``, printing a non-integer code to stderr as it does."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def entry(argv: Sequence[str] | None = None) -> NoReturn:
+    """The torchrun worker: :func:`main`, then ``os._exit`` with its status, never the interpreter's teardown.
+
+    A ``SystemExit`` keeps its status (and its message on stderr); any other exception prints its traceback and
+    exits 1, so torchrun reports the failed rank. Never call this in-process: it ends the calling process.
+    """
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = _status(exc)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more can be written
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
