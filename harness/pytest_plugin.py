@@ -7,6 +7,7 @@ another project can run ``pytest --pyargs harness.battery --recipe=theirpkg.modu
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,8 @@ MARKERS = {
     "gpu": "needs one CUDA device",
     "gpu2": "needs two CUDA devices and NCCL (one rank per device)",
     "slow": "takes more than a few seconds; CI runs it, `-m 'not slow'` leaves it out locally",
+    "required_gpus_missing": "set by harness.skips when HARNESS_REQUIRE_GPUS requires a GPU lane this machine cannot "
+    "run: the test fails with the marker's message instead of skipping",
 }
 
 _PROPERTY = "battery_verdict"
@@ -48,7 +51,29 @@ def pytest_configure(config: pytest.Config) -> None:
         load_recipe(config.getoption("recipe"))
     except RecipeError as exc:
         raise pytest.UsageError(f"--recipe: {exc}") from None
+    _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
+
+
+# HARNESS_REQUIRE_GPUS: harness.skips decides at collection which GPU lanes must fail instead of skipping and marks
+# their tests; this part refuses a bad value at start-up and fails the marked tests before any skip is evaluated.
+
+
+def _check_required_gpus() -> None:
+    from harness.skips import REQUIRE_GPUS_ENV, required_gpus
+
+    try:
+        required_gpus(os.environ.get(REQUIRE_GPUS_ENV))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from harness.skips import REQUIRED_MARK
+
+    for mark in item.iter_markers(name=REQUIRED_MARK):
+        pytest.fail(str(mark.args[0]), pytrace=False)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

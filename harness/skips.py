@@ -1,10 +1,28 @@
-"""Reusable skip markers, decided once in the parent process at collection (never by starting ranks to find out)."""
+"""Reusable skip markers, decided once in the parent process at collection (never by starting ranks to find out).
+
+A GPU lane whose hardware is missing skips with the reason, unless ``HARNESS_REQUIRE_GPUS=N`` says this machine must
+run every lane that needs at most N CUDA devices: such a lane then carries the ``required_gpus_missing`` marker
+instead, and the plugin (``harness.pytest_plugin``) fails each of its tests with the message. A GPU runner that sets
+the variable cannot go green by skipping.
+"""
 
 from __future__ import annotations
+
+import os
+import re
+from typing import Literal
 
 import pytest
 import torch
 import torch.distributed as dist
+
+REQUIRE_GPUS_ENV = "HARNESS_REQUIRE_GPUS"
+"""Environment variable: a positive integer N; lanes needing at most N CUDA devices fail instead of skipping."""
+
+REQUIRED_MARK = "required_gpus_missing"
+"""Marker carrying the failure message of a lane that ``HARNESS_REQUIRE_GPUS`` requires and this machine cannot run."""
+
+Verdict = Literal["run", "skip", "fail"]
 
 
 def cuda_devices() -> int:
@@ -15,10 +33,21 @@ def _nccl() -> bool:
     return dist.is_available() and dist.is_nccl_available()
 
 
-requires_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
-)
-requires_cuda = pytest.mark.skipif(cuda_devices() < 1, reason=f"needs 1 CUDA device, found {cuda_devices()}")
+def required_gpus(value: str | None) -> int | None:
+    """The N of ``HARNESS_REQUIRE_GPUS=N``; None when the variable is unset.
+
+    Raises ValueError naming the variable, the value and the fix when ``value`` is not a positive integer (an empty
+    value included: a CI variable that expanded to nothing must not turn the requirement off silently).
+    """
+    if value is None:
+        return None
+    if not re.fullmatch(r"[0-9]+", value.strip()) or int(value) < 1:
+        msg = (
+            f"{REQUIRE_GPUS_ENV}={value!r} is not a positive integer; set it to the number of CUDA devices this "
+            f"machine must have (e.g. {REQUIRE_GPUS_ENV}=2 on a two-GPU runner), or unset it to let GPU lanes skip"
+        )
+        raise ValueError(msg)
+    return int(value)
 
 
 def gpus_with_nccl_missing(count: int) -> str:
@@ -40,9 +69,40 @@ def two_gpus_missing() -> str:
     return gpus_with_nccl_missing(2)
 
 
-def _skip_unless(missing: str) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(bool(missing), reason=missing or "present")
+def lane_verdict(lane: str, needs: int, missing: str, required: int | None, found: int) -> tuple[Verdict, str]:
+    """What a test of ``lane`` (needing ``needs`` CUDA devices) does here: ``("run", "")``, ``("skip", reason)`` or
+    ``("fail", message)``.
+
+    ``missing`` is why the lane cannot run ("" when it can), ``required`` the N of ``HARNESS_REQUIRE_GPUS`` (None:
+    unset), ``found`` the CUDA devices this machine has. A lane fails only when it cannot run and needs at most N
+    devices; a lane needing more than N still skips with its reason.
+    """
+    if not missing:
+        return "run", ""
+    if required is None or needs > required:
+        return "skip", missing
+    devices = f"{found} CUDA device{'' if found == 1 else 's'}"
+    what = f"this machine has {devices}" if found < needs else f"the lane {missing}"
+    message = (f"{REQUIRE_GPUS_ENV}={required} but {what}: the {lane} lane cannot run here "
+               f"(unset {REQUIRE_GPUS_ENV} to skip instead)")
+    return "fail", message
 
 
-requires_two_gpus = _skip_unless(two_gpus_missing())
-requires_one_gpu_with_nccl = _skip_unless(gpus_with_nccl_missing(1))
+def _lane(lane: str, needs: int, missing: str) -> pytest.MarkDecorator:
+    """The marker for a test of ``lane``: skip with the reason, fail (``HARNESS_REQUIRE_GPUS``), or nothing to do."""
+    try:
+        verdict, why = lane_verdict(lane, needs, missing, required_gpus(os.environ.get(REQUIRE_GPUS_ENV)),
+                                    cuda_devices())
+    except ValueError as exc:  # the plugin refuses a bad value at start-up; without it, fail rather than skip
+        verdict, why = "fail", str(exc)
+    if verdict == "fail":
+        return getattr(pytest.mark, REQUIRED_MARK)(why)
+    return pytest.mark.skipif(verdict == "skip", reason=why or "present")
+
+
+requires_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
+)
+requires_cuda = _lane("gpu", 1, "" if cuda_devices() >= 1 else f"needs 1 CUDA device, found {cuda_devices()}")
+requires_two_gpus = _lane("gpu2", 2, two_gpus_missing())
+requires_one_gpu_with_nccl = _lane("gpu", 1, gpus_with_nccl_missing(1))

@@ -1,7 +1,8 @@
 """Fixtures shared by the two CUDA lanes: battery runs on CUDA ranks, and the environment of bit-equality runs.
 
 Nothing here touches CUDA at import or collection: the lanes' skips (``harness.skips``) decide, in the parent, whether a
-test runs at all, and every CUDA kernel of the battery runs inside launched ranks.
+test runs at all (or fails, where ``HARNESS_REQUIRE_GPUS`` requires its lane), and every CUDA kernel of the battery runs
+inside launched ranks.
 """
 
 from __future__ import annotations
