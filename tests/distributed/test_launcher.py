@@ -3,6 +3,7 @@ named and no process left behind."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -11,11 +12,21 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from harness import probes
-from harness.launcher import Expected, LaunchError, launch
+from harness.launcher import Expected, LaunchError, launch, progress
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def bodies(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``launcher_bodies``, imported by plain name from this folder (each rank inherits the caller's sys.path)."""
+    monkeypatch.syspath_prepend(str(HERE))
+    return importlib.import_module("launcher_bodies")
 
 
 def _alive(pid: int) -> bool:
@@ -189,10 +200,15 @@ def test_two_runs_at_once_do_not_collide() -> None:
         ({"device": "tpu"}, ValueError, "device='tpu'"),
         ({"expect": ValueError}, TypeError, "expect="),
         ({"threads": 0}, ValueError, "threads=0"),
+        ({"env": {"HARNESS_FAULT": 1}}, TypeError, "env={'HARNESS_FAULT': 1}"),
+        ({"lockstep_grace": 0}, ValueError, "lockstep_grace=0"),
+        ({"lockstep_grace": "2"}, ValueError, "lockstep_grace='2'"),
+        ({"preload": "numpy"}, TypeError, "preload='numpy'"),
+        ({"preload": ("numpy", "not a module")}, ValueError, "'not a module', which is not a module name"),
     ],
     ids=[
         "world0", "negative-deadline", "unknown-backend", "nccl-on-cpu", "unknown-device", "expect-not-tuple",
-        "threads0",
+        "threads0", "env-not-str", "grace0", "grace-string", "preload-string", "preload-bad-name",
     ],
 )
 def test_bad_arguments_are_refused_before_any_rank_starts(kwargs: dict, error: type, names: str) -> None:
@@ -201,3 +217,161 @@ def test_bad_arguments_are_refused_before_any_rank_starts(kwargs: dict, error: t
     world = args.pop("world_size")
     with pytest.raises(error, match=names.replace("(", r"\(")):
         launch(probes.identity, world, None, **args)
+
+
+# --- lockstep progress -----------------------------------------------------------------------------------------------
+# The deadline in these tests is far longer than the grace, and the process-group timeout (0.75 x deadline) longer
+# still: a run that is stopped as "desync" was stopped by the lockstep check, not by a timeout.
+
+
+def test_an_expected_exception_on_one_rank_is_a_desync_not_a_timeout() -> None:
+    """Rank 0 raises the expected ValueError while rank 1 enters an all-reduce: the run stops as "desync", naming
+    rank 1 with where it was stuck and what rank 0 did."""
+    with pytest.raises(LaunchError) as info:
+        launch(probes.raise_on, 2, 0, "ValueError", "no supervised token", expect=(ValueError,), deadline=60,
+               lockstep_grace=2)
+    err = info.value
+    assert "desync" == err.kind
+    assert (1,) == err.ranks
+    assert 0 == err.leader
+    assert "rank 0 ended its function (raised ValueError: no supervised token) but rank(s) [1] did not within 2 s" in (
+        str(err))
+    assert "all_reduce" in err.details[1]
+    assert "raise_on" in err.details[1]
+    assert "no step reported" in err.details[1]
+
+
+def test_ranks_in_lockstep_pass(bodies: ModuleType) -> None:
+    """Ranks that report every step, one collective per step, finish normally under a lockstep grace."""
+    steps = 5
+    results = launch(bodies.lockstep, 2, steps, deadline=60, lockstep_grace=2)
+    assert [[1 + 2 * s for s in range(steps)]] * 2 == results
+
+
+def test_a_rank_that_returns_early_is_a_desync_naming_its_peers_stack() -> None:
+    """Rank 1 returns without the all-reduce rank 0 waits in: rank 0 is named, with its stack in the all-reduce."""
+    with pytest.raises(LaunchError) as info:
+        launch(probes.skip_collective_on, 2, 1, deadline=60, lockstep_grace=2)
+    err = info.value
+    assert "desync" == err.kind
+    assert (0,) == err.ranks
+    assert 1 == err.leader
+    assert "rank 1 ended its function (returned) but rank(s) [0] did not within 2 s" in str(err)
+    assert "all_reduce" in err.details[0]
+    assert "skip_collective_on" in err.details[0]
+
+
+def test_a_desync_names_the_first_step_the_ranks_disagree_on_with_the_leaders_note(bodies: ModuleType) -> None:
+    """Rank 0 refuses window 2 and says so; rank 1, stuck in window 2's all-reduce, last reported window 1. With
+    three ranks, both peers left behind are named."""
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.refuse_on, 3, 0, 2, 4, deadline=60, lockstep_grace=2)
+    err = info.value
+    assert "desync" == err.kind
+    assert (1, 2) == err.ranks
+    assert ("rank 0 finished step 2 (window 2: refused the window: ValueError: no supervised token) but rank(s) "
+            "[1, 2] did not within 2 s; every rank was stopped") in str(err)
+    for rank in (1, 2):
+        assert "last reported step 1 (window 1)" in err.details[rank]
+        assert "refuse_on" in err.details[rank]
+
+
+def test_the_deadline_still_holds_while_ranks_keep_in_step(bodies: ModuleType) -> None:
+    """Ranks that keep reporting steps in lockstep but never finish are still stopped at the deadline."""
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.tick, 2, None, 0.05, deadline=3, lockstep_grace=1)
+    assert "deadline" == info.value.kind
+    assert (0, 1) == info.value.ranks
+    assert "last reported step" in info.value.details[0]
+
+
+def test_many_notices_never_stall_a_rank(bodies: ModuleType) -> None:
+    """A rank may report far more steps than the pipe holds at once: notices the pipe cannot take now are folded
+    into the next one, and the run ends normally."""
+    assert [20_000, 20_000] == launch(bodies.tick, 2, 20_000, 0.0, lockstep_grace=5)
+
+
+def test_progress_outside_a_launched_rank_does_nothing_but_checks_its_arguments() -> None:
+    progress(0, "not in a rank")
+    with pytest.raises(ValueError, match="step=-1"):
+        progress(-1)
+    with pytest.raises(ValueError, match="step=True"):
+        progress(True)
+    with pytest.raises(TypeError, match="note=3"):
+        progress(0, 3)  # type: ignore[arg-type]
+
+
+# --- start-up --------------------------------------------------------------------------------------------------------
+
+
+def test_a_rank_late_to_start_is_not_failed_by_the_process_group_timeout(bodies: ModuleType) -> None:
+    """Rank 1 starts 8.5 s after rank 0. The process-group timeout for deadline=10 is 7.5 s: it applies from the
+    first barrier on, while the rendezvous before it may take up to the deadline. (With the process-group timeout
+    bounding the rendezvous too, this run failed in gloo's connectFullMesh.)"""
+    late = bodies.LateArrival(1, 8.5)
+    results = launch(probes.identity, 2, late, deadline=10)
+    assert ["on time", "late"] == [r["value"] for r in results]
+
+
+# --- the caller's environment ----------------------------------------------------------------------------------------
+
+
+def test_ranks_see_the_callers_environment_as_of_each_launch(bodies: ModuleType,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variable set after a first launch reaches the ranks of the next; one deleted in the caller is gone in the
+    rank even though the forkserver started with it; every other variable is the caller's."""
+    name = f"HARNESS_TEST_SET_LATER_{os.getpid()}"
+    monkeypatch.delenv(name, raising=False)
+    first = launch(bodies.environment, 2)
+    assert all(name not in r["environ"] for r in first)
+    # A variable the running forkserver was started with (so its ranks would inherit it) that the caller has too.
+    candidates = [k for k in first[0]["server"] if k in os.environ and not k.startswith(("PATH", "LD_", "PYTHON"))]
+    assert candidates, "the forkserver's environment shares no variable with the caller's"
+    gone = candidates[0]
+    monkeypatch.setenv(name, "set after the first launch")
+    monkeypatch.delenv(gone)
+    second = launch(bodies.environment, 2, env={"HARNESS_TEST_EXTRA": "from env="})
+    for rank, result in enumerate(second):
+        expected = {
+            **os.environ, "HARNESS_TEST_EXTRA": "from env=", "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        }
+        assert "set after the first launch" == result["environ"][name]
+        assert gone not in result["environ"]
+        assert expected == result["environ"]
+
+
+# --- preloading the caller's modules ---------------------------------------------------------------------------------
+
+_RECORDER = """
+import os
+
+IMPORTED_IN = os.getpid()
+
+
+def where():
+    return {"imported_in": IMPORTED_IN, "pid": os.getpid(), "parent": os.getppid()}
+"""
+
+
+def test_a_preloaded_module_is_imported_by_the_forkserver_before_it_forks(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without preload, each rank imports the module of its function itself; with it, the forkserver (each rank's
+    parent) imported it once, before forking. A module that raises at import does not break the server."""
+    tag = f"{os.getpid()}_{time.monotonic_ns()}"
+    plain, preloaded, broken = f"plain_{tag}", f"preloaded_{tag}", f"broken_{tag}"
+    (tmp_path / f"{plain}.py").write_text(_RECORDER)
+    (tmp_path / f"{preloaded}.py").write_text(_RECORDER)
+    (tmp_path / f"{broken}.py").write_text("raise RuntimeError('this module cannot be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    for r in launch(importlib.import_module(plain).where, 2):
+        assert r["imported_in"] == r["pid"]
+
+    results = launch(importlib.import_module(preloaded).where, 2, preload=(preloaded, broken))
+    for r in results:
+        assert r["imported_in"] != r["pid"]
+        assert r["imported_in"] == r["parent"]
+    assert results[0]["imported_in"] != os.getpid()
+    # The server keeps the module for later launches that do not ask for it.
+    assert results[0]["imported_in"] == launch(importlib.import_module(preloaded).where, 2)[0]["imported_in"]
