@@ -94,7 +94,7 @@ def main() -> None:
         cases = {case: measure(name, args.launches) for case, name in names.items()}
 
     result = {
-        "command": "python benchmarks/preload_bench.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/preload_bench.py", *sys.argv[1:]]),
         "what": "wall time per launch of a 2-rank gloo run whose function lives in a module with a slow import",
         "world_size": 2,
         "launches_per_way": args.launches,
