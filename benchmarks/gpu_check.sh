@@ -173,7 +173,7 @@ def main() -> None:
 
     atol, rtol = FLOAT32_TOLERANCE
     refs = []
-    for scenario in ("uneven", "consecutive"):
+    for scenario in ("uneven", "varying"):
         for k, window in enumerate(scenarios.build(scenario, 2)):
             t0 = time.perf_counter()
             model = build_model(scenarios.BATTERY_CONFIG).to(torch.float32).to("cuda")

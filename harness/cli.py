@@ -11,6 +11,7 @@ checkpoint), in which case nothing was written and existing outputs are untouche
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -49,59 +50,81 @@ def cmd_check_loss(args: argparse.Namespace) -> int:
 
 
 def cmd_battery(args: argparse.Namespace) -> int:
-    """Every check of the battery for the correct recipe and each negative control, as a table."""
-    import json
+    """Judge recipes under test on the battery's cases, and the negative controls on their targets.
+
+    ``--recipe X`` (repeatable) judges X as a recipe under test: exit 0 when every check holds, 1 when one fails.
+    ``--controls`` (every control, or the named ones) runs the controls: each must be rejected by its targeted check
+    failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
+    """
     import time
-    from pathlib import Path
 
-    from harness.battery.table import format_table, run_table
-    from harness.recipes import NEGATIVE_CONTROLS, RecipeError, load_recipe
+    from harness.battery import plan
+    from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
+    from harness.recipes import CONTROLS, RecipeError, load_recipe
 
-    recipes = args.recipe or [CORRECT, *(f"harness.recipes:{n}" for n in NEGATIVE_CONTROLS)]
+    try:
+        worlds = plan.parse_world_sizes(args.world_sizes)
+        cases = plan.cases(worlds, args.precision)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    if args.controls is None:
+        controls: list[str] = [] if args.recipe else list(CONTROLS)
+    else:
+        controls = [c for c in args.controls.split(",") if c] or list(CONTROLS)
+    unknown = [c for c in controls if c not in CONTROLS]
+    if unknown:
+        raise BadInput(f"--controls={args.controls!r}: {', '.join(unknown)} not among {', '.join(CONTROLS)}")
+    recipes = list(args.recipe or ([] if args.controls is not None else [CORRECT]))
     for r in recipes:
         try:
             load_recipe(r)
         except RecipeError as exc:
-            _err(f"--recipe: {exc}")
-            return 2
-    worlds = _world_sizes(args.world_sizes)
+            raise BadInput(f"--recipe: {exc}") from None
+    progress = (lambda s: _err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
-    verdicts = run_table(recipes, worlds, args.deadline, progress=(lambda s: _err(f"  running {s}")) if args.verbose
-                         else None)
-    print(format_table(verdicts))
-    print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) at world sizes {worlds} in "
-          f"{time.monotonic() - start:.1f} s (CPU, gloo)")
-    if args.json:
-        Path(args.json).write_text(json.dumps([v.to_dict() for v in verdicts], indent=2) + "\n")
-        print(f"verdicts written to {args.json}")
-    correct_failed = [v for v in verdicts if v.recipe == CORRECT and not v.passed]
-    controls_passed_all = [r for r in recipes if r != CORRECT and all(v.passed for v in verdicts if v.recipe == r)]
-    for v in correct_failed:
+    if args.examples < 0:
+        raise BadInput(f"--examples={args.examples} must be 0 (no drawn layouts) or a positive number")
+    drawn = args.examples > 0 and importlib.util.find_spec("hypothesis") is not None
+    verdicts = []
+    for r in recipes:
+        verdicts += run_cases(r, cases, args.deadline, progress)
+        if drawn:
+            from harness.battery.layouts import drawn_verdict
+
+            if progress:
+                progress(f"{r.split(':')[-1]}: {args.examples} drawn layouts")
+            verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true"))
+    results = run_controls(controls, worlds, args.deadline, progress) if controls else []
+    if verdicts:
+        print(format_table(verdicts))
+    if results:
+        print(("\n" if verdicts else "") + "negative controls, each on its target:\n" + format_controls(results))
+    failed = [v for v in verdicts if not v.passed]
+    unrejected = [c for c in results if not c.rejected]
+    status = 1 if failed or unrejected else 0
+    print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
+          f"{list(worlds)}, precision {args.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
+    for path in filter(None, (args.json, args.battery_report)):
+        from harness.report import write_json
+
+        expected = (len(cases) + drawn) * len(recipes)
+        write_json(Path(path), report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
+                                           precision=args.precision))
+        print(f"report written to {path}")
+    for v in failed:
         _err(v.message)
-    if correct_failed:
-        _err(f"FAILED: {len(correct_failed)} check(s) of {CORRECT}: first {correct_failed[0].check} "
-             f"({correct_failed[0].scenario}, W={correct_failed[0].world_size})")
-        return 1
-    if controls_passed_all:
-        _err(f"FAILED: negative control(s) not rejected by any check: {controls_passed_all}")
-        return 1
-    if any(r != CORRECT for r in recipes):
-        print("every check holds for the correct recipe; every negative control is rejected by at least one check")
-    elif all(v.passed for v in verdicts):
-        print("every check holds")
-    return 0
-
-
-def _world_sizes(text: str) -> list[int]:
-    try:
-        worlds = [int(w) for w in text.split(",")]
-    except ValueError:
-        worlds = []
-    if not worlds or any(w < 1 or w > 8 for w in worlds):
-        msg = f"--world-sizes={text!r} must be a comma-separated list of integers between 1 and 8, e.g. 1,2,3"
-        raise SystemExit(msg)
-    return worlds
-
+    for c in unrejected:
+        _err(f"control {c.control} not rejected: {c.verdict.message}")
+    if failed:
+        first = failed[0]
+        _err(f"FAILED: {len(failed)} check(s) failed; first: {first.check} of {first.recipe} ({first.scenario}, "
+             f"W={first.world_size}, {first.precision})")
+    elif unrejected:
+        _err(f"FAILED: negative control(s) not rejected by their targeted check: "
+             f"{sorted({c.control for c in unrejected})}")
+    else:
+        print("every check holds" + ("; every negative control is rejected by its targeted check" if results else ""))
+    return status
 
 
 # ------------------------------------------------------------------------------------------------ shared plumbing
@@ -422,12 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="negative controls the battery runs (default: every one; e.g. mean_of_local_means)")
     p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("battery", help="run every check on the correct recipe and each negative control")
+    p = sub.add_parser("battery", help="judge recipes on every check; run the negative controls on their targets")
     p.add_argument("--recipe", action="append", metavar="PKG.MODULE:ATTR",
-                   help="recipe(s) to check instead of the correct one and the controls (repeatable)")
-    p.add_argument("--world-sizes", default="2", help="comma-separated world sizes (default: 2)")
-    p.add_argument("--deadline", type=float, default=10.0, help="seconds one run may take before it is called hung")
-    p.add_argument("--json", metavar="PATH", help="also write every verdict as JSON")
+                   help="a recipe under test (repeatable); default: the correct recipe, with every control")
+    p.add_argument("--controls", nargs="?", const="", metavar="NAME,...",
+                   help="run the negative controls (all, or the named ones); the default when no --recipe is given")
+    p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes (default: 1,2,3,4)")
+    p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"),
+                   help="float32 lane, float64 lane or both (default: both)")
+    p.add_argument("--deadline", type=float, default=30.0, help="seconds one run may take before it is called hung")
+    p.add_argument("--examples", type=int, default=12, help="drawn layouts per recipe (0: none; needs hypothesis)")
+    p.add_argument("--json", metavar="PATH", help="write the battery report (expected and run counts, verdicts, "
+                   "errors, exit status) as JSON")
+    p.add_argument("--battery-report", metavar="PATH", help="the same report, under pytest's option name")
     p.add_argument("-v", "--verbose", action="store_true", help="print each run as it starts")
     p.set_defaults(fn=cmd_battery)
     return parser

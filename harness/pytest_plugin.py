@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery.checks import Verdict
+from harness.battery.checks import NOT_APPLICABLE, Verdict
 from harness.recipes import RecipeError, load_recipe
 
 DEFAULT_RECIPE = "harness.recipes:global_token_mean"
@@ -38,8 +38,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--battery-report", default=None, metavar="PATH",
-        help="write every battery check's verdict (world size, precision, pass/fail, max error, tolerance ratio) "
-        "as JSON to PATH",
+        help="write the battery report as JSON to PATH: every verdict (world size, precision, pass/fail/n/a, max "
+        "error, tolerance ratio), the expected and run counts, errors outside a verdict, and pytest's exit status",
+    )
+    group.addoption(
+        "--precision", default="both", choices=("fp32", "fp64", "both"),
+        help="the battery's lanes: float32 (atol 1e-6, rtol 1e-4), the strict float64 lane, or both (default)",
+    )
+    group.addoption(
+        "--battery-world-sizes", default="1,2,3,4", metavar="W,...",
+        help="world sizes the battery runs at (default: 1,2,3,4)",
+    )
+    group.addoption(
+        "--battery-examples", default=12, type=int, metavar="N",
+        help="drawn layouts the battery's property lane checks (default: 12; each is one multi-rank launch)",
     )
 
 
@@ -53,6 +65,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--recipe: {exc}") from None
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
+    _ERRORS.clear()
+    _SESSION.clear()
 
 
 # HARNESS_REQUIRE_GPUS: harness.skips decides at collection which GPU lanes must fail instead of skipping and marks
@@ -76,26 +90,63 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(str(mark.args[0]), pytrace=False)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # How many battery checks this session should report (after -k/-m selection): the report sets it beside the
+    # verdicts that arrived.
+    config = session.config
+    expected = sum(1 for item in session.items if item.get_closest_marker("recipe") is not None)
+    _SESSION["expected"] = expected
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: every worker collects the same items; the controller reads one
+        workeroutput["battery_expected"] = expected
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    out = getattr(node, "workeroutput", None) or {}
+    if "battery_expected" in out:
+        _SESSION["expected"] = int(out["battery_expected"])
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Verdicts travel as the test report's user properties, which pytest-xdist sends from its workers to the
     # controller: so the controller alone sees every verdict, with or without -n.
+    verdicts = [value for name, value in report.user_properties if name == _PROPERTY]
     if report.when == "call":
-        for name, value in report.user_properties:
-            if name == _PROPERTY:
-                _CONTROLLER_VERDICTS.append(value)  # type: ignore[arg-type]
+        _CONTROLLER_VERDICTS.extend(verdicts)  # type: ignore[arg-type]
+    if report.failed and not verdicts and "recipe" in report.keywords:
+        # A battery test that failed outside a verdict (a fixture, a crash in the harness): the report says so.
+        text = str(report.longrepr).strip().splitlines()
+        _ERRORS.append(f"{report.nodeid} ({report.when}): {text[-1] if text else 'failed'}")
 
 
 _CONTROLLER_VERDICTS: list[dict[str, object]] = []
+_ERRORS: list[str] = []
+_SESSION: dict[str, int] = {}
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("battery_report")
     if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
         return
+    from harness.battery.table import SCHEMA
+
+    statuses = [str(v.get("status")) for v in _CONTROLLER_VERDICTS]
+    payload = {
+        "schema": SCHEMA,
+        "recipes": [session.config.getoption("recipe")],
+        "precision": session.config.getoption("precision"),
+        "expected": _SESSION.get("expected", 0),
+        "run": len(_CONTROLLER_VERDICTS),
+        "counts": {s: statuses.count(s) for s in ("pass", "fail", "n/a")},
+        "errors": list(_ERRORS),
+        "exit_status": int(exitstatus),
+        "checks": list(_CONTROLLER_VERDICTS),
+        "controls": [],
+    }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    payload = {"recipe": session.config.getoption("recipe"), "checks": list(_CONTROLLER_VERDICTS)}
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(out)
 
@@ -108,11 +159,17 @@ def recipe_path(pytestconfig: pytest.Config) -> str:
 
 @pytest.fixture
 def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
-    """Record a verdict for ``--battery-report`` and fail the test with its message unless it passed."""
+    """Record a verdict for ``--battery-report``; fail the test with its message when it failed (with every rank's
+    whole report under ``-v``), skip it when the check does not apply."""
 
     def check(verdict: Verdict) -> None:
         request.node.user_properties.append((_PROPERTY, verdict.to_dict()))
+        if verdict.status == NOT_APPLICABLE:
+            pytest.skip(verdict.message)
         if not verdict.passed:
-            pytest.fail(verdict.message, pytrace=False)
+            message = verdict.message
+            if verdict.details and request.config.get_verbosity() > 0:
+                message += "\n\nevery rank's report:\n" + verdict.details
+            pytest.fail(message, pytrace=False)
 
     return check

@@ -8,14 +8,18 @@ over ranks) and ``window`` this rank's microbatches for one optimizer step. It m
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from harness.batching import Microbatch
+from harness.batching import IGNORE_INDEX, Microbatch
 from harness.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
 
 
@@ -181,6 +185,236 @@ class LocalLoggedLoss:
         return local / max(sum(mb.supervised for mb in window), 1)
 
 
+class PerMicrobatchMean:
+    """Each microbatch's own token mean (``reduction="mean"``), divided by the microbatch count: the loop most
+    tutorials write. Every microbatch weighs the same whatever its token count, and DDP averages the ranks."""
+
+    name = "per_microbatch_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        window_count(window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX)
+                (loss / len(window)).backward()
+        return None
+
+
+class TwoMicrobatchLoop:
+    """Written for windows of exactly two microbatches: the first under ``no_sync()``, then the last. Right at k=2;
+    a one-microbatch window counts its only microbatch twice, and a longer one drops the middle."""
+
+    name = "two_microbatch_loop"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        first, last = window[0], window[-1]
+        with model.no_sync():  # type: ignore[operator]
+            global_token_loss(loss_sum(model(first.inputs), first.labels), total, world).backward()
+        global_token_loss(loss_sum(model(last.inputs), last.labels), total, world).backward()
+        return None
+
+
+class SyncKeyedToFirstMicrobatch:
+    """Enters ``no_sync()`` for "the first microbatch" instead of "all but the last": k-1 synchronizations, which is
+    the right count only when k=2 (k=1 never synchronizes at all)."""
+
+    name = "sync_keyed_to_first_microbatch"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        for i, mb in enumerate(window):
+            with model.no_sync() if i == 0 else contextlib.nullcontext():  # type: ignore[operator]
+                global_token_loss(loss_sum(model(mb.inputs), mb.labels), total, world).backward()
+        return None
+
+
+class CountFromOneMicrobatch:
+    """Estimates the window's count as (first microbatch's count) x (number of microbatches): right only when every
+    microbatch of a rank holds the same number of supervised tokens."""
+
+    name = "count_from_one_microbatch"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total = global_count(window[0].supervised * len(window))
+        check_global_count(total)
+        accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))
+        return None
+
+
+class CachedCount:
+    """Computes the global count on its first window and keeps it on the recipe: every later window is normalized
+    by the first window's count."""
+
+    name = "cached_count"
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        if self.total is None:
+            self.total = window_count(window)
+        total = self.total
+        accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))
+        return None
+
+
+class FixedAccumulationSteps:
+    """Loops over ``range(accumulation_steps)`` from its own configuration (4) instead of over the window: a window
+    of five microbatches loses its fifth, silently."""
+
+    name = "fixed_accumulation_steps"
+    accumulation_steps = 4
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        used = [mb for _, mb in zip(range(self.accumulation_steps), window)]
+        total = global_count(sum(mb.supervised for mb in used))
+        check_global_count(total)
+        accumulate(model, used, lambda s: global_token_loss(s, total, _world_size()))
+        return None
+
+
+class FirstMicrobatchNeverSyncs:
+    """Decides "first microbatch: enter no_sync" before "last microbatch: synchronize": right for every window of two
+    or more, but a one-microbatch window (a short final window) never synchronizes its gradients."""
+
+    name = "first_microbatch_never_syncs"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        for i, mb in enumerate(window):
+            if i == 0:
+                ctx = model.no_sync()  # type: ignore[operator]
+            elif i == len(window) - 1:
+                ctx = contextlib.nullcontext()
+            else:
+                ctx = model.no_sync()  # type: ignore[operator]
+            with ctx:
+                global_token_loss(loss_sum(model(mb.inputs), mb.labels), total, world).backward()
+        return None
+
+
+def _masked_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood masked by *multiplication*, as hand-written losses (RL, preference tuning)
+    often do: gather the target's log-probability, then ``* mask``. Right where a denominator is non-zero; divided by
+    zero, the masked positions' ``0 * inf`` turns every gradient into NaN (``F.cross_entropy`` with ``ignore_index``
+    would have zeroed them instead)."""
+    mask = (labels != IGNORE_INDEX).to(logits.dtype)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return -logp * mask
+
+
+class NanOnEmptyRank:
+    """Takes this rank's masked token mean and rescales it by ``local * W / N``: the correct gradient, except on a rank
+    without supervised tokens, where the mean divides by zero and DDP spreads the NaN gradient to every rank."""
+
+    name = "nan_on_empty_rank"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        local = sum(mb.supervised for mb in window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                rank_mean = _masked_token_losses(logits, mb.labels).sum() / torch.tensor(float(local))
+                (rank_mean * (local * world / total)).backward()
+        return None
+
+
+class NanOnEmptyMicrobatch:
+    """Guards a rank without tokens, but not a microbatch without tokens: each microbatch's masked mean (0/0 over no
+    token) is rescaled by its count, and its NaN gradient reaches every weight."""
+
+    name = "nan_on_empty_microbatch"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        local = sum(mb.supervised for mb in window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                if local == 0:
+                    loss = logits.sum() * 0.0  # the rank-level guard: keeps the backward (and DDP's sync) going
+                else:
+                    mean = _masked_token_losses(logits, mb.labels).sum() / torch.tensor(float(mb.supervised))
+                    loss = mean * (mb.supervised * world / total)
+                loss.backward()
+        return None
+
+
+class SilentEmptyWindow:
+    """Right on every window with tokens; on a window without any it backpropagates zero and returns, so a training
+    loop steps its optimizer (momentum, weight decay, the schedule) on nothing."""
+
+    name = "silent_empty_window"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = global_count(sum(mb.supervised for mb in window)), _world_size()
+        accumulate(model, window, lambda s: s * (world / max(total, 1)))
+        return None
+
+
+class NanGradientsThenRaise:
+    """Backpropagates first and checks the count after: its masked token loss is divided by the all-reduced count
+    tensor, which is right on every window with tokens; on a window without any it raises the contract's ValueError,
+    but only after 0/0 has left NaN in ``.grad`` for the next window to add to."""
+
+    name = "nan_gradients_then_raise"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        count = torch.tensor(float(sum(mb.supervised for mb in window)), dtype=torch.float64, device=count_device())
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        world = _world_size()
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                s = _masked_token_losses(logits, mb.labels).sum()
+                (s * world / count.to(s.device, s.dtype)).backward()
+        check_global_count(int(count))
+        return None
+
+
+class PythonRandomShuffle:
+    """Shuffles the microbatch order with Python's global ``random``: the gradient is unchanged, but the caller's
+    random stream (its data order, its augmentation) is not."""
+
+    name = "python_random_shuffle"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        order = list(window)
+        random.shuffle(order)
+        total = window_count(order)
+        accumulate(model, order, lambda s: global_token_loss(s, total, _world_size()))
+        return None
+
+
+class NumpyRandomDraw:
+    """Draws a keep mask from numpy's global generator (and ignores it): the caller's numpy stream moves."""
+
+    name = "numpy_random_draw"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        np.random.rand(len(window))
+        return GlobalTokenMean().backward_window(model, window)
+
+
+class TorchRandomDraw:
+    """Permutes the microbatches with ``torch.randperm`` on the global generator: the caller's torch stream moves."""
+
+    name = "torch_random_draw"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        order = [window[int(i)] for i in torch.randperm(len(window))]
+        return GlobalTokenMean().backward_window(model, order)
+
+
+def _sync_last(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
+    """``no_sync()`` for every microbatch but the last (forward and backward inside it)."""
+    return contextlib.nullcontext() if i == n - 1 else model.no_sync()  # type: ignore[operator]
+
+
 mean_of_local_means = MeanOfLocalMeans()
 extra_microbatch_division = ExtraMicrobatchDivision()
 no_world_size_factor = NoWorldSizeFactor()
@@ -189,54 +423,142 @@ never_no_sync = NeverNoSync()
 float32_loss = Float32Loss()
 local_logged_loss = LocalLoggedLoss()
 
-NEGATIVE_CONTROLS = (
-    "mean_of_local_means",
-    "extra_microbatch_division",
-    "no_world_size_factor",
-    "skip_backward_when_empty",
-    "never_no_sync",
-    "float32_loss",
-    "local_logged_loss",
-)
-"""Attribute names in this module of every negative control (``harness.recipes:<name>``)."""
+per_microbatch_mean = PerMicrobatchMean()
+two_microbatch_loop = TwoMicrobatchLoop()
+sync_keyed_to_first_microbatch = SyncKeyedToFirstMicrobatch()
+count_from_one_microbatch = CountFromOneMicrobatch()
+cached_count = CachedCount
+"""A class, not an instance: its state lives on the object, and each rank builds its own (load_recipe builds it)."""
+fixed_accumulation_steps = FixedAccumulationSteps()
+first_microbatch_never_syncs = FirstMicrobatchNeverSyncs()
+nan_on_empty_rank = NanOnEmptyRank()
+nan_on_empty_microbatch = NanOnEmptyMicrobatch()
+silent_empty_window = SilentEmptyWindow()
+nan_gradients_then_raise = NanGradientsThenRaise()
+python_random_shuffle = PythonRandomShuffle()
+numpy_random_draw = NumpyRandomDraw()
+torch_random_draw = TorchRandomDraw()
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a negative control must be rejected: the check, the scenario and the precision that see its mistake,
+    and how the mistake shows (``"numbers"``: the check's own comparison fails; ``"desync"``: ranks stop matching
+    collectives, and the run is stopped with the rank that left)."""
+
+    check: str
+    scenario: str
+    precision: str = "fp32"
+    shows_as: str = "numbers"
+
+
+CONTROLS: dict[str, Target] = {
+    "mean_of_local_means": Target("parity", "uneven"),
+    "extra_microbatch_division": Target("parity", "long"),
+    "no_world_size_factor": Target("parity", "uneven"),
+    "per_microbatch_mean": Target("parity", "uneven"),
+    "skip_backward_when_empty": Target("parity", "one_empty", shows_as="desync"),
+    "never_no_sync": Target("one_sync", "uneven"),
+    "float32_loss": Target("parity", "uneven", precision="fp64"),
+    "local_logged_loss": Target("logged_loss", "uneven"),
+    "two_microbatch_loop": Target("parity", "long"),
+    "sync_keyed_to_first_microbatch": Target("one_sync", "long"),
+    "count_from_one_microbatch": Target("parity", "uneven"),
+    "cached_count": Target("parity", "varying"),
+    "fixed_accumulation_steps": Target("parity", "long"),
+    "first_microbatch_never_syncs": Target("one_sync", "single"),
+    "nan_on_empty_rank": Target("parity", "one_empty"),
+    "nan_on_empty_microbatch": Target("parity", "sparse"),
+    "silent_empty_window": Target("empty_window", "all_empty"),
+    "nan_gradients_then_raise": Target("empty_window", "all_empty"),
+    "python_random_shuffle": Target("hygiene", "uneven"),
+    "numpy_random_draw": Target("hygiene", "uneven"),
+    "torch_random_draw": Target("hygiene", "uneven"),
+}
+"""Every negative control in this module (``harness.recipes:<name>``) and where the battery must reject it."""
+
+NEGATIVE_CONTROLS = tuple(CONTROLS)
+
+SCENARIO_CONTROLS = {
+    "single": "first_microbatch_never_syncs",
+    "long": "fixed_accumulation_steps",
+    "varying": "cached_count",
+    "sparse": "nan_on_empty_microbatch",
+    "one_empty": "nan_on_empty_rank",
+    "all_empty": "silent_empty_window",
+}
+"""For each scenario but the base one (``uneven``), the control that only that scenario catches: it passes every
+other scenario of the battery (``tests/distributed/test_negative_controls.py`` shows both)."""
 
 
 class RecipeError(ValueError):
-    """A ``--recipe`` path that cannot be imported or whose object does not satisfy the contract."""
+    """A recipe that cannot be loaded: a bad import path, an import error, a factory that raised, or an object that
+    does not satisfy the contract (``backward_window`` and ``name``)."""
 
 
-def load_recipe(path: str) -> Recipe:
-    """Resolve ``package.module:attr`` (an instance, or a zero-argument callable returning one) and check its shape."""
-    import importlib
+_FIX = "the recipe contract wants an instance, a class or a zero-argument factory whose result has "\
+       "backward_window(model, window) and a str name (see the README's recipe contract)"
 
+
+def split_recipe_path(path: str) -> tuple[str, str]:
+    """``"package.module:attr"`` -> ``("package.module", "attr")``; RecipeError naming the fix otherwise."""
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
         msg = f"recipe={path!r} must look like 'package.module:attr' (for example harness.recipes:global_token_mean)"
         raise RecipeError(msg)
-    module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        msg = f"recipe={path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
-        raise RecipeError(msg) from exc
-    obj: object = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            msg = f"recipe={path!r}: {module_name!r} has no attribute {attr!r}"
-            raise RecipeError(msg)
-        obj = getattr(obj, part)
-    if not hasattr(obj, "backward_window") and callable(obj):
+    module, attr = path.split(":")
+    return module, attr
+
+
+def load_recipe(spec: object = None) -> Recipe:
+    """The one recipe loader: ``spec`` is ``"package.module:attr"`` or the object itself (None: the correct recipe).
+
+    The object may be an instance, a class (instantiated with no argument) or a zero-argument factory (called); the
+    result must have a callable ``backward_window`` and a str ``name``, and may have an optional ``setup()`` that the
+    harness calls on every rank inside the process group before the first window. Every failure is a
+    :class:`RecipeError` naming the path and the fix, raised before any rank starts.
+    """
+    import importlib
+
+    if spec is None:
+        return global_token_mean
+    where = repr(spec)
+    obj: object = spec
+    attr = getattr(spec, "__name__", type(spec).__name__)
+    if isinstance(spec, str):
+        module_name, attr = split_recipe_path(spec)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            msg = (f"recipe={spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
+                   "(is the package installed, or its folder on PYTHONPATH?)")
+            raise RecipeError(msg) from exc
+        obj = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                msg = f"recipe={spec!r}: {module_name!r} has no attribute {attr!r}; {_FIX}"
+                raise RecipeError(msg)
+            obj = getattr(obj, part)
+    # A class is built even though it has a backward_window attribute (an unbound function would crash every rank).
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "backward_window")):
         try:
             obj = obj()
         except Exception as exc:
-            msg = f"recipe={path!r}: calling {attr}() to build the recipe failed: {type(exc).__name__}: {exc}"
+            msg = (f"recipe={where}: calling {attr}() to build the recipe failed: {type(exc).__name__}: {exc}; "
+                   f"{_FIX}")
             raise RecipeError(msg) from exc
     if not callable(getattr(obj, "backward_window", None)):
-        msg = (
-            f"recipe={path!r}: {type(obj).__name__} has no backward_window(model, window) method; "
-            "see the recipe contract in the README"
-        )
+        msg = f"recipe={where}: {type(obj).__name__} has no backward_window(model, window) method; {_FIX}"
         raise RecipeError(msg)
     if not isinstance(getattr(obj, "name", None), str):
-        msg = f"recipe={path!r}: {type(obj).__name__} needs a `name` attribute (a str) for reports"
+        msg = f"recipe={where}: {type(obj).__name__} needs a `name` attribute (a str) for reports; {_FIX}"
+        raise RecipeError(msg)
+    setup = getattr(obj, "setup", None)
+    if setup is not None and not callable(setup):
+        msg = f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument, or absent"
         raise RecipeError(msg)
     return obj  # type: ignore[return-value]
+
+
+def recipe_module(spec: object) -> str | None:
+    """The module a ``"package.module:attr"`` recipe lives in (for the launcher to preload), else None."""
+    return split_recipe_path(spec)[0] if isinstance(spec, str) else None

@@ -525,7 +525,8 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 
     ``controls`` limits the battery's negative controls (default: every one in ``harness.recipes.NEGATIVE_CONTROLS``).
     """
-    from harness.battery.table import format_table, run_table
+    from harness.battery import plan
+    from harness.battery.table import format_controls, format_table, run_cases, run_controls
     from harness.recipes import NEGATIVE_CONTROLS
 
     chosen = list(NEGATIVE_CONTROLS if controls is None else controls)
@@ -568,25 +569,19 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
     report.checks.append(Check("mean-of-means control rejected", not bad["passed"],
                                f"max abs error {bad['max_abs_error']:.3e}, {bad['over_tolerance']} over tolerance"))
 
-    step(4, "battery: the correct recipe and every negative control at W=2")
-    recipes = [CORRECT, *(f"harness.recipes:{n}" for n in chosen)]
-    seen: set[str] = set()
-
-    def battery_progress(message: str) -> None:
-        # run_table reports every row (88 of them); one line per recipe is enough to show the step is alive.
-        name = message.split(":")[0]
-        if name not in seen:
-            seen.add(name)
-            progress(f"  battery: {name} ({len(seen)}/{len(recipes)})")
-
-    verdicts = run_table(recipes, [2], 30.0, progress=battery_progress)
-    r["battery"] = {"table": format_table(verdicts), "verdicts": [v.to_dict() for v in verdicts]}
-    correct_failed = [v.check + f" ({v.scenario})" for v in verdicts if v.recipe == CORRECT and not v.passed]
-    unrejected = [rc.split(":")[-1] for rc in recipes[1:] if all(v.passed for v in verdicts if v.recipe == rc)]
+    step(4, "battery: the correct recipe on every case at W=2, every negative control on its target")
+    progress(f"  battery: {CORRECT.split(':')[-1]}")
+    verdicts = run_cases(CORRECT, plan.cases([2]))
+    progress(f"  battery: {len(chosen)} negative control(s)")
+    controls_run = run_controls(chosen, [2])
+    r["battery"] = {"table": format_table(verdicts) + "\n\n" + format_controls(controls_run),
+                    "verdicts": [v.to_dict() for v in verdicts], "controls": [c.to_dict() for c in controls_run]}
+    correct_failed = [f"{v.check} ({v.scenario}, {v.precision})" for v in verdicts if not v.passed]
+    unrejected = [c.control for c in controls_run if not c.rejected]
     report.checks.append(Check("battery: correct recipe passes every check", not correct_failed,
                                "every check holds" if not correct_failed else f"failed: {correct_failed}"))
     report.checks.append(Check("battery: every negative control rejected", not unrejected,
-                               "each control fails at least one check" if not unrejected
+                               "each control fails its targeted check" if not unrejected
                                else f"not rejected: {unrejected}"))
 
     step(5, f"stop at {config.stop_at}, continuous to {config.updates}, resume {config.stop_at} -> {config.updates}")

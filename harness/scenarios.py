@@ -2,12 +2,17 @@
 
 ``windows[k][rank][microbatch]``: k indexes consecutive optimizer steps. Every rank always has the same number of
 microbatches in a window (the recipe contract), but not the same number of rows, lengths or supervised tokens.
+
+Each scenario exists for a mistake the others cannot see; ``harness.recipes.SCENARIO_CONTROLS`` names, for each one,
+a negative control that passes every other scenario and fails that one
+(``tests/distributed/test_negative_controls.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import torch
@@ -22,29 +27,82 @@ Windows = list[list[list[Microbatch]]]
 BATTERY_CONFIG = Config(dropout=0.0)
 """The battery's model and data: the minimum config's, with dropout 0 (the contract's train-mode-without-noise)."""
 
+MAX_WORLD_SIZE = 4
+"""The largest world size the battery's scenarios are built for (the corpus's length bands hold enough rows)."""
+
 
 @lru_cache(maxsize=4)
 def _corpus(config: Config) -> tuple[Row, ...]:
     return tuple(make_corpus(config))
 
 
-def _plan_windows(world_size: int, steps: int, config: Config = BATTERY_CONFIG) -> Windows:
-    rows = _corpus(config)
-    plan = make_plan(rows, config, world_size=world_size, steps=steps)
-    return [[[collate([rows[i] for i in ids]) for ids in rank_ids] for rank_ids in step] for step in plan]
+def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | None = None,
+                 seed_offset: int = 0) -> Windows:
+    """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
+    the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts."""
+    config = dataclasses.replace(
+        BATTERY_CONFIG, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
+        batch_size_per_rank=rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank,
+    )
+    rows = _corpus(BATTERY_CONFIG)
+    plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
+    return [[[collate([rows[i] for i in ids]) for ids in rank_ids[:k]] for rank_ids in step]
+            for step, k in zip(plan, microbatches)]
 
 
-def _unsupervised(mb: Microbatch) -> Microbatch:
+def unsupervised(mb: Microbatch) -> Microbatch:
+    """The same rows with no supervised position: they still run forward and backward, but count for nothing."""
     return Microbatch(mb.inputs, torch.full_like(mb.labels, IGNORE_INDEX))
 
 
 def uneven(world_size: int) -> Windows:
-    """One window of the plan: rank r draws from the r-th length band, with prompts and padding."""
-    return _plan_windows(world_size, 1)
+    """The base window: two microbatches per rank, rank r in the r-th length band (seed 000's uneven ranks)."""
+    return plan_windows(world_size, [2])
+
+
+def single(world_size: int) -> Windows:
+    """One microbatch per rank: first and last at once (a short final window)."""
+    return plan_windows(world_size, [1], seed_offset=1)
+
+
+def long(world_size: int) -> Windows:
+    """Five microbatches per rank, each with its own token count: a loop written for two shows here."""
+    return plan_windows(world_size, [5], rows_per_microbatch=2, seed_offset=2)
+
+
+def varying(world_size: int) -> Windows:
+    """Three windows of 3, 2 and 3 microbatches with different counts, one recipe object and SGD steps between."""
+    return plan_windows(world_size, [3, 2, 3], rows_per_microbatch=2, seed_offset=3)
+
+
+def sparse(world_size: int) -> Windows:
+    """Four microbatches per rank; microbatch 1 holds no supervised token on any rank, and on rank 1 (rank 0 at W=1)
+    neither does the last one. No rank is empty as a whole."""
+    window = plan_windows(world_size, [4], rows_per_microbatch=2, seed_offset=4)[0]
+    for rank in window:
+        rank[1] = unsupervised(rank[1])
+    last_empty = 1 if world_size > 1 else 0
+    window[last_empty][-1] = unsupervised(window[last_empty][-1])
+    return [window]
+
+
+def one_empty(world_size: int) -> Windows:
+    """The uneven window with no supervised token on rank 0 (its rows still run forward and backward)."""
+    window = uneven(world_size)[0]
+    window[0] = [unsupervised(mb) for mb in window[0]]
+    return [window]
+
+
+def all_empty(world_size: int) -> Windows:
+    """The uneven window with no supervised token on any rank: the global token mean is undefined."""
+    return [[[unsupervised(mb) for mb in rank] for rank in uneven(world_size)[0]]]
 
 
 def balanced(world_size: int) -> Windows:
-    """One window where every rank holds exactly the same supervised count (different rows of equal shape)."""
+    """One window where every rank holds exactly the same supervised count (different rows of equal shape).
+
+    Not a battery scenario: it is where the mean of local means is right, kept to show why equal counts prove nothing.
+    """
     config = BATTERY_CONFIG
     groups: dict[tuple[int, int], list[Row]] = defaultdict(list)
     for r in _corpus(config):
@@ -60,47 +118,29 @@ def balanced(world_size: int) -> Windows:
     return [[[collate([slots[m * bs + b][rank] for b in range(bs)]) for m in range(acc)] for rank in range(world_size)]]
 
 
-def one_empty(world_size: int) -> Windows:
-    """The uneven window with no supervised token on rank 0 (its rows still run forward and backward)."""
-    window = uneven(world_size)[0]
-    window[0] = [_unsupervised(mb) for mb in window[0]]
-    return [window]
-
-
-def all_empty(world_size: int) -> Windows:
-    """The uneven window with no supervised token on any rank: the global token mean is undefined."""
-    return [[[_unsupervised(mb) for mb in rank] for rank in uneven(world_size)[0]]]
-
-
-def consecutive(world_size: int) -> Windows:
-    """Three consecutive windows of the plan, with different token counts in each."""
-    return _plan_windows(world_size, 3)
-
-
-def short_final(world_size: int) -> Windows:
-    """Three windows whose last one holds one microbatch per rank instead of two."""
-    windows = _plan_windows(world_size, 3)
-    windows[-1] = [rank[:1] for rank in windows[-1]]
-    return windows
-
-
 SCENARIOS: dict[str, Callable[[int], Windows]] = {
     "uneven": uneven,
-    "balanced": balanced,
+    "single": single,
+    "long": long,
+    "varying": varying,
+    "sparse": sparse,
     "one_empty": one_empty,
     "all_empty": all_empty,
-    "consecutive": consecutive,
-    "short_final": short_final,
+    "balanced": balanced,
 }
+
+BATTERY_SCENARIOS = ("uneven", "single", "long", "varying", "sparse", "one_empty", "all_empty")
+"""The scenarios every recipe under test runs through (``balanced`` only documents a blind spot)."""
+
+MULTI_RANK_ONLY = frozenset({"one_empty"})
+"""Scenarios that need two ranks or more (one empty rank of one is every rank: that is ``all_empty``)."""
 
 
 def build(name: str, world_size: int) -> Windows:
     if name not in SCENARIOS:
         msg = f"scenario={name!r} is not one of {sorted(SCENARIOS)}"
         raise ValueError(msg)
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        msg = f"world_size={world_size!r} must be between 1 and {MAX_WORLD_SIZE} for the battery's scenarios"
+        raise ValueError(msg)
     return SCENARIOS[name](world_size)
-
-
-def token_counts(windows: Windows) -> list[list[int]]:
-    """Supervised tokens per window and rank."""
-    return [[sum(mb.supervised for mb in rank) for rank in window] for window in windows]

@@ -16,7 +16,6 @@ forgets one is caught by the bitwise comparison at the last step:
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import signal
@@ -37,7 +36,7 @@ from harness.corpus import data_lock, make_corpus
 from harness.evaluation import evaluate_model, write_eval
 from harness.model import build_model
 from harness.plan import make_plan
-from harness.recipes import Recipe, global_token_mean
+from harness.recipes import Recipe, load_recipe
 
 RESUME_BUGS = ("reseed", "drop_optimizer", "rank0_rng", "restart_plan")
 """Negative controls: re-seed the RNGs instead of restoring them; do not load the optimizer state; restore rank 0's
@@ -165,23 +164,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 # ----------------------------------------------------------------------------------------------------- the loop
 
 
-def resolve_recipe(recipe: Recipe | str | None) -> Recipe:
-    """A recipe instance, or ``"package.module:attr"`` naming an instance or a zero-argument factory."""
-    if recipe is None:
-        return global_token_mean
-    if isinstance(recipe, str):
-        module, _, attr = recipe.partition(":")
-        if not module or not attr:
-            msg = f"recipe={recipe!r} must be an import path 'package.module:attr'"
-            raise ValueError(msg)
-        obj = getattr(importlib.import_module(module), attr)
-        recipe = obj if hasattr(obj, "backward_window") else obj()
-    if not isinstance(recipe, Recipe):
-        msg = f"recipe={recipe!r} has no backward_window(model, window) and name; see harness.recipes.Recipe"
-        raise TypeError(msg)
-    return recipe
-
-
 def _device(device: str | None = None) -> torch.device:
     """``device=None`` picks from the backend: NCCL reduces CUDA tensors only, so it means this rank's GPU; under
     gloo the trainer stays on the CPU (where its ops are deterministic) unless asked for ``"cuda"``: then the current
@@ -240,7 +222,7 @@ def run(
         msg = f"{FAULT_ENV}: step={fault.step} writes no checkpoint, so point={fault.point!r} would never be reached"
         raise ValueError(msg)
     say = log if log is not None else (print if rank == 0 else (lambda _m: None))
-    the_recipe = resolve_recipe(recipe)
+    the_recipe = load_recipe(recipe)  # a usage error names the path and the fix before anything is built
     device = _device(device_choice)
 
     rows = make_corpus(config)
@@ -252,6 +234,9 @@ def run(
     module = build_model(config, dropout=config.dropout).to(device)
     model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
     model.train()
+    setup = getattr(the_recipe, "setup", None)
+    if setup is not None:
+        setup()  # the recipe's per-rank objects that need the process group (an Accelerator, a device mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinearDecay(config.warmup, config.updates))
 

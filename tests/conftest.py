@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+# Recipes written as users write them (tests/user_recipes) are imported by ranks as ``user_recipes.<module>``: the
+# folder must be on sys.path before the launcher's forkserver starts, which copies sys.path once.
+_TESTS = str(Path(__file__).parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +48,4 @@ def _no_leaks() -> Iterator[None]:
         problems.append("the global numpy RNG state changed")
     if problems:
         pytest.fail("; ".join(problems))
+

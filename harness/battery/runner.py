@@ -1,23 +1,28 @@
 """Run a recipe on real ranks over a scenario's windows, and compute the single-device reference beside it.
 
-Rank side (:func:`rank_body`): the model wrapped in DDP with the harness's counting hook, the recipe's
-``backward_window`` per window, then what every check needs: the synchronized gradient, the parameters after an SGD
-step, the synchronization count, the logged loss, and whether the recipe touched the RNG state or the model's mode.
-Parent side (:func:`run`): the launch with a deadline, the reference chain, and a cache so that the checks sharing a
-run (parity, rank agreement, sync count, logged loss) launch it once.
+Rank side (:func:`rank_body`): the model wrapped in DDP with the harness's counting hook, the recipe's optional
+``setup()``, its ``backward_window`` per window, then what every check needs: the synchronized gradient, the weights
+before and after, the synchronization count, the logged loss, what the recipe left when it refused a window, and
+which global random generators or settings it touched. Parent side (:func:`run`): the launch with a deadline, the
+reference chain, and a cache so that the checks sharing a run launch it once.
 """
 
 from __future__ import annotations
 
+import os
+import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from harness import scenarios
+from harness import launcher, scenarios
 from harness.batching import Microbatch
 from harness.compare import flat_grad, flat_params
 from harness.launcher import LaunchError, launch
+from harness.loss import loss_sum
 from harness.model import build_model
+from harness.recipes import recipe_module
 from harness.reference import Reference, reference_gradient
 
 LR = 0.1
@@ -25,6 +30,11 @@ LR = 0.1
 
 DEADLINE = 30.0
 """Seconds one battery run may take; a recipe that hangs is reported at this deadline, never waited on longer."""
+
+LOCKSTEP_GRACE = 2.0
+"""Seconds a rank may lag behind a peer that finished (or refused) the same window before the run is stopped as a
+desync: every window ends in a collective (DDP's synchronization, or the count), so ranks finish it together unless
+one of them left a collective unmatched."""
 
 PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -36,13 +46,21 @@ class WindowRecord:
     grad: torch.Tensor | None
     params_before: torch.Tensor
     params_after: torch.Tensor
+    """After the harness's SGD step; after the recipe alone when it refused the window (no step is taken then)."""
     syncs: int
     logged: float | None
     error: str | None
     """``"ValueError: ..."`` when the recipe raised ValueError (the contract's answer to an empty window)."""
-    rng_changed: bool
     mode_changed: bool
     grad_dtypes: tuple[str, ...]
+    rng_changed: tuple[str, ...] = ()
+    """The global generators the recipe moved: "python random", "numpy", "torch CPU", "torch CUDA"."""
+    grads_left: str = "none"
+    """The ``.grad`` the recipe left: "none", "zero", "nonzero" or "nonfinite"."""
+    weights_touched: float = 0.0
+    """Largest change the recipe itself made to a weight during the call (the harness steps only after it)."""
+    notes: tuple[str, ...] = ()
+    """Global settings the recipe changed that cannot change a gradient (thread count, environment variables)."""
 
 
 @dataclass(frozen=True)
@@ -58,15 +76,64 @@ class Run:
     """``records[rank][window]``; None when the run failed (see ``failure``)."""
     references: list[Reference | None] = field(default_factory=list)
     failure: LaunchError | None = None
+    init_seed: int | None = None
+    """The seed of the model's initial weights (None: the battery config's)."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
         return f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
 
+    def model(self) -> torch.nn.Module:
+        """A fresh single-device model with this run's initial weights and precision."""
+        return build_model(scenarios.BATTERY_CONFIG, seed=self.init_seed).to(PRECISIONS[self.precision])
 
-def rank_body(
-    recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean"
-) -> list[WindowRecord]:
+
+def _rng_states() -> dict[str, object]:
+    states: dict[str, object] = {
+        "python random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch CPU": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch CUDA"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))  # type: ignore[arg-type]
+    return a == b
+
+
+def _moved(before: dict[str, object], after: dict[str, object]) -> tuple[str, ...]:
+    return tuple(name for name in after if name not in before or not _same(before[name], after[name]))
+
+
+def _settings_notes(threads: int, env: dict[str, str]) -> tuple[str, ...]:
+    notes = []
+    if torch.get_num_threads() != threads:
+        notes.append(f"intra-op threads {threads} -> {torch.get_num_threads()}")
+    changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+    if changed:
+        notes.append("environment variables changed: " + ", ".join(changed))
+    return tuple(notes)
+
+
+def _grads_left(model: torch.nn.Module) -> str:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return "none"
+    if not all(bool(torch.isfinite(g).all()) for g in grads):
+        return "nonfinite"
+    return "nonzero" if any(bool(g.any()) for g in grads) else "zero"
+
+
+def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean",
+              init_seed: int | None = None) -> list[WindowRecord]:
     """Runs on every rank: the recipe under DDP with the counting hook, window after window."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -77,17 +144,20 @@ def rank_body(
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     recipe = load_recipe(recipe_path)
-    model = build_model(scenarios.BATTERY_CONFIG).to(PRECISIONS[precision]).to(dev)
+    model = build_model(scenarios.BATTERY_CONFIG, seed=init_seed).to(PRECISIONS[precision]).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     counter = attach(ddp, reduction)
     ddp.train()
+    setup = getattr(recipe, "setup", None)
+    if setup is not None:
+        setup()
     records = []
-    for window in windows:
+    for k, window in enumerate(windows):
         mine: list[Microbatch] = [mb.to(dev) for mb in window[rank]]
         for p in model.parameters():
             p.grad = None
         before = flat_params(model)
-        rng = torch.get_rng_state()
+        rngs, threads, env = _rng_states(), torch.get_num_threads(), dict(os.environ)
         counter.syncs = 0
         error = None
         logged = None
@@ -96,7 +166,11 @@ def rank_body(
             logged = None if out is None else float(out)
         except ValueError as exc:
             error = f"ValueError: {exc}"
+        launcher.progress(k, f"window {k}: refused it ({error})" if error else f"window {k}: done")
+        moved, notes = _moved(rngs, _rng_states()), _settings_notes(threads, env)
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
+        left = _grads_left(model)
+        touched = float((flat_params(model) - before).abs().max()) if before.numel() else 0.0
         grad = flat_grad(model) if error is None else None
         if error is None:
             with torch.no_grad():
@@ -106,8 +180,8 @@ def rank_body(
         records.append(
             WindowRecord(
                 grad=grad, params_before=before, params_after=flat_params(model), syncs=counter.syncs,
-                logged=logged, error=error, rng_changed=not torch.equal(rng, torch.get_rng_state()),
-                mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
+                logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
+                rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes,
             )
         )
         if error is not None:
@@ -116,9 +190,9 @@ def rank_body(
     return records
 
 
-def reference_chain(windows: scenarios.Windows, precision: str) -> list[Reference | None]:
+def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None) -> list[Reference | None]:
     """The single-device gradient of each window, stepping the same SGD between windows (None: no token at all)."""
-    model = build_model(scenarios.BATTERY_CONFIG).to(PRECISIONS[precision])
+    model = build_model(scenarios.BATTERY_CONFIG, seed=init_seed).to(PRECISIONS[precision])
     refs: list[Reference | None] = []
     for window in windows:
         if sum(mb.supervised for rank in window for mb in rank) == 0:
@@ -135,13 +209,32 @@ def reference_chain(windows: scenarios.Windows, precision: str) -> list[Referenc
     return refs
 
 
-_CACHE: dict[tuple[str, str, int, str, str, str, str], Run] = {}
+def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
+    """The global token mean of ``window`` at the weights ``params`` (flat, model order): what a logged loss must be
+    when the recipe started the window from those weights, right or wrong."""
+    model = run.model()
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(params[offset : offset + n].view_as(p))
+            offset += n
+        total, count = 0.0, 0
+        for rank in run.windows[window]:
+            for mb in rank:
+                total += float(loss_sum(model(mb.inputs), mb.labels))
+                count += mb.supervised
+    return total / count
+
+
+_CACHE: dict[tuple[object, ...], Run] = {}
+
 
 
 def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, device: str = "cpu",
         backend: str = "gloo", deadline: float = DEADLINE, reduction: str = "mean") -> Run:
     """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
-    key = (recipe, scenario, world_size, precision, device, backend, reduction)
+    key = (recipe, scenario, world_size, precision, device, backend, deadline, reduction)
     if key not in _CACHE:
         windows = scenarios.build(scenario, world_size)
         _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, device=device, backend=backend,
@@ -151,10 +244,11 @@ def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *,
 
 def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32", *, scenario: str = "custom",
                 device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
-                reduction: str = "mean") -> Run:
+                reduction: str = "mean", init_seed: int | None = None, env: dict[str, str] | None = None) -> Run:
     """Launch ``recipe`` on explicit ``windows[k][rank][microbatch]`` (world size = ranks per window); not cached.
 
-    ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default).
+    ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
+    ``init_seed`` draws other initial weights (the same on every rank and in the reference).
     """
     if precision not in PRECISIONS:
         msg = f"precision={precision!r} must be one of {sorted(PRECISIONS)}"
@@ -163,17 +257,16 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
         msg = "windows must be a non-empty list of windows with the same number of ranks each"
         raise ValueError(msg)
     world_size = len(windows[0])
-    references = reference_chain(windows, precision)
+    references = reference_chain(windows, precision, init_seed)
+    module = recipe_module(recipe)
     try:
-        records = launch(rank_body, world_size, recipe, windows, precision, device, reduction, deadline=deadline,
-                         backend=backend, device=device)
-        return Run(recipe, scenario, world_size, precision, windows, records, references)
+        records = launch(rank_body, world_size, recipe, windows, precision, device, reduction, init_seed,
+                         deadline=deadline, backend=backend, device=device, env=env,
+                         preload=(module,) if module else (), lockstep_grace=LOCKSTEP_GRACE)
+        return Run(recipe, scenario, world_size, precision, windows, records, references, init_seed=init_seed)
     except LaunchError as exc:
-        return Run(recipe, scenario, world_size, precision, windows, None, references, failure=exc)
+        return Run(recipe, scenario, world_size, precision, windows, None, references, failure=exc,
+                   init_seed=init_seed)
 
 
-def clear_cache() -> None:
-    _CACHE.clear()
-
-
-__all__ = ["Run", "WindowRecord", "clear_cache", "rank_body", "reference_chain", "run", "run_windows"]
+__all__ = ["Run", "WindowRecord", "rank_body", "reference_chain", "run", "run_windows", "token_mean_at"]

@@ -1,59 +1,84 @@
-"""The battery as a table: every check for every recipe, run without pytest (the command line's ``battery``)."""
+"""The battery without pytest (the command line's ``battery`` and the report): the plan's cases for recipes under
+test, the controls on their targets, and tables and JSON of the verdicts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from harness.battery import checks, runner
-from harness.battery.checks import Verdict
+from harness.battery import checks, plan, runner
+from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
+from harness.recipes import CONTROLS
+
+Progress = Callable[[str], None]
+
+SCHEMA = "harness.battery-report/1"
+"""The ``--json`` and ``--battery-report`` format (the pytest plugin writes the same)."""
 
 
-@dataclass(frozen=True)
-class Row:
-    """One check of the table: which verdict function, on which scenario and precision."""
-
-    check: str
-    scenario: str
-    precision: str
-    judge: Callable[[runner.Run], Verdict]
-
-    def title(self, world_size: int) -> str:
-        return f"{self.check} ({self.scenario}, W={world_size}, {self.precision})"
-
-
-ROWS = (
-    Row("parity", "uneven", "fp32", checks.parity),
-    Row("parity", "uneven", "fp64", checks.parity),
-    Row("parity", "balanced", "fp32", checks.parity),
-    Row("parity", "consecutive", "fp32", checks.parity),
-    Row("parity", "short_final", "fp32", checks.parity),
-    Row("parity", "one_empty", "fp32", checks.parity),
-    Row("empty_window", "all_empty", "fp32", checks.empty_window),
-    Row("ranks_agree", "consecutive", "fp32", checks.ranks_agree),
-    Row("one_sync", "short_final", "fp32", checks.one_sync),
-    Row("logged_loss", "consecutive", "fp32", checks.logged_loss),
-    Row("hygiene", "uneven", "fp32", checks.hygiene),
-)
-
-
-def run_table(recipes: Sequence[str], world_sizes: Sequence[int], deadline: float,
-              progress: Callable[[str], None] | None = None) -> list[Verdict]:
+def run_cases(recipe: str, cases: Sequence[plan.Case], deadline: float = runner.DEADLINE,
+              progress: Progress | None = None) -> list[Verdict]:
+    """Every case for one recipe under test; runs shared by several checks launch once."""
     verdicts = []
-    for recipe in recipes:
-        for world in world_sizes:
-            for row in ROWS:
-                if row.scenario == "one_empty" and world == 1:
-                    continue  # one rank of one is every rank: that is the empty_window check
-                if progress:
-                    progress(f"{recipe.split(':')[-1]}: {row.title(world)}")
-                run = runner.run(recipe, row.scenario, world, row.precision, deadline=deadline)
-                verdicts.append(row.judge(run))
+    for case in cases:
+        if progress:
+            progress(f"{recipe.split(':')[-1]}: {case.check} ({case.id})")
+        run = runner.run(recipe, case.scenario, case.world_size, case.precision, deadline=deadline)
+        verdicts.append(checks.CHECKS[case.check](run))
     return verdicts
 
 
+@dataclass(frozen=True)
+class ControlResult:
+    """One negative control judged on its target case: rejected only when the targeted check failed the way the
+    control's mistake shows (its numbers, or the desync it causes), not by a crash or anything else."""
+
+    control: str
+    verdict: Verdict
+    shows_as: str
+
+    @property
+    def rejected(self) -> bool:
+        return self.verdict.status == FAIL and self.verdict.cause == self.shows_as
+
+    def to_dict(self) -> dict[str, object]:
+        return {"control": self.control, "rejected": self.rejected, "shows_as": self.shows_as,
+                "verdict": self.verdict.to_dict()}
+
+
+def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: float = runner.DEADLINE,
+                 progress: Progress | None = None) -> list[ControlResult]:
+    """Each control on its target (check, scenario, precision) at each world size where its mistake can show (2+)."""
+    unknown = [n for n in names if n not in CONTROLS]
+    if unknown:
+        msg = f"--controls: {', '.join(unknown)} not among the negative controls: {', '.join(CONTROLS)}"
+        raise ValueError(msg)
+    out = []
+    for name in names:
+        target = CONTROLS[name]
+        for world in world_sizes:
+            if world == 1:
+                continue  # several controls are right at W=1 (no rank to average over): they target W >= 2
+            if progress:
+                progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
+            run = runner.run(f"harness.recipes:{name}", target.scenario, world, target.precision, deadline=deadline)
+            out.append(ControlResult(name, checks.CHECKS[target.check](run), target.shows_as))
+    return out
+
+
+def _cell(v: Verdict) -> str:
+    if v.status == NOT_APPLICABLE:
+        return "n/a"
+    text = "PASS" if v.status != FAIL else "FAIL"
+    if v.status == FAIL and v.cause not in (None, "numbers"):
+        return f"{text} ({v.cause})"
+    if v.max_error is not None:
+        text += f" {v.max_error:.1e}"
+    return text
+
+
 def format_table(verdicts: Sequence[Verdict]) -> str:
-    """Rows are checks, columns recipes; a cell is PASS/FAIL with the max error where there is one."""
+    """Rows are cases, columns recipes; a cell is PASS/FAIL with the max error where there is one, or n/a."""
     recipes = list(dict.fromkeys(v.recipe for v in verdicts))
     keys = list(dict.fromkeys((v.check, v.scenario, v.world_size, v.precision) for v in verdicts))
     cell = {(v.recipe, (v.check, v.scenario, v.world_size, v.precision)): v for v in verdicts}
@@ -62,19 +87,45 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
     widths = [max(len(n), 17) for n in names]
     lines = [" | ".join(["check".ljust(first), *(n.ljust(w) for n, w in zip(names, widths))])]
     lines.append("-+-".join(["-" * first, *("-" * w for w in widths)]))
+    footnotes = []
     for key in keys:
         c, s, w, p = key
         parts = [f"{c} ({s}, W={w}, {p})".ljust(first)]
         for recipe, width in zip(recipes, widths):
             v = cell.get((recipe, key))
-            if v is None:
-                parts.append("".ljust(width))
-                continue
-            text = "PASS" if v.passed else "FAIL"
-            if v.max_error is not None:
-                text += f" {v.max_error:.1e}"
-            elif not v.passed and "the run" in v.message:
-                text += " (run failed)"
-            parts.append(text.ljust(width))
+            parts.append(("" if v is None else _cell(v)).ljust(width))
+            if v is not None and v.finding:
+                footnotes.append(f"{recipe.split(':')[-1]}, {c} ({s}, W={w}, {p}): {v.finding}")
         lines.append(" | ".join(parts))
+    return "\n".join(lines + [f"  note: {f}" for f in footnotes])
+
+
+def format_controls(results: Sequence[ControlResult]) -> str:
+    """One line per control and world size: its target, the verdict there, and whether it was rejected."""
+    lines = []
+    for r in results:
+        v = r.verdict
+        what = "rejected" if r.rejected else "NOT REJECTED"
+        lines.append(f"{r.control:32s} {v.check} ({v.scenario}, W={v.world_size}, {v.precision}): {_cell(v):24s} "
+                     f"{what}")
     return "\n".join(lines)
+
+
+def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: int, exit_status: int,
+                errors: Sequence[str] = (), controls: Sequence[ControlResult] = (),
+                world_sizes: Sequence[int] = (), precision: str = "both") -> dict[str, object]:
+    """The battery report: what ran against what was expected, every verdict, errors and the exit status."""
+    counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "n/a")}
+    return {
+        "schema": SCHEMA,
+        "recipes": list(recipes),
+        "world_sizes": list(world_sizes),
+        "precision": precision,
+        "expected": expected,
+        "run": len(verdicts),
+        "counts": counts,
+        "errors": list(errors),
+        "exit_status": exit_status,
+        "checks": [v.to_dict() for v in verdicts],
+        "controls": [c.to_dict() for c in controls],
+    }

@@ -1,8 +1,10 @@
 """The recipe battery: does ``--recipe`` optimize the mean over every supervised token of the global window?
 
-Every check runs on real gloo ranks at world sizes 1, 2 and 3 (1 is the single-rank sanity lane) and compares with
-the single-device reference. The negative controls in ``harness.recipes`` must fail these same checks
-(``tests/distributed/test_negative_controls.py`` shows that they do).
+Every check runs on real gloo ranks at world sizes 1 to 4 (1 is the sanity lane) over the scenarios of
+``harness.scenarios`` and compares with the single-device reference; the cases come from ``harness.battery.plan``, the
+same list the command line runs. ``--precision`` picks the float32 lane, the float64 lane or both. A check that means
+nothing at one rank is skipped there as "not applicable". The negative controls in ``harness.recipes`` must fail these
+same checks (``tests/distributed/test_negative_controls.py`` shows that they do).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.battery import checks, runner
+from harness.battery import checks, plan, runner
 from harness.battery.checks import Verdict
 
 pytestmark = pytest.mark.recipe
@@ -19,86 +21,77 @@ pytestmark = pytest.mark.recipe
 Check = Callable[[Verdict], None]
 
 
-@pytest.fixture(params=(1, 2, 3), ids=lambda w: f"world{w}")
-def world_size(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
+def for_check(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Mark a test as the pytest face of one check; ``pytest_generate_tests`` gives it that check's cases."""
+
+    def mark(fn: Callable[..., None]) -> Callable[..., None]:
+        fn.battery_check_name = name  # type: ignore[attr-defined]
+        return fn
+
+    return mark
 
 
-@pytest.fixture(params=(2, 3), ids=lambda w: f"world{w}")
-def multi_rank_world_size(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    name = getattr(metafunc.function, "battery_check_name", None)
+    if name is None or "case" not in metafunc.fixturenames:
+        return
+    worlds = plan.parse_world_sizes(metafunc.config.getoption("battery_world_sizes"), "--battery-world-sizes")
+    cases = plan.cases(worlds, metafunc.config.getoption("precision"), checks=(name,))
+    # One xdist group per launch: with --dist loadgroup the checks sharing a run stay on the worker that ran it.
+    params = [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(c.run_key)) for c in cases]
+    metafunc.parametrize("case", params)
 
 
-@pytest.fixture(params=("fp32", "fp64"))
-def precision(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture
+def judge(recipe_path: str, battery_check: Check) -> Callable[[plan.Case], None]:
+    """``judge(case)``: run (or reuse) the case's launch, apply its check, and pass, fail or skip as n/a."""
+
+    def apply(case: plan.Case) -> None:
+        run = runner.run(recipe_path, case.scenario, case.world_size, case.precision)
+        battery_check(checks.CHECKS[case.check](run))
+
+    return apply
 
 
-def test_gradients_match_the_reference_on_uneven_windows(
-    recipe_path: str, world_size: int, precision: str, battery_check: Check
-) -> None:
-    """Ranks in different length bands, prompts and padding: DDP's gradient equals the single-device one."""
-    battery_check(checks.parity(runner.run(recipe_path, "uneven", world_size, precision)))
+@for_check("parity")
+def test_gradients_match_the_single_device_reference(case: plan.Case, judge: Callable[[plan.Case], None]) -> None:
+    """After DDP's synchronization every rank's gradient is the single-device gradient of the global token mean."""
+    judge(case)
 
 
-def test_gradients_match_the_reference_on_balanced_windows(
-    recipe_path: str, world_size: int, precision: str, battery_check: Check
-) -> None:
-    """Every rank with the same token count: the easy case must hold too."""
-    battery_check(checks.parity(runner.run(recipe_path, "balanced", world_size, precision)))
+@for_check("one_sync")
+def test_each_window_synchronizes_gradients_exactly_once(case: plan.Case, judge: Callable[[plan.Case], None]) -> None:
+    """All but the last microbatch run forward and backward inside no_sync(): one all-reduce pass per window."""
+    judge(case)
 
 
-def test_consecutive_windows_match_the_reference_with_sgd_steps_between(
-    recipe_path: str, world_size: int, precision: str, battery_check: Check
-) -> None:
-    """Three windows with the same recipe object and different token counts, SGD stepping between them."""
-    battery_check(checks.parity(runner.run(recipe_path, "consecutive", world_size, precision)))
-
-
-def test_a_short_final_window_matches_the_reference(
-    recipe_path: str, world_size: int, precision: str, battery_check: Check
-) -> None:
-    """A last window of one microbatch per rank (not the usual two) is normalized by its own token count."""
-    battery_check(checks.parity(runner.run(recipe_path, "short_final", world_size, precision)))
-
-
-def test_a_rank_without_supervised_tokens_still_gets_the_right_gradient(
-    recipe_path: str, multi_rank_world_size: int, precision: str, battery_check: Check
-) -> None:
-    """Rank 0 holds no supervised token while the others do: correct gradient, no hang."""
-    battery_check(checks.parity(runner.run(recipe_path, "one_empty", multi_rank_world_size, precision)))
-
-
-def test_a_window_without_any_supervised_token_is_refused_on_every_rank(
-    recipe_path: str, world_size: int, battery_check: Check
-) -> None:
-    """No supervised token anywhere: every rank raises ValueError, no rank hangs, no weight changes."""
-    battery_check(checks.empty_window(runner.run(recipe_path, "all_empty", world_size)))
-
-
+@for_check("ranks_agree")
 def test_parameters_are_identical_on_every_rank_after_each_step(
-    recipe_path: str, world_size: int, battery_check: Check
+    case: plan.Case, judge: Callable[[plan.Case], None]
 ) -> None:
     """After the optimizer step every rank holds bitwise the same weights."""
-    battery_check(checks.ranks_agree(runner.run(recipe_path, "consecutive", world_size)))
+    judge(case)
 
 
-def test_each_window_synchronizes_gradients_exactly_once(
-    recipe_path: str, world_size: int, battery_check: Check
-) -> None:
-    """All but the last microbatch run forward and backward inside no_sync(): one all-reduce pass per window."""
-    battery_check(checks.one_sync(runner.run(recipe_path, "short_final", world_size)))
-
-
+@for_check("logged_loss")
 def test_a_logged_loss_is_the_global_token_mean_on_every_rank(
-    recipe_path: str, world_size: int, battery_check: Check
+    case: plan.Case, judge: Callable[[plan.Case], None]
 ) -> None:
-    """When the recipe returns the window's loss, it is the global token mean, identical on every rank."""
-    battery_check(checks.logged_loss(runner.run(recipe_path, "consecutive", world_size)))
+    """When the recipe returns the window's loss, it is the global token mean at its weights, on every rank."""
+    judge(case)
 
 
-def test_the_recipe_leaves_mode_rng_and_dtype_alone(
-    recipe_path: str, world_size: int, precision: str, battery_check: Check
+@for_check("hygiene")
+def test_the_recipe_leaves_mode_random_generators_and_dtype_alone(
+    case: plan.Case, judge: Callable[[plan.Case], None]
 ) -> None:
-    """Train mode stays on, the global RNG state is untouched and gradients keep the model's dtype."""
-    battery_check(checks.hygiene(runner.run(recipe_path, "uneven", world_size, precision)))
+    """Train mode stays on, Python's, numpy's and torch's global generators do not move, gradients keep the dtype."""
+    judge(case)
+
+
+@for_check("empty_window")
+def test_a_window_without_any_supervised_token_is_refused_on_every_rank(
+    case: plan.Case, judge: Callable[[plan.Case], None]
+) -> None:
+    """No supervised token anywhere: every rank raises ValueError, none hangs, no gradient or weight is left changed."""
+    judge(case)

@@ -1,8 +1,9 @@
-"""Every battery check is shown to reject a wrong recipe, and the fixtures are shown to be the reason it can.
+"""Every battery check is shown to reject a wrong recipe, and every scenario is shown to be needed.
 
-Each control in ``harness.recipes`` reproduces a real mistake; here it runs through the same checks as the recipe under
-test and must fail them. The "passes" tests document what the seeds warn about: a wrong recipe that looks right on
-the easy fixtures.
+Each control in ``harness.recipes`` reproduces a real mistake and names its target (``CONTROLS``): the check,
+scenario and precision that must reject it, and how the mistake shows (its numbers, or a desync). Rejection counts
+only when that targeted check fails for that reason, never because the run crashed. The "passes" tests document what
+the seeds warn about: a wrong recipe that looks right on the easy windows.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from harness import scenarios
 from harness.battery import checks, runner
+from harness.battery.table import run_controls
+from harness.recipes import CONTROLS, SCENARIO_CONTROLS
 
 ROOT = Path(__file__).parents[2]
 
@@ -23,88 +28,86 @@ def control(name: str) -> str:
 
 
 @pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
-def test_the_mean_of_local_means_fails_parity_on_uneven_ranks(world_size: int) -> None:
-    """Seed 000's wrong=True: ranks with different token counts expose the mean-of-means bias."""
-    verdict = checks.parity(runner.run(control("mean_of_local_means"), "uneven", world_size))
-    assert not verdict.passed
-    assert "check parity FAILED" in verdict.message
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name: str, world_size: int) -> None:
+    """The targeted check fails, and it fails on the control's behaviour (numbers or desync), not on a crash."""
+    (result,) = run_controls([name], [world_size])
+    assert result.rejected, result.verdict.message
+    assert result.verdict.check == CONTROLS[name].check
+
+
+def _failing_checks(name: str, scenario: str, world_size: int = 2) -> list[str]:
+    run = runner.run(control(name), scenario, world_size)
+    names = ("empty_window",) if scenario == "all_empty" else ("parity", "one_sync", "ranks_agree", "logged_loss",
+                                                               "hygiene")
+    return [n for n in names if not checks.CHECKS[n](run).passed]
+
+
+@pytest.mark.parametrize(("scenario", "name"), sorted(SCENARIO_CONTROLS.items()))
+def test_each_scenario_catches_a_control_that_every_other_scenario_passes(scenario: str, name: str) -> None:
+    """What a scenario adds: its control fails it and passes every check of every other battery scenario (W=2)."""
+    assert _failing_checks(name, scenario), f"{name} passes {scenario}"
+    for other in scenarios.BATTERY_SCENARIOS:
+        if other != scenario:
+            assert [] == _failing_checks(name, other), f"{name} fails {other} too"
 
 
 def test_the_mean_of_local_means_misses_by_at_least_100_tolerances_at_world2() -> None:
-    """On the default uneven fixture the bias is not a rounding matter: the worst component misses by >= 100x."""
+    """On the base uneven window the bias is not a rounding matter: the worst component misses by >= 100x."""
     verdict = checks.parity(runner.run(control("mean_of_local_means"), "uneven", 2))
     assert verdict.worst_ratio is not None and verdict.worst_ratio >= 100
     assert verdict.max_error is not None and verdict.max_error > 1e-4
 
 
 def test_the_mean_of_local_means_passes_on_balanced_windows() -> None:
-    """Equal token counts on every rank hide the bias: why a balanced fixture alone proves nothing."""
+    """Equal token counts on every rank hide the bias: why a balanced window alone proves nothing."""
     assert checks.parity(runner.run(control("mean_of_local_means"), "balanced", 2)).passed
 
 
-def test_the_mean_of_local_means_passes_at_world1() -> None:
-    """With one rank the mean of means is the token mean: why the W=1 lane is only a sanity check."""
-    assert checks.parity(runner.run(control("mean_of_local_means"), "uneven", 1)).passed
+@pytest.mark.parametrize("name", ["mean_of_local_means", "no_world_size_factor"])
+def test_rank_averaging_mistakes_pass_at_world1(name: str) -> None:
+    """With one rank the mean of means is the token mean and W is 1: only a multi-rank run catches them."""
+    assert checks.parity(runner.run(control(name), "uneven", 1)).passed
 
 
-@pytest.mark.parametrize("world_size", (1, 2, 3), ids=lambda w: f"world{w}")
-def test_an_extra_division_by_the_microbatch_count_fails_parity(world_size: int) -> None:
-    """Dividing the globally normalized loss again by the accumulation steps halves the gradient (2.5 -> 1.25)."""
-    assert not checks.parity(runner.run(control("extra_microbatch_division"), "uneven", world_size)).passed
+def test_an_extra_microbatch_division_is_exactly_right_on_a_one_microbatch_window() -> None:
+    """Dividing by k=1 changes nothing: why windows of several microbatches are needed to catch it."""
+    assert checks.parity(runner.run(control("extra_microbatch_division"), "single", 2)).passed
 
 
-@pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
-def test_leaving_out_the_world_size_factor_fails_parity(world_size: int) -> None:
-    """S_r / N under DDP's averaging divides by W once too often."""
-    assert not checks.parity(runner.run(control("no_world_size_factor"), "uneven", world_size)).passed
+def test_extra_division_and_a_missing_world_factor_coincide_at_two_microbatches_and_two_ranks() -> None:
+    """At k = W = 2 both mistakes halve the gradient; five microbatches tell them apart."""
+    def grad(name: str, scenario: str) -> torch.Tensor:
+        run = runner.run(control(name), scenario, 2)
+        assert run.records is not None
+        assert run.records[0][0].grad is not None
+        return run.records[0][0].grad
 
-
-def test_leaving_out_the_world_size_factor_passes_at_world1() -> None:
-    """At W=1 the factor is 1: only a multi-rank run can catch its absence."""
-    assert checks.parity(runner.run(control("no_world_size_factor"), "uneven", 1)).passed
-
-
-@pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
-def test_a_rank_skipping_its_backward_when_empty_fails_without_hanging(world_size: int) -> None:
-    """The empty rank leaves DDP's all-reduce unmatched: the run is stopped within its deadline and reported."""
-    verdict = checks.parity(runner.run(control("skip_backward_when_empty"), "one_empty", world_size, deadline=6))
-    assert not verdict.passed
-    assert "the run" in verdict.message and "rank" in verdict.message
-
-
-@pytest.mark.parametrize("world_size", (1, 2, 3), ids=lambda w: f"world{w}")
-def test_never_using_no_sync_fails_the_synchronization_count(world_size: int) -> None:
-    """Synchronizing on every microbatch is caught by the count of synchronizations per window."""
-    verdict = checks.one_sync(runner.run(control("never_no_sync"), "short_final", world_size))
-    assert not verdict.passed
-    assert "synchronized gradients 2 times" in verdict.message
+    torch.testing.assert_close(grad("extra_microbatch_division", "uneven"), grad("no_world_size_factor", "uneven"),
+                               atol=1e-7, rtol=1e-5)
+    assert not torch.allclose(grad("extra_microbatch_division", "long"), grad("no_world_size_factor", "long"))
 
 
 def test_never_using_no_sync_is_invisible_to_parity() -> None:
-    """Its gradients agree with the reference: parity alone cannot see a missing no_sync (FACTS.md)."""
-    assert checks.parity(runner.run(control("never_no_sync"), "uneven", 2)).passed
+    """Its gradients agree with the reference: parity alone cannot see a missing no_sync, only the count can."""
+    run = runner.run(control("never_no_sync"), "uneven", 2)
+    assert checks.parity(run).passed
+    assert "synchronized gradients 2 times" in checks.one_sync(run).message
 
 
-def test_a_float32_loss_passes_in_float32_but_fails_the_float64_lane() -> None:
-    """A downcast is invisible at float32 tolerances; the strict float64 lane rejects it."""
+def test_a_float32_loss_passes_in_float32_and_the_float64_lane_names_it() -> None:
+    """A downcast is invisible at float32 tolerances; the float64 lane rejects it and says it is float32 rounding."""
     assert checks.parity(runner.run(control("float32_loss"), "uneven", 2, "fp32")).passed
     verdict = checks.parity(runner.run(control("float32_loss"), "uneven", 2, "fp64"))
     assert not verdict.passed
-    assert verdict.worst_ratio is not None and verdict.worst_ratio > 10
+    assert "float32_computation" == verdict.finding
+    assert "float32 rounding scale" in verdict.message and "--precision fp32" in verdict.message
 
 
-@pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
-def test_a_rank_local_logged_loss_fails_the_logged_loss_check(world_size: int) -> None:
-    """Logging this rank's own token mean instead of the global one is caught, though its gradients are right."""
-    run = runner.run(control("local_logged_loss"), "consecutive", world_size)
-    assert checks.parity(run).passed
-    assert not checks.logged_loss(run).passed
-
-
-def test_the_correct_recipe_refuses_an_empty_window_where_a_control_does_not() -> None:
-    """The empty-window check rejects a recipe that silently backpropagates zero (mean of means with max(n, 1))."""
-    assert checks.empty_window(runner.run(control("global_token_mean"), "all_empty", 2)).passed
-    assert not checks.empty_window(runner.run(control("mean_of_local_means"), "all_empty", 2)).passed
+def test_the_float64_lane_does_not_call_a_real_bug_float32_rounding() -> None:
+    """A normalization mistake misses by far more than float32 rounding: no float32 finding."""
+    verdict = checks.parity(runner.run(control("mean_of_local_means"), "uneven", 2, "fp64"))
+    assert not verdict.passed and verdict.finding is None
 
 
 def test_a_failure_message_names_check_world_window_precision_and_numbers() -> None:
@@ -115,63 +118,75 @@ def test_a_failure_message_names_check_world_window_precision_and_numbers() -> N
         assert part in message
 
 
+def test_a_rank_that_leaves_its_peers_in_a_collective_is_reported_as_a_desync_naming_the_ranks() -> None:
+    """The empty rank returns while its peers wait in DDP's all-reduce: stopped early, the stuck peer's stack shown."""
+    verdict = checks.parity(runner.run(control("skip_backward_when_empty"), "one_empty", 2))
+    assert "desync" == verdict.cause
+    assert "rank 0" in verdict.message and "rank 1" in verdict.message
+
+
+def _with_record(run: runner.Run, rank: int, **change: object) -> runner.Run:
+    assert run.records is not None
+    records = [list(r) for r in run.records]
+    rec = records[rank][0]
+    records[rank][0] = type(rec)(**{**rec.__dict__, **change})
+    return runner.Run(run.recipe, run.scenario, run.world_size, run.precision, run.windows, records, run.references)
+
+
 def test_ranks_agree_rejects_ranks_that_step_from_different_weights() -> None:
     """The rank-agreement check compares parameters bitwise; a run whose ranks disagree is rejected."""
-    good = runner.run(control("global_token_mean"), "consecutive", 2)
+    good = runner.run(control("global_token_mean"), "varying", 2)
     assert good.records is not None
-    rec = good.records[1][0]
-    skewed = type(rec)(**{**rec.__dict__, "params_after": rec.params_after + 1e-7})
-    bad = runner.Run(good.recipe, good.scenario, 2, good.precision, good.windows,
-                     [good.records[0], [skewed, *good.records[1][1:]]], good.references)
     assert checks.ranks_agree(good).passed
-    assert not checks.ranks_agree(bad).passed
+    skewed = _with_record(good, 1, params_after=good.records[1][0].params_after + 1e-7)
+    assert not checks.ranks_agree(skewed).passed
 
 
-def test_hygiene_rejects_a_recipe_that_touches_the_rng_or_the_mode() -> None:
-    """The hygiene check fails when a rank reports a changed RNG state or mode."""
+@pytest.mark.parametrize("generator", ["python random", "numpy", "torch CPU", "torch CUDA"])
+def test_hygiene_rejects_any_moved_global_generator(generator: str) -> None:
+    """Each global generator the harness watches fails the check when moved (CUDA's too, shown on a record)."""
     good = runner.run(control("global_token_mean"), "uneven", 2)
-    assert good.records is not None
-    rec = good.records[0][0]
-    for change in ({"rng_changed": True}, {"mode_changed": True}, {"grad_dtypes": ("torch.float16",)}):
-        bad = runner.Run(good.recipe, good.scenario, 2, good.precision, good.windows,
-                         [[type(rec)(**{**rec.__dict__, **change})], good.records[1]], good.references)
-        assert not checks.hygiene(bad).passed, change
+    assert checks.hygiene(good).passed
+    verdict = checks.hygiene(_with_record(good, 0, rng_changed=(generator,)))
+    assert not verdict.passed and generator in verdict.message
+
+
+def test_hygiene_rejects_a_changed_mode_or_dtype() -> None:
+    """Leaving train mode, or gradients in another dtype than the model's, fails the check."""
+    good = runner.run(control("global_token_mean"), "uneven", 2)
+    for change in ({"mode_changed": True}, {"grad_dtypes": ("torch.float16",)}):
+        assert not checks.hygiene(_with_record(good, 0, **change)).passed, change
+
+
+@pytest.mark.parametrize("left", ["nonzero", "nonfinite"])
+def test_the_empty_window_check_rejects_gradients_left_behind(left: str) -> None:
+    """A refused window must leave no gradient but zeros: a record with gradients left fails."""
+    good = runner.run(control("global_token_mean"), "all_empty", 2)
+    assert checks.empty_window(good).passed
+    assert not checks.empty_window(_with_record(good, 1, grads_left=left)).passed
+
+
+def test_the_empty_window_check_rejects_weights_the_recipe_changed() -> None:
+    """A recipe that edits weights before refusing the window fails (the harness itself never steps then)."""
+    good = runner.run(control("global_token_mean"), "all_empty", 2)
+    assert not checks.empty_window(_with_record(good, 0, weights_touched=1e-3)).passed
+
+
+def test_a_check_that_cannot_apply_at_world1_says_so_instead_of_passing() -> None:
+    """one_sync and ranks_agree at W=1 are "n/a", never "pass"."""
+    run = runner.run(control("global_token_mean"), "uneven", 1)
+    for check in (checks.one_sync, checks.ranks_agree):
+        verdict = check(run)
+        assert "n/a" == verdict.status and "not applicable" in verdict.message
+
+
+def test_a_crash_message_keeps_the_exception_line_and_drops_the_caret_underline() -> None:
+    """The innermost frame and the exception line, never Python's ^^^^ marks."""
+    text = ('Traceback (most recent call last):\n  File "a.py", line 3, in f\n    g()\n    ^^^\n'
+            '  File "b.py", line 9, in g\n    raise KeyError("k")\n    ~~~~~^^^^^\nKeyError: \'k\'\n')
+    assert ['File "b.py", line 9, in g', "KeyError: 'k'"] == checks.crash_summary(text)
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.parametrize(
-    ("recipe", "says"),
-    [
-        ("no_such_package.module:attr", "importing 'no_such_package.module' failed"),
-        ("harness.recipes:no_such_attr", "has no attribute 'no_such_attr'"),
-        ("harness.recipes", "must look like 'package.module:attr'"),
-        ("harness.recipes:MeanOfLocalMeans.name", "has no backward_window"),
-    ],
-    ids=["missing-module", "missing-attr", "no-colon", "not-a-recipe"],
-)
-def test_a_bad_recipe_option_is_a_usage_error_naming_the_problem(recipe: str, says: str) -> None:
-    """--recipe is checked in the parent before any rank starts: exit code 4 and a one-line reason."""
-    done = _pytest("-m", "recipe", f"--recipe={recipe}", "harness/battery", "-q")
-    assert 4 == done.returncode, done.stdout + done.stderr
-    assert says in done.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("workers", ([], ["-n", "2"]), ids=["serial", "xdist"])
-def test_the_battery_rejects_a_control_end_to_end_and_writes_its_report(tmp_path: Path, workers: list[str]) -> None:
-    """`pytest -m recipe --recipe=<control>` fails, and --battery-report records which checks failed (also when
-    pytest-xdist spreads the checks over workers: the controller writes every verdict)."""
-    report = tmp_path / "battery.json"
-    done = _pytest("-m", "recipe", "--recipe=harness.recipes:no_world_size_factor", f"--battery-report={report}",
-                   "harness/battery", "-q", "-k", "uneven", *workers)
-    assert 1 == done.returncode, done.stdout + done.stderr
-    import json
-
-    data = json.loads(report.read_text())
-    failed = {(c["world_size"], c["precision"]) for c in data["checks"] if not c["passed"]}
-    assert {(2, "fp32"), (3, "fp32"), (2, "fp64"), (3, "fp64")} == failed
-    assert 6 == len(data["checks"])  # parity on the uneven windows at W = 1, 2, 3 in fp32 and fp64

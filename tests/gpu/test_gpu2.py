@@ -42,7 +42,7 @@ TORCHRUN_TIMEOUT = 180.0
 
 DETERMINISTIC_MAIN = (
     "import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
-    "from harness.train import main; sys.exit(main())"
+    "from harness.train import entry; entry(sys.argv[1:])"
 )
 """What each torchrun worker runs: ``harness.train``'s command line with deterministic algorithms switched on first."""
 
@@ -65,7 +65,7 @@ def test_each_rank_computes_on_its_own_device() -> None:
     assert [(0, "0"), (1, "1")] == launch(rank_device, 2, backend="nccl", device="cuda", deadline=60)
 
 
-@pytest.mark.parametrize("scenario", ("uneven", "consecutive", "one_empty"))
+@pytest.mark.parametrize("scenario", ("uneven", "varying", "one_empty"))
 def test_two_ranks_on_two_devices_match_the_reference(
     recipe_path: str, backend: str, scenario: str, cuda_battery: Any, battery_check: Any
 ) -> None:
@@ -77,14 +77,14 @@ def test_two_ranks_on_two_devices_synchronize_once_per_window(
     recipe_path: str, backend: str, cuda_battery: Any, battery_check: Any
 ) -> None:
     """One synchronizing backward per window: no_sync holds under NCCL as under gloo."""
-    battery_check(checks.one_sync(cuda_battery(recipe_path, "consecutive", backend)))
+    battery_check(checks.one_sync(cuda_battery(recipe_path, "varying", backend)))
 
 
 def test_two_ranks_on_two_devices_hold_identical_parameters_after_every_step(
     recipe_path: str, backend: str, cuda_battery: Any, battery_check: Any
 ) -> None:
     """NCCL hands both ranks the same reduced gradient: bitwise equal parameters after each step."""
-    battery_check(checks.ranks_agree(cuda_battery(recipe_path, "consecutive", backend)))
+    battery_check(checks.ranks_agree(cuda_battery(recipe_path, "varying", backend)))
 
 
 def test_a_window_without_supervised_tokens_is_refused_on_both_devices(

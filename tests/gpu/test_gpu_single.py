@@ -93,7 +93,7 @@ def bitwise_differences(control: dict[str, Any], other: dict[str, Any]) -> dict[
 # ----------------------------------------------------------------------------------- the reference on CUDA kernels
 
 
-@pytest.mark.parametrize("scenario", ("uneven", "consecutive"))
+@pytest.mark.parametrize("scenario", ("uneven", "varying"))
 def test_the_cuda_float32_reference_equals_the_cpu_float64_reference_within_seed_tolerances(scenario: str) -> None:
     """Each window's single-device gradient from CUDA kernels in float32 is within atol 1e-6, rtol 1e-4 of float64's."""
     atol, rtol = FLOAT32_TOLERANCE
@@ -111,7 +111,7 @@ def test_the_cuda_float32_reference_equals_the_cpu_float64_reference_within_seed
 # ------------------------------------------------------------------------- two ranks sharing the device over gloo
 
 
-@pytest.mark.parametrize("scenario", ("uneven", "consecutive", "one_empty"))
+@pytest.mark.parametrize("scenario", ("uneven", "varying", "one_empty"))
 def test_two_ranks_sharing_the_device_over_gloo_match_the_reference(
     recipe_path: str, scenario: str, cuda_battery: Any, battery_check: Any
 ) -> None:
@@ -123,14 +123,14 @@ def test_two_ranks_sharing_the_device_synchronize_once_per_window(
     recipe_path: str, cuda_battery: Any, battery_check: Any
 ) -> None:
     """The counting hook sees one synchronizing backward per window on CUDA as on the CPU."""
-    battery_check(checks.one_sync(cuda_battery(recipe_path, "consecutive", "gloo")))
+    battery_check(checks.one_sync(cuda_battery(recipe_path, "varying", "gloo")))
 
 
 def test_two_ranks_sharing_the_device_hold_identical_parameters_after_every_step(
     recipe_path: str, cuda_battery: Any, battery_check: Any
 ) -> None:
     """Both ranks apply the same all-reduced gradient: bitwise equal parameters after each SGD step."""
-    battery_check(checks.ranks_agree(cuda_battery(recipe_path, "consecutive", "gloo")))
+    battery_check(checks.ranks_agree(cuda_battery(recipe_path, "varying", "gloo")))
 
 
 def test_a_window_without_supervised_tokens_is_refused_by_both_ranks_on_the_device(

@@ -1,0 +1,208 @@
+"""Drawn layouts: windows of any shape for the battery's property lane (``test_drawn_layouts.py``).
+
+A :class:`Layout` is plain data (world size, windows of microbatches of rows given as ``(length, prompt)``, the seeds
+of the tokens and of the initial weights), so a failing one prints as text that rebuilds it. :func:`layouts` draws them
+with Hypothesis (a test-only dependency, imported only there); :func:`shrink` makes a failing layout smaller with a
+bounded number of launches, because every example costs a multi-rank run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.batching import Microbatch, collate
+from harness.battery import checks, runner
+from harness.battery.checks import FAIL, PASS, Verdict
+from harness.corpus import Row
+from harness.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
+
+RowShape = tuple[int, int]
+"""``(length, prompt)``: a sequence of ``length`` tokens whose first ``prompt`` are never a target
+(``prompt == length``: no supervised token)."""
+
+MAX_MICROBATCHES = 6
+MAX_WINDOWS = 2
+MAX_ROWS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    windows: tuple[tuple[tuple[tuple[RowShape, ...], ...], ...], ...]
+    """``windows[k][rank][microbatch]`` -> the rows' shapes."""
+    data_seed: int = 0
+    init_seed: int = 0
+
+    def build(self) -> Windows:
+        """The microbatches: random tokens from ``data_seed``, each row padded and masked as the corpus's are."""
+        gen = torch.Generator().manual_seed(self.data_seed)
+        vocab = BATTERY_CONFIG.vocab_size
+        out: Windows = []
+        for window in self.windows:
+            ranks = []
+            for rank in window:
+                mbs: list[Microbatch] = []
+                for rows in rank:
+                    made = [Row(-1, "drawn", tuple(int(t) for t in torch.randint(1, vocab, (n,), generator=gen)), p)
+                            for n, p in rows]
+                    mbs.append(collate(made))
+                ranks.append(mbs)
+            out.append(ranks)
+        return out
+
+    def counts(self) -> list[list[list[int]]]:
+        """Supervised tokens per window, rank and microbatch."""
+        return [[[sum(n - max(p, 1) for n, p in rows) for rows in rank] for rank in window] for window in self.windows]
+
+    def describe(self) -> str:
+        lines = [f"Layout(world_size={self.world_size}, data_seed={self.data_seed}, init_seed={self.init_seed}): "
+                 "supervised tokens per microbatch"]
+        for k, window in enumerate(self.counts()):
+            ranks = "; ".join(f"rank {r} {mbs}" for r, mbs in enumerate(window))
+            lines.append(f"  window {k}: {ranks}")
+        return "\n".join(lines)
+
+
+def _with_tokens(window: list[list[list[RowShape]]]) -> list[list[list[RowShape]]]:
+    """A window whose ranks hold no supervised token at all gets one in rank 0's first row (the empty window is the
+    battery's all_empty scenario, not this lane's)."""
+    if any(n - max(p, 1) > 0 for rank in window for rows in rank for n, p in rows):
+        return window
+    n, _ = window[0][0][0]
+    window[0][0][0] = (n, 0)
+    return window
+
+
+def layouts(max_world_size: int = MAX_WORLD_SIZE, max_microbatches: int = MAX_MICROBATCHES,
+            max_windows: int = MAX_WINDOWS) -> Any:
+    """A Hypothesis strategy of layouts: world size 1..4, 1..6 microbatches per window (the same on every rank, as the
+    contract says), 1..3 rows of 2..max_len tokens with prompt prefixes, microbatches and whole ranks without any
+    supervised token, and the seeds of tokens and initial weights."""
+    from hypothesis import strategies as st
+
+    max_len, prompt_max = BATTERY_CONFIG.max_len, BATTERY_CONFIG.prompt_max
+
+    @st.composite
+    def draw_layout(draw: Callable[[Any], Any]) -> Layout:
+        world = draw(st.integers(1, max_world_size))
+        windows = []
+        for _ in range(draw(st.integers(1, max_windows))):
+            n_mb = draw(st.integers(1, max_microbatches))
+            empty_rank = draw(st.one_of(st.none(), st.integers(0, world - 1))) if world > 1 else None
+            window = []
+            for rank in range(world):
+                mbs = []
+                for _ in range(n_mb):
+                    empty = rank == empty_rank or draw(st.integers(0, 5)) == 0
+                    rows = draw(st.lists(st.tuples(st.integers(2, max_len), st.integers(0, prompt_max)),
+                                         min_size=1, max_size=MAX_ROWS))
+                    mbs.append([(n, n if empty else min(p, n - 1)) for n, p in rows])
+                window.append(mbs)
+            windows.append(_with_tokens(window))
+        frozen = tuple(tuple(tuple(tuple(rows) for rows in rank) for rank in w) for w in windows)
+        return Layout(world, frozen, draw(st.integers(0, 2**16)), draw(st.integers(0, 2**16)))
+
+    return draw_layout()
+
+
+def _candidates(layout: Layout) -> list[Layout]:
+    """Smaller layouts, most reducing first: fewer windows, fewer ranks, fewer microbatches, one row each."""
+    ws = [[[list(rows) for rows in rank] for rank in w] for w in layout.windows]
+    out = []
+
+    def make(windows: list[list[list[list[RowShape]]]], world: int | None = None) -> None:
+        if not windows or any(not rank for w in windows for rank in w):
+            return
+        fixed = [_with_tokens(w) for w in windows]
+        frozen = tuple(tuple(tuple(tuple(rows) for rows in rank) for rank in w) for w in fixed)
+        out.append(dataclasses.replace(layout, world_size=world or layout.world_size, windows=frozen))
+
+    if len(ws) > 1:
+        for k in range(len(ws)):
+            make([w for j, w in enumerate(ws) if j != k])
+    if layout.world_size > 1:
+        make([w[:-1] for w in ws], layout.world_size - 1)
+    for k, w in enumerate(ws):
+        for m in range(len(w[0])):
+            if len(w[0]) > 1:
+                make([[[rows for i, rows in enumerate(rank) if i != m] for rank in ww] if j == k else ww
+                      for j, ww in enumerate(ws)])
+    if any(len(rows) > 1 for w in ws for rank in w for rows in rank):
+        make([[[rows[:1] for rows in rank] for rank in w] for w in ws])
+    return out
+
+
+def shrink(layout: Layout, fails: Callable[[Layout], bool], budget: int = 10) -> tuple[Layout, int]:
+    """Greedily replace ``layout`` by a smaller one that still ``fails``, trying at most ``budget`` candidates
+    (each is a launch); returns the smallest found and the number of launches spent."""
+    spent = 0
+    improved = True
+    while improved and spent < budget:
+        improved = False
+        for candidate in _candidates(layout):
+            if spent >= budget:
+                break
+            spent += 1
+            if fails(candidate):
+                layout, improved = candidate, True
+                break
+    return layout, spent
+
+
+DRAWN_CHECKS = ("parity", "one_sync", "logged_loss")
+"""What every drawn layout is checked for."""
+
+DEFAULT_EXAMPLES = 12
+"""Drawn layouts per recipe by default: each is one multi-rank launch."""
+
+
+class _LayoutFailed(AssertionError):
+    def __init__(self, layout: Layout, verdicts: list[Verdict]) -> None:
+        self.layout = layout
+        self.verdicts = verdicts
+        super().__init__("\n".join(v.message for v in verdicts))
+
+
+def judge_layout(recipe: str, layout: Layout) -> list[Verdict]:
+    """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds)."""
+    run = runner.run_windows(recipe, layout.build(), "fp32", scenario="drawn", init_seed=layout.init_seed)
+    return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
+
+
+def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bool = False) -> Verdict:
+    """Check ``recipe`` on ``examples`` drawn layouts; one verdict, whose failure message shows the drawn layout, a
+    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis."""
+    import hypothesis
+
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        msg = f"examples={examples!r} must be a positive number of drawn layouts"
+        raise ValueError(msg)
+
+    @hypothesis.settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
+                         print_blob=True, phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate),
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(layout=layouts())
+    def every_layout(layout: Layout) -> None:
+        failed = judge_layout(recipe, layout)
+        if failed:
+            raise _LayoutFailed(layout, failed)
+
+    try:
+        every_layout()
+    except _LayoutFailed as exc:
+        small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(recipe, lay)))
+        shown = judge_layout(recipe, small) or exc.verdicts
+        message = (f"check drawn FAILED: recipe {recipe}: a drawn layout fails "
+                   f"{', '.join(sorted({v.check for v in exc.verdicts}))}:\n{exc.layout.describe()}\n"
+                   f"shrunk ({spent} launches) to:\n{small.describe()}\n" + "\n".join(v.message for v in shown))
+        return Verdict("drawn", recipe, "drawn", small.world_size, "fp32", FAIL, message, cause=shown[0].cause,
+                       details=shown[0].details)
+    how = "derandomized" if derandomize else "random"
+    return Verdict("drawn", recipe, "drawn", 0, "fp32", PASS,
+                   f"check drawn passed: recipe {recipe}: {examples} drawn layouts ({how}) keep parity, one "
+                   "synchronization per window and the logged loss")

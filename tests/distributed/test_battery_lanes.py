@@ -1,0 +1,111 @@
+"""The battery's two faces, pytest (``pytest -m recipe --recipe=...``) and the command line (``python -m harness
+battery``), judge a recipe on the same cases with the same exit codes, and write one report format."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.battery import plan
+from harness.battery.table import SCHEMA
+
+ROOT = Path(__file__).parents[2]
+QUICK = ("--precision", "fp32")
+
+
+def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    # The user-style recipes live in tests/user_recipes, importable as user_recipes.<module>.
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _pytest_lane(recipe: str, report: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return _run("-m", "pytest", "-p", "no:cacheprovider", "-q", "harness/battery/test_battery.py", "-m", "recipe",
+                f"--recipe={recipe}", f"--battery-report={report}", "--battery-world-sizes=2", *QUICK, *extra)
+
+
+def _cli_lane(recipe: str, report: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return _run("-m", "harness", "battery", "--recipe", recipe, "--world-sizes", "2", "--examples", "0",
+                "--json", str(report), *QUICK, *extra)
+
+
+def _keys(report: Path) -> dict[tuple[object, ...], str]:
+    data = json.loads(report.read_text())
+    return {(c["check"], c["scenario"], c["world_size"], c["precision"]): c["status"] for c in data["checks"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "status"), [("harness.recipes:global_token_mean", 0),
+                                                ("harness.recipes:count_from_one_microbatch", 1)],
+                         ids=["correct", "wrong"])
+def test_pytest_and_the_command_line_give_the_same_verdicts_and_exit_codes(
+    tmp_path: Path, recipe: str, status: int
+) -> None:
+    """Same cases, same statuses, same exit code (0 all hold, 1 a check failed); the report records the counts."""
+    via_pytest, via_cli = tmp_path / "pytest.json", tmp_path / "cli.json"
+    done_pytest = _pytest_lane(recipe, via_pytest)
+    done_cli = _cli_lane(recipe, via_cli)
+    assert status == done_pytest.returncode, done_pytest.stdout[-3000:] + done_pytest.stderr[-2000:]
+    assert status == done_cli.returncode, done_cli.stdout[-3000:] + done_cli.stderr[-2000:]
+    assert _keys(via_pytest) == _keys(via_cli)
+    expected = len(plan.cases([2], "fp32"))
+    for path in (via_pytest, via_cli):
+        data = json.loads(path.read_text())
+        assert SCHEMA == data["schema"]
+        assert (expected, expected, status, []) == (data["expected"], data["run"], data["exit_status"], data["errors"])
+
+
+@pytest.mark.slow
+def test_the_command_line_judges_a_user_recipe_as_a_recipe_under_test(tmp_path: Path) -> None:
+    """A correct recipe given as a class exits 0 (not "control not rejected"); n/a checks show as n/a."""
+    done = _run("-m", "harness", "battery", "--recipe", "user_recipes.variants:ClassRecipe", "--world-sizes", "1",
+                "--examples", "0", *QUICK)
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "n/a" in done.stdout and "every check holds" in done.stdout
+
+
+def test_the_command_line_refuses_bad_input_with_exit_2() -> None:
+    """An unloadable recipe, a world size the scenarios cannot hold, an unknown control: exit 2 and the reason."""
+    for args, says in ((["--recipe", "user_recipes.variants:RaisesOnEveryRank"], "calling RaisesOnEveryRank()"),
+                       (["--world-sizes", "9"], "--world-sizes='9'"),
+                       (["--controls", "no_such_control"], "no_such_control")):
+        done = _run("-m", "harness", "battery", *args)
+        assert 2 == done.returncode, done.stdout + done.stderr
+        assert says in done.stderr
+
+
+def test_a_bad_recipe_option_is_a_pytest_usage_error_naming_the_problem() -> None:
+    """--recipe is checked in the parent before any rank starts: exit code 4 and a one-line reason."""
+    done = _run("-m", "pytest", "-p", "no:cacheprovider", "-m", "recipe",
+                "--recipe=user_recipes.variants:RaisesOnEveryRank", "harness/battery", "-q")
+    assert 4 == done.returncode, done.stdout + done.stderr
+    assert "calling RaisesOnEveryRank() to build the recipe failed" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_controls_on_their_targets(tmp_path: Path) -> None:
+    """--controls judges each named control on its targeted check; all rejected exits 0."""
+    report = tmp_path / "controls.json"
+    done = _run("-m", "harness", "battery", "--controls", "cached_count,first_microbatch_never_syncs",
+                "--world-sizes", "2,3", "--json", str(report))
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
+    controls = json.loads(report.read_text())["controls"]
+    assert 4 == len(controls) and all(c["rejected"] for c in controls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ([], ["-n", "2"]), ids=["serial", "xdist"])
+def test_the_pytest_report_counts_every_verdict_also_under_xdist(tmp_path: Path, workers: list[str]) -> None:
+    """The controller writes every verdict with the expected count and the exit status, with or without -n."""
+    report = tmp_path / "battery.json"
+    done = _pytest_lane("harness.recipes:no_world_size_factor", report, "-k", "uneven and match", *workers)
+    assert 1 == done.returncode, done.stdout + done.stderr
+    data = json.loads(report.read_text())
+    assert (1, 1, 1) == (data["expected"], data["run"], data["exit_status"])
+    assert ["fail"] == [c["status"] for c in data["checks"]]
