@@ -41,13 +41,10 @@ def _keys(report: Path) -> dict[tuple[object, ...], str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "status"), [("harness.recipes:global_token_mean", 0),
-                                                ("harness.recipes:count_from_one_microbatch", 1)],
-                         ids=["correct", "wrong"])
-def test_pytest_and_the_command_line_give_the_same_verdicts_and_exit_codes(
-    tmp_path: Path, recipe: str, status: int
-) -> None:
-    """Same cases, same statuses, same exit code (0 all hold, 1 a check failed); the report records the counts."""
+def test_pytest_and_the_command_line_give_the_same_verdicts_and_exit_codes(tmp_path: Path) -> None:
+    """Same cases, same statuses, same exit code (1: a check failed); the report records the counts. (Exit 0 for a
+    correct recipe: the shipped battery's own run, and the command line's test below.)"""
+    recipe, status = "harness.recipes:count_from_one_microbatch", 1
     via_pytest, via_cli = tmp_path / "pytest.json", tmp_path / "cli.json"
     done_pytest = _pytest_lane(recipe, via_pytest)
     done_cli = _cli_lane(recipe, via_cli)

@@ -190,3 +190,15 @@ def test_a_crash_message_keeps_the_exception_line_and_drops_the_caret_underline(
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["cached_count", "fixed_accumulation_steps", "first_microbatch_never_syncs"])
+def test_the_drawn_lane_rejects_a_wrong_recipe_and_shows_a_shrunk_layout(name: str) -> None:
+    """Drawn layouts (derandomized, 12 examples) find mistakes that need several windows, five microbatches or a
+    one-microbatch window, and the message shows the drawn layout and a smaller one that still fails."""
+    pytest.importorskip("hypothesis")
+    from harness.battery.layouts import drawn_verdict
+
+    verdict = drawn_verdict(control(name), 12, derandomize=True)
+    assert "fail" == verdict.status
+    assert "shrunk" in verdict.message and verdict.message.count("Layout(") == 2
