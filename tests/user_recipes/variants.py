@@ -22,6 +22,22 @@ def _count(window: Sequence[Any], group: Any = None) -> int:
     return int(t.item())
 
 
+def _accumulate(model: torch.nn.Module, window: Sequence[Any], total: int, *, no_sync_on_one_process: bool = True,
+                float32: bool = False) -> None:
+    """Sum losses scaled by W / N, every microbatch but the last under no_sync() (unless told to skip no_sync() when
+    there is one process), optionally computing the loss in float32."""
+    world = dist.get_world_size()
+    if total == 0:
+        raise ValueError("no supervised token in this window on any rank")
+    for i, mb in enumerate(window):
+        skip_sync = i < len(window) - 1 and (no_sync_on_one_process or world > 1)
+        with model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
+            logits = model(mb.inputs)
+            logits = logits.float() if float32 else logits
+            s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            (s * world / total).backward()
+
+
 class ClassRecipe:
     """Given to the battery as the class itself (``--recipe=user_recipes.variants:ClassRecipe``)."""
 
@@ -63,16 +79,7 @@ class SkipsNoSyncOnOneProcess:
     name = "skips_no_sync_on_one_process"
 
     def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
-        world = dist.get_world_size()
-        total = _count(window)
-        if total == 0:
-            raise ValueError("empty window")
-        for i, mb in enumerate(window):
-            skip_sync = world > 1 and i < len(window) - 1
-            with model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
-                logits = model(mb.inputs)
-                s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE, reduction="sum")
-                (s * world / total).backward()
+        _accumulate(model, window, _count(window), no_sync_on_one_process=False)
 
 
 class Float32Loss:
@@ -82,15 +89,7 @@ class Float32Loss:
     name = "float32_loss_on_purpose"
 
     def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
-        world = dist.get_world_size()
-        total = _count(window)
-        if total == 0:
-            raise ValueError("empty window")
-        for i, mb in enumerate(window):
-            with model.no_sync() if i < len(window) - 1 else contextlib.nullcontext():  # type: ignore[operator]
-                logits = model(mb.inputs).float()
-                s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE, reduction="sum")
-                (s * world / total).backward()
+        _accumulate(model, window, _count(window), float32=True)
 
 
 class CountsOnItsOwnGroup:
@@ -108,15 +107,7 @@ class CountsOnItsOwnGroup:
     def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
         if self.group is None:
             raise RuntimeError("setup() was not called before the first window")
-        world = dist.get_world_size()
-        total = _count(window, self.group)
-        if total == 0:
-            raise ValueError("empty window")
-        for i, mb in enumerate(window):
-            with model.no_sync() if i < len(window) - 1 else contextlib.nullcontext():  # type: ignore[operator]
-                logits = model(mb.inputs)
-                s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE, reduction="sum")
-                (s * world / total).backward()
+        _accumulate(model, window, _count(window, self.group))
 
 
 class SetsItsThreadCount(SkipsNoSyncOnOneProcess):
