@@ -148,6 +148,21 @@ class SkipBackwardWhenEmpty:
         return None
 
 
+class LocalCountGuard:
+    """Guards the empty window with this rank's own count: a rank without tokens raises ValueError and leaves, while
+    its peers, whose count is not zero, wait in DDP's all-reduce for it (the guard must use the global count)."""
+
+    name = "local_count_guard"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        if sum(mb.supervised for mb in window) == 0:
+            msg = "no supervised token in this window"
+            raise ValueError(msg)
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        return None
+
+
 class NeverNoSync:
     """Right numbers, but every microbatch synchronizes: W-1 extra all-reduces of every gradient per window.
     Parity cannot see it (gradients agree within ~6e-8); only the synchronization count can."""
@@ -419,6 +434,7 @@ mean_of_local_means = MeanOfLocalMeans()
 extra_microbatch_division = ExtraMicrobatchDivision()
 no_world_size_factor = NoWorldSizeFactor()
 skip_backward_when_empty = SkipBackwardWhenEmpty()
+local_count_guard = LocalCountGuard()
 never_no_sync = NeverNoSync()
 float32_loss = Float32Loss()
 local_logged_loss = LocalLoggedLoss()
@@ -458,6 +474,7 @@ CONTROLS: dict[str, Target] = {
     "no_world_size_factor": Target("parity", "uneven"),
     "per_microbatch_mean": Target("parity", "uneven"),
     "skip_backward_when_empty": Target("parity", "one_empty", shows_as="desync"),
+    "local_count_guard": Target("parity", "one_empty", shows_as="desync"),
     "never_no_sync": Target("one_sync", "uneven"),
     "float32_loss": Target("parity", "uneven", precision="fp64"),
     "local_logged_loss": Target("logged_loss", "uneven"),

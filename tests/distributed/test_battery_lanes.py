@@ -106,3 +106,12 @@ def test_the_pytest_report_counts_every_verdict_also_under_xdist(tmp_path: Path,
     data = json.loads(report.read_text())
     assert (1, 1, 1) == (data["expected"], data["run"], data["exit_status"])
     assert ["fail"] == [c["status"] for c in data["checks"]]
+
+
+def test_verbose_pytest_shows_every_ranks_whole_report() -> None:
+    """Under -v a failed run's verdict carries each rank's full traceback or stack, not only the summary lines."""
+    done = _run("-m", "pytest", "-p", "no:cacheprovider", "-v", "harness/battery/test_battery.py", "-m", "recipe",
+                "--recipe=user_recipes.broken:CrashesOnRankOne", "--battery-world-sizes=2", *QUICK,
+                "-k", "uneven and match")
+    assert 1 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "every rank's report" in done.stdout and "Traceback (most recent call last)" in done.stdout

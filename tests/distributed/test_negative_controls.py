@@ -202,3 +202,18 @@ def test_the_drawn_lane_rejects_a_wrong_recipe_and_shows_a_shrunk_layout(name: s
     verdict = drawn_verdict(control(name), 12, derandomize=True)
     assert "fail" == verdict.status
     assert "shrunk" in verdict.message and verdict.message.count("Layout(") == 2
+
+
+def test_a_rank_that_refuses_alone_is_reported_with_its_exception_while_its_peer_waits() -> None:
+    """A guard on the local count: rank 0 raises ValueError and leaves; the desync names it and its exception."""
+    verdict = checks.parity(runner.run(control("local_count_guard"), "one_empty", 2))
+    assert "desync" == verdict.cause
+    first = verdict.message.splitlines()[0]
+    assert "rank 0" in first and "ValueError: no supervised token in this window" in first
+
+
+def test_a_crash_names_the_rank_and_its_exception_line() -> None:
+    """A KeyError on rank 1: the verdict names rank 1 and keeps the exception line."""
+    verdict = checks.parity(runner.run("user_recipes.broken:CrashesOnRankOne", "uneven", 2))
+    assert "crash" == verdict.cause
+    assert "rank 1" in verdict.message and "KeyError: 'labels'" in verdict.message
