@@ -4,7 +4,7 @@ When the package is installed, its ``pytest11`` entry point has the same name as
 the second registration.
 """
 
-pytest_plugins = ["harness.pytest_plugin"]
+pytest_plugins = ["harness.testing.plugin"]
 
 
 def pytest_addoption(parser):  # type: ignore[no-untyped-def]

@@ -79,8 +79,8 @@ main() {
       echo "$mod: not installed here; using $(basename "$whl") unzipped into $work/deps"
     fi
     if ! "$PY" -c "import $mod" >/dev/null 2>&1; then
-      echo "!! $mod: MISSING and no usable wheel in .whl/: the harness imports it (PyYAML: harness.config; numpy:"
-      echo "!!   tests/conftest.py and harness.trainer), so every test would fail to import. Carry a cp312 wheel"
+      echo "!! $mod: MISSING and no usable wheel in .whl/: the harness imports it (PyYAML: harness.data.config; numpy:"
+      echo "!!   tests/conftest.py and harness.training.trainer), so every test would fail to import. Carry a cp312 wheel"
       echo "!!   in .whl/ (pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl PyYAML numpy)."
       missing=1
     fi
@@ -155,12 +155,12 @@ import time
 def main() -> None:
     import torch
 
-    from harness import scenarios
+    from harness.battery import scenarios
     from harness.battery import checks, runner
-    from harness.compare import FLOAT32_TOLERANCE, compare
+    from harness.core.compare import FLOAT32_TOLERANCE, compare
     from harness.model import build_model
-    from harness.reference import reference_gradient
-    from harness.skips import two_gpus_missing
+    from harness.core.reference import reference_gradient
+    from harness.testing.skips import two_gpus_missing
 
     report: dict[str, object] = {"gpu2_lane": two_gpus_missing() or "can run here"}
     print("gpu2 lane:", report["gpu2_lane"])

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import probes
-from harness.launcher import launch
+from harness.dist import probes
+from harness.dist.launcher import launch
 
 
 def _spawn_rank(rank: int, world: int, store_dir: str, out: object) -> None:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from harness import probes
-from harness.launcher import launch
+from harness.dist import probes
+from harness.dist.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.config import load_config  # noqa: E402 (the checkout must be importable without installing it)
-from harness.launcher import launch  # noqa: E402
-from harness.probes import identity  # noqa: E402
-from harness.trainer import launched_run, state_difference  # noqa: E402
+from harness.data.config import load_config  # noqa: E402 (the checkout must be importable without installing it)
+from harness.dist.launcher import launch  # noqa: E402
+from harness.dist.probes import identity  # noqa: E402
+from harness.training.trainer import launched_run, state_difference  # noqa: E402
 
 
 def trio(config_path: Path, deadline: float) -> tuple[dict[str, float], float]:

@@ -39,9 +39,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from harness.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
-from harness.evaluation import EVAL_FILE  # noqa: E402
-from harness.trainer import state_difference  # noqa: E402
+from harness.training.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
+from harness.training.evaluation import EVAL_FILE  # noqa: E402
+from harness.training.trainer import state_difference  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "torchrun_trio.json"
 ABORT_MARKERS = ("terminate called", "sigabrt", "signal 6")

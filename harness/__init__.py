@@ -6,9 +6,9 @@ DDP's synchronization, the gradient of the mean over every supervised token of e
 
 from __future__ import annotations
 
-from harness.batching import IGNORE_INDEX, PAD, Microbatch
-from harness.config import Config, load_config
-from harness.loss import global_count, global_token_loss, loss_sum, supervised_count
+from harness.core.loss import global_count, global_token_loss, loss_sum, supervised_count
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
+from harness.data.config import Config, load_config
 from harness.recipes import Recipe
 
 __all__ = [

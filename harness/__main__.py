@@ -1,3 +1,3 @@
-from harness.cli import main
+from harness.workflow.cli import main
 
 raise SystemExit(main())

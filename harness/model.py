@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harness.config import Config
+from harness.data.config import Config
 
 
 class Block(nn.Module):

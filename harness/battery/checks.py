@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from harness.battery.runner import Run, token_mean_at
-from harness.compare import compare, max_abs_difference, tolerances
+from harness.core.compare import compare, max_abs_difference, tolerances
 
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
 _KIND_CAUSE = {"raised": "crash", "died": "died", "deadline": "deadline", "desync": "desync"}

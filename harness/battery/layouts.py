@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from harness.batching import Microbatch, collate
 from harness.battery import checks, runner
 from harness.battery.checks import FAIL, PASS, Verdict
-from harness.corpus import Row
-from harness.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
+from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
+from harness.core.microbatch import Microbatch
+from harness.data.batching import collate
+from harness.data.corpus import Row
 
 RowShape = tuple[int, int]
 """``(length, prompt)``: a sequence of ``length`` tokens whose first ``prompt`` are never a target

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness import scenarios
+from harness.battery import scenarios
 
 WORLD_SIZES = (1, 2, 3, 4)
 """World sizes every recipe runs at: 1 is the sanity lane, 2-4 the data-parallel ones."""

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness import launcher, scenarios
-from harness.batching import Microbatch
-from harness.compare import flat_grad, flat_params
-from harness.launcher import LaunchError, launch
-from harness.loss import loss_sum
+from harness.battery import scenarios
+from harness.core.compare import flat_grad, flat_params
+from harness.core.loss import loss_sum
+from harness.core.microbatch import Microbatch
+from harness.core.reference import Reference, reference_gradient
+from harness.dist import launcher
+from harness.dist.launcher import LaunchError, launch
 from harness.model import build_model
 from harness.recipes import recipe_module
-from harness.reference import Reference, reference_gradient
 
 LR = 0.1
 """SGD step between windows (plain SGD: the battery checks gradients, not optimizer state)."""
@@ -138,7 +139,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from harness.hooks import attach
+    from harness.dist.hooks import attach
     from harness.recipes import load_recipe
 
     rank = dist.get_rank()

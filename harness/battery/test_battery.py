@@ -1,10 +1,10 @@
 """The recipe battery: does ``--recipe`` optimize the mean over every supervised token of the global window?
 
 Every check runs on real gloo ranks at world sizes 1 to 4 (1 is the sanity lane) over the scenarios of
-``harness.scenarios`` and compares with the single-device reference; the cases come from ``harness.battery.plan``, the
-same list the command line runs. ``--precision`` picks the float32 lane, the float64 lane or both. A check that means
-nothing at one rank is skipped there as "not applicable". The negative controls in ``harness.recipes`` must fail these
-same checks (``tests/distributed/test_negative_controls.py`` shows that they do).
+``harness.battery.scenarios`` and compares with the single-device reference; the cases come from
+``harness.battery.plan``, the same list the command line runs. ``--precision`` picks the float32 lane, the float64
+lane or both. A check that means nothing at one rank is skipped there as "not applicable". The negative controls in
+``harness.recipes`` must fail these same checks (``tests/distributed/test_negative_controls.py`` shows that they do).
 """
 
 from __future__ import annotations

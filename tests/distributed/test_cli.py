@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import load_config
-from harness.launcher import launch
-from harness.trainer import launched_run
+from harness.data.config import load_config
+from harness.dist.launcher import launch
+from harness.training.trainer import launched_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = str(ROOT / "configs" / "minimum.yaml")

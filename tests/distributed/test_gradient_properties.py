@@ -15,14 +15,14 @@ import pytest
 from hypothesis import Phase, assume, given, note, settings
 from hypothesis import strategies as st
 
-from harness.hypothesis_profiles import load_profile, max_examples
+from harness.testing.hypothesis_profiles import load_profile, max_examples
 
 load_profile()
 
-from harness.batching import collate  # noqa: E402
 from harness.battery import checks, runner  # noqa: E402
-from harness.corpus import Row  # noqa: E402
-from harness.scenarios import BATTERY_CONFIG, Windows  # noqa: E402
+from harness.battery.scenarios import BATTERY_CONFIG, Windows  # noqa: E402
+from harness.data.batching import collate  # noqa: E402
+from harness.data.corpus import Row  # noqa: E402
 
 
 @dataclass(frozen=True)

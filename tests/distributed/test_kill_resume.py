@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.checkpoint import MANIFEST, latest_checkpoint
-from harness.config import Config, load_config
-from harness.launcher import LaunchError, launch
-from harness.trainer import FAULT_ENV, FAULT_RECORD, launched_run, state_difference
+from harness.data.config import Config, load_config
+from harness.dist.launcher import LaunchError, launch
+from harness.training.checkpoint import MANIFEST, latest_checkpoint
+from harness.training.trainer import FAULT_ENV, FAULT_RECORD, launched_run, state_difference
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 DEADLINE = 60.0

@@ -16,8 +16,8 @@ from types import ModuleType
 
 import pytest
 
-from harness import probes
-from harness.launcher import Expected, LaunchError, launch, progress
+from harness.dist import probes
+from harness.dist.launcher import Expected, LaunchError, launch, progress
 
 HERE = Path(__file__).parent
 
@@ -152,8 +152,8 @@ def test_no_rank_outlives_a_killed_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     script = textwrap.dedent(
         f"""
-        from harness import probes
-        from harness.launcher import launch
+        from harness.dist import probes
+        from harness.dist.launcher import launch
         launch(probes.sleep_on, 2, None, 3600.0, {str(pid_file)!r}, deadline=600)
         """
     )

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import scenarios
-from harness.battery import checks, runner
+from harness.battery import checks, runner, scenarios
 from harness.battery.table import run_controls
 from harness.recipes import CONTROLS, SCENARIO_CONTROLS
 

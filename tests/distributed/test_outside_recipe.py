@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 
-installed = any(ep.value == "harness.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+installed = any(ep.value == "harness.testing.plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
 requires_installed_plugin = pytest.mark.skipif(
     not installed, reason="needs the package installed (pip install -e .) so its pytest11 entry point is registered"
 )

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from harness.battery import checks, runner
-from harness.reduction import loss_scale
-from harness.scenarios import build
+from harness.battery.scenarios import build
+from harness.recipes.reduction import loss_scale
 
 CORRECT = "harness.recipes:global_token_mean"
-FOR_SUM = "harness.reduction:summing_hook_token_mean"
+FOR_SUM = "harness.recipes.reduction:summing_hook_token_mean"
 
 
 @pytest.fixture(params=(2, 3), ids=lambda w: f"world{w}")

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from harness.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file
-from harness.config import Config, load_config
-from harness.corpus import make_corpus, split_rows
-from harness.evaluation import EVAL_FILE, evaluate_model
-from harness.launcher import Expected, launch
+from harness.data.config import Config, load_config
+from harness.data.corpus import make_corpus, split_rows
+from harness.dist.launcher import Expected, launch
 from harness.model import build_model
-from harness.trainer import RESUME_BUGS, launched_run, state_difference
+from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file
+from harness.training.evaluation import EVAL_FILE, evaluate_model
+from harness.training.trainer import RESUME_BUGS, launched_run, state_difference
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = ROOT / "configs" / "minimum.yaml"

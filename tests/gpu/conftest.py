@@ -1,8 +1,8 @@
 """Fixtures shared by the two CUDA lanes: battery runs on CUDA ranks, and the environment of bit-equality runs.
 
-Nothing here touches CUDA at import or collection: the lanes' skips (``harness.skips``) decide, in the parent, whether a
-test runs at all (or fails, where ``HARNESS_REQUIRE_GPUS`` requires its lane), and every CUDA kernel of the battery runs
-inside launched ranks.
+Nothing here touches CUDA at import or collection: the lanes' skips (``harness.testing.skips``) decide, in the parent,
+whether a test runs at all (or fails, where ``HARNESS_REQUIRE_GPUS`` requires its lane), and every CUDA kernel of the
+battery runs inside launched ranks.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from harness import scenarios
-from harness.battery import runner
+from harness.battery import runner, scenarios
 
 DEADLINE = 90.0
 """Seconds one battery run on CUDA ranks may take: each rank creates its own CUDA context (seconds, not the 0.1 s of

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from harness.battery import checks
-from harness.checkpoint import MANIFEST, SHARED, rank_file
-from harness.evaluation import EVAL_FILE
-from harness.launcher import launch
-from harness.skips import requires_two_gpus
-from harness.trainer import state_difference
+from harness.dist.launcher import launch
+from harness.testing.skips import requires_two_gpus
+from harness.training.checkpoint import MANIFEST, SHARED, rank_file
+from harness.training.evaluation import EVAL_FILE
+from harness.training.trainer import state_difference
 
 pytestmark = [pytest.mark.gpu2, requires_two_gpus]
 
@@ -42,7 +42,7 @@ TORCHRUN_TIMEOUT = 180.0
 
 DETERMINISTIC_MAIN = (
     "import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
-    "from harness.train import entry; entry(sys.argv[1:])"
+    "from harness.training.torchrun import entry; entry(sys.argv[1:])"
 )
 """What each torchrun worker runs: ``harness.train``'s command line with deterministic algorithms switched on first."""
 

@@ -25,16 +25,15 @@ from typing import Any
 import pytest
 import torch
 
-from harness import scenarios
-from harness.battery import checks
-from harness.checkpoint import rank_file
-from harness.compare import FLOAT32_TOLERANCE, compare
-from harness.config import Config
-from harness.launcher import launch
+from harness.battery import checks, scenarios
+from harness.core.compare import FLOAT32_TOLERANCE, compare
+from harness.core.reference import Reference, reference_gradient
+from harness.data.config import Config
+from harness.dist.launcher import launch
 from harness.model import build_model
-from harness.reference import Reference, reference_gradient
-from harness.skips import requires_cuda, requires_one_gpu_with_nccl
-from harness.trainer import launched_run, state_difference
+from harness.testing.skips import requires_cuda, requires_one_gpu_with_nccl
+from harness.training.checkpoint import rank_file
+from harness.training.trainer import launched_run, state_difference
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import Config, load_config
-from harness.corpus import Row, make_corpus
+from harness.data.config import Config, load_config
+from harness.data.corpus import Row, make_corpus
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.batching import collate
-from harness.config import Config
-from harness.corpus import Row
-from harness.loss import loss_sum
+from harness.core.loss import loss_sum
+from harness.data.batching import collate
+from harness.data.config import Config
+from harness.data.corpus import Row
 from harness.model import build_model
 
 # Four blocks, 64 positions: enough activations inside the blocks for checkpointing to matter.

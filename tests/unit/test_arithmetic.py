@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import harness
 from harness import IGNORE_INDEX
-from harness.batching import collate
-from harness.corpus import Row
+from harness.data.batching import collate
+from harness.data.corpus import Row
 
 
 @dataclass(frozen=True)

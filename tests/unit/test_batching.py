@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from harness import IGNORE_INDEX, PAD, Microbatch
-from harness.batching import collate
-from harness.corpus import Row
+from harness.data.batching import collate
+from harness.data.corpus import Row
 
 ROWS = (
     Row(id=0, split="train", tokens=(3, 4, 5, 6, 7, 1, 2, 3), prompt_len=3),

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint import (
+from harness.data.config import Config
+from harness.training.checkpoint import (
     MANIFEST,
     SHARED,
     latest_checkpoint,
@@ -21,8 +22,7 @@ from harness.checkpoint import (
     save_checkpoint,
     trajectory_mismatch,
 )
-from harness.config import Config
-from harness.trainer import FAULT_ENV, Fault, WarmupLinearDecay, parse_fault, rank_seed, state_difference
+from harness.training.trainer import FAULT_ENV, Fault, WarmupLinearDecay, parse_fault, rank_seed, state_difference
 
 CONFIG = Config()
 LOCK = "a" * 64

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint import MANIFEST, save_checkpoint
-from harness.cli import main
-from harness.figures import write_figure
+from harness.training.checkpoint import MANIFEST, save_checkpoint
+from harness.workflow.cli import main
+from harness.workflow.figures import write_figure
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = str(ROOT / "configs" / "minimum.yaml")
@@ -239,7 +239,7 @@ def test_report_names_the_failing_check_on_the_last_line_and_exits_1(
     small: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """When a check of the protocol fails, the command exits 1 and its last line says which one."""
-    import harness.report as report
+    import harness.workflow.report as report
 
     def fake_run(config: object, config_path: str, outputs: Path, **_: object) -> report.Report:
         r = report.Report(config_path, outputs)

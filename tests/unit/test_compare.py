@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.compare import (
+from harness.core.compare import (
     FLOAT32_TOLERANCE,
     assert_gradients_close,
     compare,

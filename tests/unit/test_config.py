@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.config import Config, load_config
+from harness.data.config import Config, load_config
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
 

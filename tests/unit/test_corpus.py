@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config import Config
-from harness.corpus import SPLITS, Row, data_lock, make_corpus, split_rows
+from harness.data.config import Config
+from harness.data.corpus import SPLITS, Row, data_lock, make_corpus, split_rows
 
 # Small enough to build in a few milliseconds, for the tests that build several corpora.
 SMALL = Config(train_size=64, val_size=8, test_size=8)

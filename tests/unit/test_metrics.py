@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.hypothesis_profiles import load_profile
+from harness.testing.hypothesis_profiles import load_profile
 
 load_profile()
 
-from harness.metrics import accuracy, combine_counts, mean_of_accuracies  # noqa: E402
+from harness.core.metrics import accuracy, combine_counts, mean_of_accuracies  # noqa: E402
 
 SEED_004 = [(90, 100), (10, 20)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.config import Config
+from harness.data.config import Config
 from harness.model import build_model
 
 TINY = Config(d_model=8, n_heads=2, vocab_size=8, max_len=16, min_len=8, prompt_max=4)

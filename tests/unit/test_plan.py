@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from harness.config import Config
-from harness.corpus import Row
-from harness.plan import Plan, length_bands, make_plan, rank_pools
+from harness.data.config import Config
+from harness.data.corpus import Row
+from harness.data.plan import Plan, length_bands, make_plan, rank_pools
 
 
 @pytest.fixture(scope="module", params=(2, 3, 4), ids=lambda w: f"world{w}")

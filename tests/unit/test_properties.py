@@ -13,14 +13,14 @@ import torch
 from hypothesis import Phase, given, note, settings
 from hypothesis import strategies as st
 
-from harness.hypothesis_profiles import load_profile, max_examples
+from harness.testing.hypothesis_profiles import load_profile, max_examples
 
 load_profile()
 
 from harness import global_token_loss, loss_sum  # noqa: E402  (after the profile, as every property module)
-from harness.batching import collate  # noqa: E402
-from harness.config import Config  # noqa: E402
-from harness.corpus import Row  # noqa: E402
+from harness.data.batching import collate  # noqa: E402
+from harness.data.config import Config  # noqa: E402
+from harness.data.corpus import Row  # noqa: E402
 from harness.model import build_model  # noqa: E402
 
 # Per-rank (loss sum, supervised count): a rank may hold no token at all (0, 0); a sum is >= 0 as cross-entropy is.
@@ -173,7 +173,7 @@ def test_the_profile_is_chosen_by_one_variable(
     env: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """HARNESS_HYPOTHESIS_PROFILE picks the profile; unset, CI=true means the derandomized ci profile."""
-    from harness.hypothesis_profiles import profile_name
+    from harness.testing.hypothesis_profiles import profile_name
 
     for key in ("HARNESS_HYPOTHESIS_PROFILE", "CI"):
         monkeypatch.delenv(key, raising=False)
@@ -184,7 +184,7 @@ def test_the_profile_is_chosen_by_one_variable(
 
 def test_an_unknown_profile_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """A misspelt profile is an error naming the variable and the choices, not a silent default."""
-    from harness.hypothesis_profiles import profile_name
+    from harness.testing.hypothesis_profiles import profile_name
 
     monkeypatch.setenv("HARNESS_HYPOTHESIS_PROFILE", "nightly")
     with pytest.raises(ValueError, match="HARNESS_HYPOTHESIS_PROFILE='nightly'"):

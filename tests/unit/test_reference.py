@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from harness import IGNORE_INDEX, Microbatch
-from harness.batching import collate
-from harness.compare import flat_grad
-from harness.config import Config
-from harness.corpus import Row, make_corpus
+from harness.core.compare import flat_grad
+from harness.core.reference import reference_gradient
+from harness.data.batching import collate
+from harness.data.config import Config
+from harness.data.corpus import Row, make_corpus
 from harness.model import build_model
-from harness.reference import reference_gradient
 
 TINY = Config(
     d_model=8,

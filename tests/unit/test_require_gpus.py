@@ -1,8 +1,8 @@
 """``HARNESS_REQUIRE_GPUS=N``: a GPU lane needing at most N devices fails where it would skip; a bad value is refused.
 
-The decision (:func:`harness.skips.lane_verdict`) is tested directly; three pytest subprocesses, with CUDA hidden
-(``CUDA_VISIBLE_DEVICES=""``) so that they see 0 devices on any machine, show the plugin turning it into a skip, a
-failure and a usage error.
+The decision (:func:`harness.testing.skips.lane_verdict`) is tested directly; three pytest subprocesses, with CUDA
+hidden (``CUDA_VISIBLE_DEVICES=""``) so that they see 0 devices on any machine, show the plugin turning it into a
+skip, a failure and a usage error.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.skips import REQUIRE_GPUS_ENV, lane_verdict, required_gpus
+from harness.testing.skips import REQUIRE_GPUS_ENV, lane_verdict, required_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU2_MESSAGE = (
@@ -87,7 +87,7 @@ def test_a_lane_that_can_run_runs_whatever_the_requirement() -> None:
 # ------------------------------------------------------------------------------------------- through pytest itself
 
 LANE_TESTS = '''
-from harness.skips import requires_two_gpus
+from harness.testing.skips import requires_two_gpus
 
 @requires_two_gpus
 def test_on_two_gpus():
@@ -97,7 +97,7 @@ def test_on_two_gpus():
 
 def _pytest(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess[str]:
     """Run a one-test gpu2 module in a fresh pytest with CUDA hidden and ``HARNESS_REQUIRE_GPUS`` set to ``require``."""
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["harness.pytest_plugin"]\n')
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["harness.testing.plugin"]\n')
     (tmp_path / "test_lane.py").write_text(LANE_TESTS)
     env = {k: v for k, v in os.environ.items() if k != REQUIRE_GPUS_ENV}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.hypothesis_profiles import load_profile
+from harness.testing.hypothesis_profiles import load_profile
 
 load_profile()
 
-from harness.config import Config  # noqa: E402
-from harness.corpus import make_corpus, split_rows  # noqa: E402
-from harness.sampling import audit, epoch_plan, epoch_shards, rank_seeded_shards  # noqa: E402
+from harness.data.config import Config  # noqa: E402
+from harness.data.corpus import make_corpus, split_rows  # noqa: E402
+from harness.data.sampling import audit, epoch_plan, epoch_shards, rank_seeded_shards  # noqa: E402
 
 
 @pytest.fixture(params=(2, 3), ids=lambda w: f"world{w}")

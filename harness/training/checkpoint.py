@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.config import Config
+from harness.data.config import Config
 
 MANIFEST = "manifest.json"
 SHARED = "shared.pt"

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.batching import Microbatch
-from harness.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
+from harness.core.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
+from harness.core.microbatch import Microbatch
 
 # --- A small DDP model for the rank bodies --------------------------------------------------------------------------
 

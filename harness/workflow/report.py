@@ -18,7 +18,7 @@ is detected before anything is written, and whatever is written goes to a tempor
 the final name at the end, so a failed or interrupted command never leaves a half-written file where a whole one was.
 
 Rank bodies (``window_gradients``, ``evaluate_checkpoint``, ``timed_training``) are module-level functions of the
-package so that :func:`harness.launcher.launch` can run them on warm forkserver ranks.
+package so that :func:`harness.dist.launcher.launch` can run them on warm forkserver ranks.
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.batching import Microbatch, collate
-from harness.checkpoint import MANIFEST, SHARED, read_manifest, write_atomic
-from harness.compare import Comparison, compare, flat_grad
-from harness.config import Config
-from harness.corpus import Row, data_lock, make_corpus
-from harness.launcher import launch
+from harness.core.compare import Comparison, compare, flat_grad
+from harness.core.microbatch import Microbatch
+from harness.core.reference import reference_gradient
+from harness.data.batching import collate
+from harness.data.config import Config
+from harness.data.corpus import Row, data_lock, make_corpus
+from harness.data.plan import Plan, make_plan
+from harness.dist.launcher import launch
 from harness.model import build_model
-from harness.plan import Plan, make_plan
-from harness.reference import reference_gradient
+from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, write_atomic
 
 MARKER = "outputs.json"
 CORRECT = "harness.recipes:global_token_mean"
@@ -290,7 +291,7 @@ def exercise_windows(config: Config, rows: Sequence[Row]) -> tuple[list[list[lis
 
 
 def _local_losses(config: Config, window: Sequence[Sequence[Microbatch]]) -> tuple[list[float], list[int]]:
-    from harness.loss import loss_sum
+    from harness.core.loss import loss_sum
 
     model = build_model(config, dropout=0.0)
     with torch.no_grad():
@@ -344,7 +345,7 @@ def run_exercise(config: Config, progress: Progress = _silent) -> dict[str, Any]
 
 def evaluate_checkpoint(config: Config, step_dir: str) -> dict[str, Any]:
     """Rank body: load ``step_dir``'s weights and evaluate them on this rank's shard; sums are all-reduced."""
-    from harness.evaluation import evaluate_model
+    from harness.training.evaluation import evaluate_model
 
     shared = torch.load(Path(step_dir) / SHARED, map_location="cpu", weights_only=True)
     model = build_model(config, dropout=0.0)
@@ -393,7 +394,7 @@ def checkpoint_to_evaluate(run_dir: Path) -> Path:
 
 def evaluate(config: Config, step_dir: Path, lock: str) -> dict[str, Any]:
     """Test loss, token accuracy and valid tokens of ``step_dir``'s weights, on ``config.world_size`` ranks."""
-    from harness.checkpoint import load_checkpoint
+    from harness.training.checkpoint import load_checkpoint
 
     manifest = read_manifest(step_dir)
     try:
@@ -411,7 +412,7 @@ def timed_training(config: Config, steps: int, warmup: int) -> dict[str, float]:
     """Rank body: ``warmup`` untimed then ``steps`` timed optimizer steps of the correct recipe; global tokens/s."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from harness.loss import global_count
+    from harness.core.loss import global_count
     from harness.recipes import global_token_mean
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -481,7 +482,7 @@ class Report:
 
 
 def _trio(config: Config, runs: Path, progress: Progress) -> dict[str, Any]:
-    from harness.trainer import launched_run, state_difference
+    from harness.training.trainer import launched_run, state_difference
 
     progress(f"  stop at {config.stop_at} on {config.world_size} ranks")
     stopped = launch(launched_run, config.world_size, config, str(runs / "stopped"), {"stop_at": config.stop_at},
@@ -627,7 +628,7 @@ def _cpu_label() -> str:
 
 
 def write_report(report: Report) -> None:
-    from harness.figures import write_figure
+    from harness.workflow.figures import write_figure
 
     r, out = report.results, report.outputs
     tmp_png = out / f".report.png.tmp-{os.getpid()}"

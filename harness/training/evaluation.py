@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.batching import IGNORE_INDEX, collate
-from harness.config import Config
-from harness.corpus import Row, split_rows
-from harness.loss import count_device, loss_sum
+from harness.core.loss import count_device, loss_sum
+from harness.core.microbatch import IGNORE_INDEX
+from harness.data.batching import collate
+from harness.data.config import Config
+from harness.data.corpus import Row, split_rows
 
 EVAL_FILE = "eval.json"
 EVAL_BATCH = 32

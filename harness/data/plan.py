@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from harness.config import Config
-from harness.corpus import Row
+from harness.data.config import Config
+from harness.data.corpus import Row
 
 Plan = list[list[list[list[int]]]]
 """``plan[step][rank][microbatch]`` -> sequence ids."""

@@ -5,7 +5,7 @@ padding). Accuracy over the whole evaluation set is ``sum_r correct_r / sum_r to
 accuracies weights every rank equally instead of every example. Seed 004: rank 0 scores 90 of 100 and rank 1 10 of
 20; the true accuracy is 100 / 120 = 0.8333, the mean of the two accuracies 0.70.
 
-The distributed functions all-reduce on :func:`harness.loss.count_device` (CPU for gloo, the current CUDA device
+The distributed functions all-reduce on :func:`harness.core.loss.count_device` (CPU for gloo, the current CUDA device
 for NCCL) in float64, so counts up to 2**53 are exact; outside a process group a single process is the whole world.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from harness.loss import count_device
+from harness.core.loss import count_device
 
 
 def _check_counts(correct: object, total: object, where: str = "") -> None:
@@ -83,7 +83,7 @@ def mean_of_rank_accuracies(correct: int, total: int) -> float:
 
 
 def metrics_rank_body(per_rank: Sequence[tuple[int, int]]) -> dict[str, float]:
-    """Rank body for :func:`harness.launcher.launch`: rank r holds ``per_rank[r]``; returns both combinations."""
+    """Rank body for :func:`harness.dist.launcher.launch`: rank r holds ``per_rank[r]``; returns both combinations."""
     correct, total = per_rank[dist.get_rank()]
     out = {"from_counts": global_accuracy(correct, total)}
     if all(t > 0 for _, t in per_rank):

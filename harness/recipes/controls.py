@@ -1,17 +1,13 @@
-"""Recipes: the training step under test, the correct one and the known mistakes.
-
-A recipe's ``backward_window(model, window)`` runs on every rank with ``model`` wrapped in DDP (gradients averaged
-over ranks) and ``window`` this rank's microbatches for one optimizer step. It must leave in ``.grad`` the gradient of
-``(sum of per-token cross-entropy over every supervised token of every rank's window) / (number of those tokens)``.
-"""
+"""Negative controls: each reproduces a mistake real projects made, names where the battery must reject it
+(:data:`CONTROLS`), and, for each scenario but the base one, the control that only that scenario catches
+(:data:`SCENARIO_CONTROLS`). ``tests/distributed/test_negative_controls.py`` shows each rejected."""
 
 from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -19,79 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness.batching import IGNORE_INDEX, Microbatch
-from harness.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
-
-
-@runtime_checkable
-class Recipe(Protocol):
-    name: str
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None: ...
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def window_count(window: Sequence[Microbatch]) -> int:
-    """The global supervised count of the window, all-reduced before any backward; ValueError (on every rank
-    alike) when it is 0."""
-    # Every rank calls global_count, also a rank whose own count is 0, and every rank sees the same total, so every
-    # rank raises together and none is left waiting in a collective.
-    total = global_count(sum(mb.supervised for mb in window))
-    check_global_count(total)
-    return total
-
-
-def accumulate(
-    model: nn.Module,
-    window: Sequence[Microbatch],
-    scale: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    sync_every_microbatch: bool = False,
-    loss_dtype: torch.dtype | None = None,
-) -> float:
-    """Forward and backward of every microbatch with loss ``scale(loss_sum)``; returns this rank's plain loss sum.
-
-    In DDP only the last microbatch needs to synchronize gradients. The ``no_sync()`` context must hold the forward as
-    well as the backward, or DDP still prepares a reduction for that pass. (``sync_every_microbatch`` and
-    ``loss_dtype`` exist for the negative controls.)
-    """
-    local = 0.0
-    for i, mb in enumerate(window):
-        last = i == len(window) - 1
-        with contextlib.nullcontext() if last or sync_every_microbatch else model.no_sync():  # type: ignore[operator]
-            logits = model(mb.inputs)
-            s = loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb.labels)
-            scale(s).backward()
-        local += float(s.detach())
-    return local
-
-
-def global_sum(value: float) -> float:
-    """All-reduce (SUM) a float in float64 on the count device; the identity outside a process group."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor(value, dtype=torch.float64, device=count_device())
-    dist.all_reduce(t)
-    return float(t)
-
-
-class GlobalTokenMean:
-    """The correct recipe: sums, one all-reduced count before any backward, ``no_sync`` around all but the last."""
-
-    name = "global_token_mean"
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        total, world = window_count(window), _world_size()
-        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
-        # The logged loss must be the global token mean on every rank, not this rank's share of it.
-        return global_sum(local) / total
-
-
-global_token_mean = GlobalTokenMean()
-
+from harness.core.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.recipes.correct import GlobalTokenMean, _sync_last, _world_size, accumulate, window_count
 
 # --- Negative controls -------------------------------------------------------------------------------------------
 # Each reproduces a mistake real projects made. The battery must reject every one of them; tests assert that it does.
@@ -425,11 +351,6 @@ class TorchRandomDraw:
         return GlobalTokenMean().backward_window(model, order)
 
 
-def _sync_last(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
-    """``no_sync()`` for every microbatch but the last (forward and backward inside it)."""
-    return contextlib.nullcontext() if i == n - 1 else model.no_sync()  # type: ignore[operator]
-
-
 mean_of_local_means = MeanOfLocalMeans()
 extra_microbatch_division = ExtraMicrobatchDivision()
 no_world_size_factor = NoWorldSizeFactor()
@@ -508,74 +429,3 @@ SCENARIO_CONTROLS = {
 other scenario of the battery (``tests/distributed/test_negative_controls.py`` shows both)."""
 
 
-class RecipeError(ValueError):
-    """A recipe that cannot be loaded: a bad import path, an import error, a factory that raised, or an object that
-    does not satisfy the contract (``backward_window`` and ``name``)."""
-
-
-_FIX = "the recipe contract wants an instance, a class or a zero-argument factory whose result has "\
-       "backward_window(model, window) and a str name (see the README's recipe contract)"
-
-
-def split_recipe_path(path: str) -> tuple[str, str]:
-    """``"package.module:attr"`` -> ``("package.module", "attr")``; RecipeError naming the fix otherwise."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        msg = f"recipe={path!r} must look like 'package.module:attr' (for example harness.recipes:global_token_mean)"
-        raise RecipeError(msg)
-    module, attr = path.split(":")
-    return module, attr
-
-
-def load_recipe(spec: object = None) -> Recipe:
-    """The one recipe loader: ``spec`` is ``"package.module:attr"`` or the object itself (None: the correct recipe).
-
-    The object may be an instance, a class (instantiated with no argument) or a zero-argument factory (called); the
-    result must have a callable ``backward_window`` and a str ``name``, and may have an optional ``setup()`` that the
-    harness calls on every rank inside the process group before the first window. Every failure is a
-    :class:`RecipeError` naming the path and the fix, raised before any rank starts.
-    """
-    import importlib
-
-    if spec is None:
-        return global_token_mean
-    where = repr(spec)
-    obj: object = spec
-    attr = getattr(spec, "__name__", type(spec).__name__)
-    if isinstance(spec, str):
-        module_name, attr = split_recipe_path(spec)
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
-            msg = (f"recipe={spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
-                   "(is the package installed, or its folder on PYTHONPATH?)")
-            raise RecipeError(msg) from exc
-        obj = module
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                msg = f"recipe={spec!r}: {module_name!r} has no attribute {attr!r}; {_FIX}"
-                raise RecipeError(msg)
-            obj = getattr(obj, part)
-    # A class is built even though it has a backward_window attribute (an unbound function would crash every rank).
-    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "backward_window")):
-        try:
-            obj = obj()
-        except Exception as exc:
-            msg = (f"recipe={where}: calling {attr}() to build the recipe failed: {type(exc).__name__}: {exc}; "
-                   f"{_FIX}")
-            raise RecipeError(msg) from exc
-    if not callable(getattr(obj, "backward_window", None)):
-        msg = f"recipe={where}: {type(obj).__name__} has no backward_window(model, window) method; {_FIX}"
-        raise RecipeError(msg)
-    if not isinstance(getattr(obj, "name", None), str):
-        msg = f"recipe={where}: {type(obj).__name__} needs a `name` attribute (a str) for reports; {_FIX}"
-        raise RecipeError(msg)
-    setup = getattr(obj, "setup", None)
-    if setup is not None and not callable(setup):
-        msg = f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument, or absent"
-        raise RecipeError(msg)
-    return obj  # type: ignore[return-value]
-
-
-def recipe_module(spec: object) -> str | None:
-    """The module a ``"package.module:attr"`` recipe lives in (for the launcher to preload), else None."""
-    return split_recipe_path(spec)[0] if isinstance(spec, str) else None

@@ -59,12 +59,12 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from harness import _preload
+from harness.dist import _preload
 
 DEFAULT_DEADLINE = 60.0
 """Seconds a whole run may take by default."""
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "harness", "harness.launcher")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "harness", "harness.dist.launcher")
 """Modules the forkserver imports once, so that each rank starts warm (``launch(..., preload=...)`` adds more)."""
 
 _PR_SET_PDEATHSIG = 1
@@ -250,7 +250,7 @@ def _check_launch_args(
 
 _SERVER = threading.Condition()
 _server_modules: tuple[str, ...] = ()
-"""The caller modules the running server was started with (with :data:`PRELOAD` and :mod:`harness._preload`)."""
+"""The caller modules the running server was started with (with :data:`PRELOAD` and :mod:`harness.dist._preload`)."""
 _server_started = False
 _active_launches = 0
 _restarting = False
@@ -291,7 +291,7 @@ def _forkserver(preload: tuple[str, ...]) -> Iterator[Any]:
                 _SERVER.notify_all()
         elif missing and not _server_started:
             _server_modules = (*_server_modules, *missing)
-        # (Re)start it if it is not running, naming the caller's modules to the server's harness._preload.
+        # (Re)start it if it is not running, naming the caller's modules to the server's harness.dist._preload.
         path = [p for p in sys.path if isinstance(p, str)]
         os.environ[_preload.ENV] = json.dumps({"modules": list(_server_modules), "sys_path": path})
         try:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from harness.batching import Microbatch
-from harness.compare import flat_grad
-from harness.loss import loss_sum
+from harness.core.compare import flat_grad
+from harness.core.loss import loss_sum
+from harness.core.microbatch import Microbatch
 
 
 @dataclass(frozen=True)

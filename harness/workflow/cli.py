@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from harness.config import Config, load_config
-from harness.loss import global_token_loss
-from harness.report import BadInput
+from harness.core.loss import global_token_loss
+from harness.data.config import Config, load_config
+from harness.workflow.report import BadInput
 
 CORRECT = "harness.recipes:global_token_mean"
 
@@ -105,7 +105,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
           f"{list(worlds)}, precision {args.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
     for path in filter(None, (args.json, args.battery_report)):
-        from harness.report import write_json
+        from harness.workflow.report import write_json
 
         expected = (len(cases) + drawn) * len(recipes)
         write_json(Path(path), report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
@@ -163,7 +163,7 @@ def _progress(message: str) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Corpus, plan and data lock under the outputs folder."""
-    from harness.report import prepare
+    from harness.workflow.report import prepare
 
     config = _config(args)
     out = _outputs(args)
@@ -179,7 +179,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_reference(args: argparse.Namespace) -> int:
     """The single-device gradient of the plan's first window, from the initial weights."""
-    from harness.report import compute_reference, require_prepared
+    from harness.workflow.report import compute_reference, require_prepared
 
     config = _config(args)
     out = _outputs(args)
@@ -193,8 +193,8 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Test loss, token accuracy and valid tokens of a run directory's newest checkpoint."""
-    from harness.corpus import data_lock, make_corpus
-    from harness.report import checkpoint_to_evaluate, evaluate, read_manifest
+    from harness.data.corpus import data_lock, make_corpus
+    from harness.workflow.report import checkpoint_to_evaluate, evaluate, read_manifest
 
     config = _config(args)
     if args.checkpoint:
@@ -217,7 +217,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_exercise(args: argparse.Namespace) -> int:
     """Seed 000's exercise on real ranks: rank 1 goes from 12 to 36 supervised tokens."""
-    from harness.report import run_exercise
+    from harness.workflow.report import run_exercise
 
     config = _config(args)
     result = run_exercise(config, progress=_progress)
@@ -252,7 +252,7 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from harness.skips import two_gpus_missing
+    from harness.testing.skips import two_gpus_missing
 
     config = _config(args)
     available = dist.is_available()
@@ -271,8 +271,8 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
         return 1
     if not args.dual:
         return 0
-    from harness.launcher import LaunchError, launch
-    from harness.probes import all_reduce_rank
+    from harness.dist.launcher import LaunchError, launch
+    from harness.dist.probes import all_reduce_rank
 
     start = time.monotonic()
     try:
@@ -292,7 +292,7 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
 
 def cmd_check_checkpoints(args: argparse.Namespace) -> int:
     """Every step directory's manifest under the run directories."""
-    from harness.report import checkpoint_problems, step_dirs
+    from harness.workflow.report import checkpoint_problems, step_dirs
 
     if args.run_dir:
         run_dirs = [Path(d) for d in args.run_dir]
@@ -363,7 +363,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """The whole protocol and its report."""
-    from harness.report import run_report, summary_table
+    from harness.workflow.report import run_report, summary_table
 
     config = _config(args)
     if args.scaling_steps < 1:
@@ -465,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from harness.launcher import LaunchError
+    from harness.dist.launcher import LaunchError
 
     try:
         return int(args.fn(args))

@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness.config import Config
+from harness.data.config import Config
 
 SPLITS = ("train", "val", "test")
 

@@ -4,11 +4,11 @@ Rank r backpropagates ``c * S_r`` (``S_r`` its loss sum); the hook combines the 
 ``(sum_r S_r) / N`` with ``N`` the global supervised count. Derive ``c`` from the hook, never copy it:
 
 * **averaging hook** (DDP's default, the harness's ``reduction="mean"``): the result is ``(1/W) sum_r c g_r``, so
-  ``c = W / N`` (:func:`harness.loss.global_token_loss`);
+  ``c = W / N`` (:func:`harness.core.loss.global_token_loss`);
 * **summing hook** (``reduction="sum"``): the result is ``sum_r c g_r``, so ``c = 1 / N``. The correct recipe for the
   averaging hook is W times too large under it; at W = 1 the two hooks, and the two scales, coincide.
 
-The harness's one comm hook (``harness.hooks``, which also counts synchronizations; DDP takes a single hook) does
+The harness's one comm hook (``harness.dist.hooks``, which also counts synchronizations; DDP takes a single hook) does
 either: ``run_windows(..., reduction="sum")`` selects the sum.
 """
 
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from harness.batching import Microbatch
-from harness.hooks import REDUCTIONS
-from harness.loss import check_global_count
+from harness.core.loss import check_global_count
+from harness.core.microbatch import Microbatch
+from harness.dist.hooks import REDUCTIONS
 
 
 def loss_scale(reduction: str, global_count: int, world_size: int) -> float:

@@ -23,8 +23,8 @@ MARKERS = {
     "gpu": "needs one CUDA device",
     "gpu2": "needs two CUDA devices and NCCL (one rank per device)",
     "slow": "takes more than a few seconds; CI runs it, `-m 'not slow'` leaves it out locally",
-    "required_gpus_missing": "set by harness.skips when HARNESS_REQUIRE_GPUS requires a GPU lane this machine cannot "
-    "run: the test fails with the marker's message instead of skipping",
+    "required_gpus_missing": "set by harness.testing.skips when HARNESS_REQUIRE_GPUS requires a GPU lane this machine "
+    "cannot run: the test fails with the marker's message instead of skipping",
 }
 
 _PROPERTY = "battery_verdict"
@@ -69,12 +69,12 @@ def pytest_configure(config: pytest.Config) -> None:
     _SESSION.clear()
 
 
-# HARNESS_REQUIRE_GPUS: harness.skips decides at collection which GPU lanes must fail instead of skipping and marks
-# their tests; this part refuses a bad value at start-up and fails the marked tests before any skip is evaluated.
+# HARNESS_REQUIRE_GPUS: harness.testing.skips decides at collection which GPU lanes must fail instead of skipping and
+# marks their tests; this part refuses a bad value at start-up and fails the marked tests before any skip is evaluated.
 
 
 def _check_required_gpus() -> None:
-    from harness.skips import REQUIRE_GPUS_ENV, required_gpus
+    from harness.testing.skips import REQUIRE_GPUS_ENV, required_gpus
 
     try:
         required_gpus(os.environ.get(REQUIRE_GPUS_ENV))
@@ -84,7 +84,7 @@ def _check_required_gpus() -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from harness.skips import REQUIRED_MARK
+    from harness.testing.skips import REQUIRED_MARK
 
     for mark in item.iter_markers(name=REQUIRED_MARK):
         pytest.fail(str(mark.args[0]), pytrace=False)

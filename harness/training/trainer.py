@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.batching import Microbatch, collate
-from harness.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from harness.config import Config
-from harness.corpus import data_lock, make_corpus
-from harness.evaluation import evaluate_model, write_eval
+from harness.core.microbatch import Microbatch
+from harness.data.batching import collate
+from harness.data.config import Config
+from harness.data.corpus import data_lock, make_corpus
+from harness.data.plan import make_plan
 from harness.model import build_model
-from harness.plan import make_plan
 from harness.recipes import Recipe, load_recipe
+from harness.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from harness.training.evaluation import evaluate_model, write_eval
 
 RESUME_BUGS = ("reseed", "drop_optimizer", "rank0_rng", "restart_plan")
 """Negative controls: re-seed the RNGs instead of restoring them; do not load the optimizer state; restore rank 0's
@@ -393,7 +394,8 @@ def _checkpoint(
 def launched_run(
     config: Config | dict[str, Any], run_dir: str, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Rank body for :func:`harness.launcher.launch`: ``launch(launched_run, 2, config, run_dir, {"stop_at": 50})``.
+    """Rank body for :func:`harness.dist.launcher.launch`:
+    ``launch(launched_run, 2, config, run_dir, {"stop_at": 50})``.
 
     A module-level function of the package, so the launcher's forkserver has it preloaded. ``options`` (a dict,
     because the launcher passes positional arguments only) are :func:`run`'s keywords: ``stop_at``, ``resume``,

@@ -17,10 +17,11 @@ from functools import lru_cache
 
 import torch
 
-from harness.batching import IGNORE_INDEX, Microbatch, collate
-from harness.config import Config
-from harness.corpus import Row, make_corpus
-from harness.plan import make_plan
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.data.batching import collate
+from harness.data.config import Config
+from harness.data.corpus import Row, make_corpus
+from harness.data.plan import make_plan
 
 Windows = list[list[list[Microbatch]]]
 

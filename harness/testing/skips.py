@@ -2,7 +2,7 @@
 
 A GPU lane whose hardware is missing skips with the reason, unless ``HARNESS_REQUIRE_GPUS=N`` says this machine must
 run every lane that needs at most N CUDA devices: such a lane then carries the ``required_gpus_missing`` marker
-instead, and the plugin (``harness.pytest_plugin``) fails each of its tests with the message. A GPU runner that sets
+instead, and the plugin (``harness.testing.plugin``) fails each of its tests with the message. A GPU runner that sets
 the variable cannot go green by skipping.
 """
 

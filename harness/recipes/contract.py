@@ -1,0 +1,94 @@
+"""The recipe contract: the :class:`Recipe` protocol and the one loader that turns ``package.module:attr`` into a
+recipe on every rank (an instance, a class, or a zero-argument factory), with usage errors that name the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+from harness.core.microbatch import Microbatch
+
+
+@runtime_checkable
+class Recipe(Protocol):
+    name: str
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None: ...
+
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded: a bad import path, an import error, a factory that raised, or an object that
+    does not satisfy the contract (``backward_window`` and ``name``)."""
+
+
+_FIX = "the recipe contract wants an instance, a class or a zero-argument factory whose result has "\
+       "backward_window(model, window) and a str name (see the README's recipe contract)"
+
+
+def split_recipe_path(path: str) -> tuple[str, str]:
+    """``"package.module:attr"`` -> ``("package.module", "attr")``; RecipeError naming the fix otherwise."""
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        msg = f"recipe={path!r} must look like 'package.module:attr' (for example harness.recipes:global_token_mean)"
+        raise RecipeError(msg)
+    module, attr = path.split(":")
+    return module, attr
+
+
+def load_recipe(spec: object = None) -> Recipe:
+    """The one recipe loader: ``spec`` is ``"package.module:attr"`` or the object itself (None: the correct recipe).
+
+    The object may be an instance, a class (instantiated with no argument) or a zero-argument factory (called); the
+    result must have a callable ``backward_window`` and a str ``name``, and may have an optional ``setup()`` that the
+    harness calls on every rank inside the process group before the first window. Every failure is a
+    :class:`RecipeError` naming the path and the fix, raised before any rank starts.
+    """
+    import importlib
+
+    if spec is None:
+        from harness.recipes.correct import global_token_mean
+
+        return global_token_mean
+    where = repr(spec)
+    obj: object = spec
+    attr = getattr(spec, "__name__", type(spec).__name__)
+    if isinstance(spec, str):
+        module_name, attr = split_recipe_path(spec)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            msg = (f"recipe={spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
+                   "(is the package installed, or its folder on PYTHONPATH?)")
+            raise RecipeError(msg) from exc
+        obj = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                msg = f"recipe={spec!r}: {module_name!r} has no attribute {attr!r}; {_FIX}"
+                raise RecipeError(msg)
+            obj = getattr(obj, part)
+    # A class is built even though it has a backward_window attribute (an unbound function would crash every rank).
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "backward_window")):
+        try:
+            obj = obj()
+        except Exception as exc:
+            msg = (f"recipe={where}: calling {attr}() to build the recipe failed: {type(exc).__name__}: {exc}; "
+                   f"{_FIX}")
+            raise RecipeError(msg) from exc
+    if not callable(getattr(obj, "backward_window", None)):
+        msg = f"recipe={where}: {type(obj).__name__} has no backward_window(model, window) method; {_FIX}"
+        raise RecipeError(msg)
+    if not isinstance(getattr(obj, "name", None), str):
+        msg = f"recipe={where}: {type(obj).__name__} needs a `name` attribute (a str) for reports; {_FIX}"
+        raise RecipeError(msg)
+    setup = getattr(obj, "setup", None)
+    if setup is not None and not callable(setup):
+        msg = f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument, or absent"
+        raise RecipeError(msg)
+    return obj  # type: ignore[return-value]
+
+
+def recipe_module(spec: object) -> str | None:
+    """The module a ``"package.module:attr"`` recipe lives in (for the launcher to preload), else None."""
+    return split_recipe_path(spec)[0] if isinstance(spec, str) else None

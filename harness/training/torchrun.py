@@ -1,0 +1,159 @@
+"""Command line of seed 000's workflow, one process per rank under torchrun:
+
+    torchrun --nnodes=1 --nproc-per-node=2 -m harness.train --config configs/minimum.yaml               # stop at 50
+    torchrun --nnodes=1 --nproc-per-node=2 -m harness.train --config configs/minimum.yaml --continuous  # to 100
+    torchrun --nnodes=1 --nproc-per-node=2 -m harness.train --config configs/minimum.yaml \\
+        --resume runs/stopped/step-0050                                                               # 50 -> 100
+
+The three runs write to ``runs/stopped``, ``runs/continuous`` and ``runs/resumed`` unless ``--run-dir`` says otherwise,
+so a resumed run never overwrites the checkpoints it came from. ``--resume`` takes a step directory, or a run
+directory (its latest complete checkpoint is used).
+
+Run as a module (the torchrun worker), it leaves through :func:`entry`: the process group is destroyed, stdout and
+stderr are flushed, and the process ends with ``os._exit``, skipping the interpreter's teardown, in which gloo's and
+DDP's threads could abort the worker ("terminate called without an active exception", SIGABRT) after its work was
+done. :func:`main` itself returns (or raises) like any function, so tests can call it in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from harness.data.config import load_config
+from harness.data.corpus import data_lock, make_corpus
+from harness.training.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint
+
+BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+DEFAULT_RUN_DIRS = {"stopped": "runs/stopped", "continuous": "runs/continuous", "resumed": "runs/resumed"}
+PG_TIMEOUT_S = 300
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/minimum.yaml")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--continuous", action="store_true", help="run to config.updates instead of stopping at stop_at")
+    mode.add_argument("--resume", metavar="DIR", help="continue to config.updates from a step (or run) directory")
+    p.add_argument("--run-dir", metavar="DIR", help="where checkpoints and eval.json go (default: runs/<mode>)")
+    p.add_argument("--backend", choices=BACKENDS, help="default: nccl when every rank has its own GPU, else gloo")
+    return p.parse_args(argv)
+
+
+def default_backend(local_world_size: int) -> str:
+    # NCCL refuses two ranks on one GPU, so it is the default only when every local rank has a device of its own.
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def resolve_resume(path: str) -> Path:
+    folder = Path(path)
+    if (folder / MANIFEST).is_file() or folder.name.startswith("step-"):
+        return folder  # a step directory: load_checkpoint says precisely what is wrong with it, if anything
+    found = latest_checkpoint(folder)
+    if found is None:
+        msg = f"--resume {path!r} is neither a step directory nor a run directory holding a complete checkpoint"
+        raise SystemExit(msg)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ValueError as exc:
+        raise SystemExit(f"--config: {exc}") from None
+    if "RANK" not in os.environ:
+        msg = (
+            "harness.train runs one process per rank: start it with "
+            f"torchrun --nnodes=1 --nproc-per-node={config.world_size} -m harness.train --config {args.config}"
+        )
+        raise SystemExit(msg)
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.world_size:
+        msg = (
+            f"torchrun started {world} ranks but world_size={config.world_size} in {args.config}; "
+            f"use --nproc-per-node={config.world_size}"
+        )
+        raise SystemExit(msg)
+    mode = "resumed" if args.resume else "continuous" if args.continuous else "stopped"
+    run_dir = Path(args.run_dir or DEFAULT_RUN_DIRS[mode])
+    resume = resolve_resume(args.resume) if args.resume else None
+    if resume is not None:
+        # Refuse a wrong checkpoint before any rank joins a process group: a clean message, not W tracebacks.
+        rows = make_corpus(config)
+        try:
+            load_checkpoint(resume, config=config, data_lock=data_lock(rows, config), rank=int(os.environ["RANK"]),
+                            world_size=world)
+        except ValueError as exc:
+            raise SystemExit(f"--resume: {exc}") from None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = args.backend or default_backend(local_world)
+    if "nccl" in backend and torch.cuda.device_count() < local_world:
+        msg = (
+            f"--backend {backend} needs one CUDA device per local rank ({local_world}), found "
+            f"{torch.cuda.device_count()}; use --backend gloo"
+        )
+        raise SystemExit(msg)
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        from harness.training.trainer import run
+
+        if dist.get_rank() == 0:
+            print(f"{mode} run: {world} ranks, backend {backend}, run dir {run_dir}", flush=True)
+        summary = run(config, run_dir, stop_at=config.stop_at if mode == "stopped" else None, resume=resume,
+                      evaluate=True)
+        if dist.get_rank() == 0:
+            print(f"done at step {summary['final_step']}; checkpoints in {run_dir}", flush=True)
+        del summary  # holds tensors copied off the model; nothing of DDP may outlive the process group
+    finally:
+        gc.collect()  # frees a DDP module held only by a reference cycle while its process group still exists
+        dist.destroy_process_group()
+    return 0
+
+
+def _status(exc: SystemExit) -> int:
+    """The exit status the interpreter gives ``SystemExit(code)``, printing a non-integer code to stderr as it does."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def entry(argv: Sequence[str] | None = None) -> NoReturn:
+    """The torchrun worker: :func:`main`, then ``os._exit`` with its status, never the interpreter's teardown.
+
+    A ``SystemExit`` keeps its status (and its message on stderr); any other exception prints its traceback and
+    exits 1, so torchrun reports the failed rank. Never call this in-process: it ends the calling process.
+    """
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = _status(exc)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more can be written
+            stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    entry()
