@@ -110,8 +110,4 @@ def build_model(
     return model.to(config.dtype)
 
 
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-__all__ = ["TinyCausalLM", "build_model", "parameter_count"]
+__all__ = ["TinyCausalLM", "build_model"]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from harness.battery import scenarios
-from harness.core.compare import flat_grad, flat_params
+from harness.core.compare import PRECISIONS, flat_grad, flat_params
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
 from harness.core.reference import Reference, reference_gradient
@@ -36,8 +36,6 @@ LOCKSTEP_GRACE = 2.0
 """Seconds a rank may lag behind a peer that finished (or refused) the same window before the run is stopped as a
 desync: every window ends in a collective (DDP's synchronization, or the count), so ranks finish it together unless
 one of them left a collective unmatched."""
-
-PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass(frozen=True)

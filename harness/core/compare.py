@@ -20,6 +20,10 @@ FLOAT32_TOLERANCE = (1e-6, 1e-4)
 FLOAT64_TOLERANCE = (1e-12, 1e-9)
 
 
+PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}
+"""The precisions the harness computes in, by the name configs and options use."""
+
+
 def tolerances(dtype: torch.dtype) -> tuple[float, float]:
     """``(atol, rtol)`` for gradients of this dtype."""
     if dtype == torch.float32:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness.core.microbatch import IGNORE_INDEX
+from harness.core.validate import positive_int
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -65,9 +66,7 @@ def global_token_loss(local_sum: torch.Tensor, global_count: int, world_size: in
     Raises ``ValueError`` when ``global_count <= 0``: a mean over zero tokens is undefined, and every rank sees the
     same count, so every rank raises together and none is left waiting in a collective.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        msg = f"world_size={world_size!r} must be a positive integer (the number of ranks DDP averages over)"
-        raise ValueError(msg)
+    positive_int("world_size", world_size, "the number of ranks DDP averages over")
     check_global_count(global_count)
     return local_sum * (world_size / global_count)
 

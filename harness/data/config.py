@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRECISIONS = ("fp32", "fp64")
+from harness.core.compare import PRECISIONS
+
 OPTIMIZERS = ("sgd",)
 
 
@@ -99,9 +100,7 @@ class Config:
 
     @property
     def dtype(self) -> Any:
-        import torch
-
-        return torch.float64 if self.precision == "fp64" else torch.float32
+        return PRECISIONS[self.precision]
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -159,7 +158,7 @@ def _validate(c: Config, where: str = "fix it in the config file or the keyword 
     if c.optimizer not in OPTIMIZERS:
         _fail("optimizer", c.optimizer, f"must be one of {OPTIMIZERS}", where)
     if c.precision not in PRECISIONS:
-        _fail("precision", c.precision, f"must be one of {PRECISIONS}", where)
+        _fail("precision", c.precision, f"must be one of {tuple(PRECISIONS)}", where)
     if c.d_model % c.n_heads:
         _fail("n_heads", c.n_heads, f"must divide d_model={c.d_model}", where)
 

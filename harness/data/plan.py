@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from harness.core.validate import positive_int
 from harness.data.config import Config
 from harness.data.corpus import Row
 
@@ -19,9 +20,7 @@ Plan = list[list[list[list[int]]]]
 
 def length_bands(world_size: int, max_len: int) -> list[tuple[int, int]]:
     """Inclusive ``(low, high)`` length bounds of each rank's band; band r is ``(max_len*r/W, max_len*(r+1)/W]``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        msg = f"world_size={world_size!r} must be a positive integer"
-        raise ValueError(msg)
+    positive_int("world_size", world_size)
     if not isinstance(max_len, int) or max_len < world_size:
         msg = f"max_len={max_len!r} must be an integer of at least world_size={world_size}"
         raise ValueError(msg)

@@ -24,6 +24,8 @@ from typing import Any, cast
 
 from torch.utils.data import Dataset, DistributedSampler
 
+from harness.core.validate import positive_int
+
 
 @dataclass(frozen=True)
 class EpochAudit:
@@ -149,9 +151,7 @@ def epoch_plan(
 ) -> list[Epoch]:
     """The epoch mode over a dataset of ``example_ids`` (e.g. ``[r.id for r in split_rows(rows, "train")]``):
     per epoch, each rank's example IDs and the epoch's audit (in terms of those IDs)."""
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        msg = f"epochs={epochs!r} must be a positive integer"
-        raise ValueError(msg)
+    positive_int("epochs", epochs)
     ids = list(example_ids)
     if len(set(ids)) != len(ids):
         msg = "example_ids must be unique (an ID that appears twice would hide a sampler duplicate)"
@@ -179,12 +179,8 @@ def _sampler(n: int, world_size: int, rank: int, **options: Any) -> DistributedS
 
 
 def _check(dataset_size: object, world_size: object, epoch: object) -> None:
-    if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1:
-        msg = f"dataset_size={dataset_size!r} must be a positive integer (the number of examples)"
-        raise ValueError(msg)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        msg = f"world_size={world_size!r} must be a positive integer (the number of ranks)"
-        raise ValueError(msg)
+    positive_int("dataset_size", dataset_size, "the number of examples")
+    positive_int("world_size", world_size, "the number of ranks")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         msg = f"epoch={epoch!r} must be a non-negative integer"
         raise ValueError(msg)

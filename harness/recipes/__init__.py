@@ -62,10 +62,18 @@ from harness.recipes.controls import (
     torch_random_draw,
     two_microbatch_loop,
 )
-from harness.recipes.correct import GlobalTokenMean, accumulate, global_sum, global_token_mean, window_count
+from harness.recipes.correct import (
+    CORRECT_RECIPE,
+    GlobalTokenMean,
+    accumulate,
+    global_sum,
+    global_token_mean,
+    window_count,
+)
 
 __all__ = [
     "CONTROLS",
+    "CORRECT_RECIPE",
     "NEGATIVE_CONTROLS",
     "SCENARIO_CONTROLS",
     "CachedCount",

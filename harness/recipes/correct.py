@@ -76,6 +76,9 @@ class GlobalTokenMean:
 
 global_token_mean = GlobalTokenMean()
 
+CORRECT_RECIPE = "harness.recipes:global_token_mean"
+"""The correct recipe's import path: the battery's default ``--recipe`` and the reference column of every table."""
+
 
 def _sync_last(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
     """``no_sync()`` for every microbatch but the last (forward and backward inside it)."""

@@ -14,13 +14,13 @@ either: ``run_windows(..., reduction="sum")`` selects the sum.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 from torch import nn
 
 from harness.core.loss import check_global_count
 from harness.core.microbatch import Microbatch
+from harness.core.validate import positive_int
 from harness.dist.hooks import REDUCTIONS
 
 
@@ -29,9 +29,7 @@ def loss_scale(reduction: str, global_count: int, world_size: int) -> float:
     if reduction not in REDUCTIONS:
         msg = f"reduction={reduction!r} must be one of {REDUCTIONS} (how the comm hook combines rank gradients)"
         raise ValueError(msg)
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        msg = f"world_size={world_size!r} must be a positive integer (the number of ranks the hook combines)"
-        raise ValueError(msg)
+    positive_int("world_size", world_size, "the number of ranks the hook combines")
     check_global_count(global_count)
     # mean: the hook divides by W, so multiply by W first; sum: the hook adds, nothing to cancel.
     return (world_size if reduction == "mean" else 1) / global_count

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness.battery.checks import NOT_APPLICABLE, Verdict
-from harness.recipes import RecipeError, load_recipe
-
-DEFAULT_RECIPE = "harness.recipes:global_token_mean"
+from harness.recipes import CORRECT_RECIPE, RecipeError, load_recipe
 
 MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
@@ -33,8 +31,8 @@ _PROPERTY = "battery_verdict"
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddp-harness", "distributed gradient semantics")
     group.addoption(
-        "--recipe", default=DEFAULT_RECIPE, metavar="PKG.MODULE:ATTR",
-        help=f"the recipe the battery checks: an instance or a zero-argument factory (default: {DEFAULT_RECIPE})",
+        "--recipe", default=CORRECT_RECIPE, metavar="PKG.MODULE:ATTR",
+        help=f"the recipe the battery checks: an instance or a zero-argument factory (default: {CORRECT_RECIPE})",
     )
     group.addoption(
         "--battery-report", default=None, metavar="PATH",

@@ -100,9 +100,6 @@ def _lane(lane: str, needs: int, missing: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(verdict == "skip", reason=why or "present")
 
 
-requires_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with the gloo backend"
-)
 requires_cuda = _lane("gpu", 1, "" if cuda_devices() >= 1 else f"needs 1 CUDA device, found {cuda_devices()}")
 requires_two_gpus = _lane("gpu2", 2, two_gpus_missing())
 requires_one_gpu_with_nccl = _lane("gpu", 1, gpus_with_nccl_missing(1))

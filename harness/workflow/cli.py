@@ -23,9 +23,8 @@ import torch
 
 from harness.core.loss import global_token_loss
 from harness.data.config import Config, load_config
+from harness.recipes import CORRECT_RECIPE
 from harness.workflow.report import BadInput
-
-CORRECT = "harness.recipes:global_token_mean"
 
 
 def _err(msg: str) -> None:
@@ -74,7 +73,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     unknown = [c for c in controls if c not in CONTROLS]
     if unknown:
         raise BadInput(f"--controls={args.controls!r}: {', '.join(unknown)} not among {', '.join(CONTROLS)}")
-    recipes = list(args.recipe or ([] if args.controls is not None else [CORRECT]))
+    recipes = list(args.recipe or ([] if args.controls is not None else [CORRECT_RECIPE]))
     for r in recipes:
         try:
             load_recipe(r)

@@ -46,10 +46,10 @@ from harness.data.corpus import Row, data_lock, make_corpus
 from harness.data.plan import Plan, make_plan
 from harness.dist.launcher import launch
 from harness.model import build_model
-from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, write_atomic
+from harness.recipes import CORRECT_RECIPE
+from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, step_dir_name, write_atomic
 
 MARKER = "outputs.json"
-CORRECT = "harness.recipes:global_token_mean"
 MEAN_OF_MEANS = "harness.recipes:mean_of_local_means"
 DEADLINE = 300.0
 """Seconds one launched run may take: the trio's runs take ~15 s each on a 2-core machine; far beyond is a hang."""
@@ -322,7 +322,7 @@ def run_exercise(config: Config, progress: Progress = _silent) -> dict[str, Any]
                          "short_rank_weight_global": n[0] / sum(n)})
         refs.append(reference_gradient(build_model(config, dropout=0.0), window).gradient)
     gradients: dict[str, dict[str, Any]] = {}
-    for recipe in (CORRECT, MEAN_OF_MEANS):
+    for recipe in (CORRECT_RECIPE, MEAN_OF_MEANS):
         progress(f"  exercise: {recipe.split(':')[-1]} on 2 ranks, layouts {counts}")
         result = ddp_parity(config, recipe, windows, refs)
         rows_out = []
@@ -489,7 +489,7 @@ def _trio(config: Config, runs: Path, progress: Progress) -> dict[str, Any]:
                      deadline=DEADLINE)
     progress(f"  continuous to {config.updates}")
     continuous = launch(launched_run, config.world_size, config, str(runs / "continuous"), {}, deadline=DEADLINE)
-    step_dir = runs / "stopped" / f"step-{config.stop_at:04d}"
+    step_dir = runs / "stopped" / step_dir_name(config.stop_at)
     progress(f"  resume from {step_dir.name} to {config.updates}")
     resumed = launch(launched_run, config.world_size, config, str(runs / "resumed"), {"resume": str(step_dir)},
                      deadline=DEADLINE)
@@ -561,7 +561,7 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
     step(3, f"gradient parity on {config.world_size} ranks: correct normalization and mean of means")
     window = parity_window(config, prepared)
     r["parity"] = {}
-    for recipe in (CORRECT, MEAN_OF_MEANS):
+    for recipe in (CORRECT_RECIPE, MEAN_OF_MEANS):
         ((c, _),) = ddp_parity(config, recipe, [window], [reference["gradient"]])
         r["parity"][recipe.split(":")[-1]] = {**c.to_dict(), "rank_tokens": token_counts(window)}
     good, bad = r["parity"]["global_token_mean"], r["parity"]["mean_of_local_means"]
@@ -571,8 +571,8 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
                                f"max abs error {bad['max_abs_error']:.3e}, {bad['over_tolerance']} over tolerance"))
 
     step(4, "battery: the correct recipe on every case at W=2, every negative control on its target")
-    progress(f"  battery: {CORRECT.split(':')[-1]}")
-    verdicts = run_cases(CORRECT, plan.cases([2]))
+    progress(f"  battery: {CORRECT_RECIPE.split(':')[-1]}")
+    verdicts = run_cases(CORRECT_RECIPE, plan.cases([2]))
     progress(f"  battery: {len(chosen)} negative control(s)")
     controls_run = run_controls(chosen, [2])
     r["battery"] = {"table": format_table(verdicts) + "\n\n" + format_controls(controls_run),

@@ -8,9 +8,9 @@ import pytest
 
 from harness.battery import checks, runner
 from harness.battery.scenarios import build
+from harness.recipes import CORRECT_RECIPE as CORRECT
 from harness.recipes.reduction import loss_scale
 
-CORRECT = "harness.recipes:global_token_mean"
 FOR_SUM = "harness.recipes.reduction:summing_hook_token_mean"
 
 

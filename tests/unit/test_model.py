@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from harness.core.compare import PRECISIONS
 from harness.data.config import Config
 from harness.model import build_model
 
 TINY = Config(d_model=8, n_heads=2, vocab_size=8, max_len=16, min_len=8, prompt_max=4)
-PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def _build(config: Config = TINY, **kwargs: object) -> nn.Module:
