@@ -9,6 +9,8 @@ DDP's division by W, and ``N`` (all-reduced before any backward) is the same on 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +71,32 @@ def global_token_loss(local_sum: torch.Tensor, global_count: int, world_size: in
     positive_int("world_size", world_size, "the number of ranks DDP averages over")
     check_global_count(global_count)
     return local_sum * (world_size / global_count)
+
+
+def token_mean(sums: Sequence[Any], counts: Sequence[int]) -> Any:
+    """The objective: every unit's (rank's or microbatch's) loss sum over the total supervised count. Plain arithmetic
+    on whatever numbers come in (floats, Fractions, tensors), so the seeds' worked cases run through it."""
+    _check_units(sums, counts)
+    total = sum(counts)
+    check_global_count(total)
+    return sum(sums[1:], sums[0]) / total
+
+
+def mean_of_means(sums: Sequence[Any], counts: Sequence[int]) -> Any:
+    """The mistake: each unit's own mean, averaged over units, which is what DDP's gradient averaging makes of ranks
+    that each divide by their local count. Equal to :func:`token_mean` only when counts (or local means) are equal."""
+    _check_units(sums, counts)
+    if any(c <= 0 for c in counts):
+        msg = f"counts={list(counts)!r}: a unit without supervised tokens has no mean (the mean of means is undefined)"
+        raise ValueError(msg)
+    means = [s / c for s, c in zip(sums, counts)]
+    return sum(means[1:], means[0]) / len(means)
+
+
+def _check_units(sums: Sequence[Any], counts: Sequence[int]) -> None:
+    if len(sums) != len(counts) or not counts:
+        msg = f"sums ({len(sums)}) and counts ({len(counts)}) must pair one loss sum with one count per unit"
+        raise ValueError(msg)
 
 
 def check_global_count(global_count: int) -> None:

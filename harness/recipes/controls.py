@@ -91,7 +91,8 @@ class LocalCountGuard:
 
 class NeverNoSync:
     """Right numbers, but every microbatch synchronizes: W-1 extra all-reduces of every gradient per window.
-    Parity cannot see it (gradients agree within ~6e-8); only the synchronization count can."""
+    Parity cannot see it (its gradients pass: ``test_never_using_no_sync_is_invisible_to_parity``); only the
+    synchronization count can."""
 
     name = "never_no_sync"
 

@@ -1,7 +1,8 @@
 """Rank symmetry: every rank takes the same branches around collectives, and what happens when one does not.
 
 Seeds 003 and 004: one rank skips a batch (an empty window, a diverging loss) and misses a collective its peers
-enter. FACTS.md measured the three ways that shows, and this module has a rank body for each:
+enter. It shows in three ways, each shown by a test in ``tests/distributed/test_symmetry.py``, and this module has a
+rank body for each:
 
 * **a hang**: the peers wait in the collective the rank skipped, until the process-group timeout (which the launcher
   sets below its deadline) turns it into an error naming the stuck rank, with the stack it was stuck in;
@@ -162,7 +163,8 @@ class JoinTokenMean:
       microbatch of every rank is ``(sum of all S) / N``: the global token mean, unchanged by Join.
     * ``N`` is all-reduced **before** entering the join. ``Join`` shadows only the collectives of the
       ``Joinable`` objects it was given (DDP's); a recipe's own count all-reduce inside the join has no shadow on
-      a joined rank and pairs with a DDP collective or aborts (FACTS.md, :class:`JoinLoggedLossInside`).
+      a joined rank and pairs with a DDP collective or aborts (:class:`JoinLoggedLossInside`, shown in
+      ``test_symmetry.py``).
     * Every microbatch synchronizes (no ``no_sync``): under Join a rank's "last microbatch" is not the same
       iteration on every rank, and a rank synchronizing while its peer does not is a skipped collective.
     * DDP all-reduces the whole ``.grad`` buffer, *accumulated* gradient included. Without Join that is harmless

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import harness
 from harness import IGNORE_INDEX
+from harness.core.loss import mean_of_means, token_mean
+from harness.core.metrics import combine_counts, mean_of_accuracies
 from harness.data.batching import collate
 from harness.data.corpus import Row
 
@@ -73,17 +74,20 @@ def _logits_with_token_losses(losses: list[float], padding: int) -> tuple[torch.
 
 def test_mean_of_rank_means_is_two_on_the_12_and_36_token_ranks() -> None:
     """Averaging the two local means (1 and 3) gives 2.0, the biased answer of seed 000."""
-    assert 2.0 == (12 / 12 + 108 / 36) / 2
+    assert 2.0 == mean_of_means((12.0, 108.0), (12, 36))
 
 
 def test_global_token_mean_is_two_and_a_half_on_the_12_and_36_token_ranks() -> None:
     """All 48 tokens weighted equally give 120 / 48 = 2.5."""
-    assert 2.5 == (12 + 108) / (12 + 36)
+    assert 2.5 == token_mean((12.0, 108.0), (12, 36))
 
 
-def test_token_weighted_rank_means_recover_the_global_mean() -> None:
-    """Weighting the local means by their token shares (25 % and 75 %) gives 2.5 again."""
-    assert 2.5 == 0.25 * 1 + 0.75 * 3
+def test_the_seed_means_refuse_units_without_tokens_or_unpaired() -> None:
+    """A unit without tokens has no mean; sums and counts must pair up; a window without tokens has no token mean."""
+    for call in (lambda: mean_of_means((0.0, 3.0), (0, 1)), lambda: token_mean((1.0,), (1, 2)),
+                 lambda: token_mean((0.0, 0.0), (0, 0))):
+        with pytest.raises(ValueError):
+            call()
 
 
 def test_loss_sum_and_supervised_count_reproduce_the_seed_ranks() -> None:
@@ -150,14 +154,14 @@ def test_both_averages_show_loss_one_at_theta_zero() -> None:
     """At theta = 0 every token's loss is 1, so the mean of means and the global mean both read 1."""
     theta = torch.zeros((), dtype=torch.float64)
     s0, s1 = _squared_error_sums(theta)
-    assert (1.0, 1.0) == (float((s0 / 12 + s1 / 36) / 2), float((s0 + s1) / 48))
+    assert (1.0, 1.0) == (float(mean_of_means((s0, s1), (12, 36))), float(token_mean((s0, s1), (12, 36))))
 
 
 def test_mean_of_means_gradient_is_zero_at_theta_zero() -> None:
     """The mean of rank means cancels -2 against +2: its gradient at theta = 0 is 0, so training would not move."""
     theta = torch.zeros((), dtype=torch.float64, requires_grad=True)
     s0, s1 = _squared_error_sums(theta)
-    ((s0 / 12 + s1 / 36) / 2).backward()
+    mean_of_means((s0, s1), (12, 36)).backward()
     assert 0.0 == float(theta.grad)
 
 
@@ -165,7 +169,7 @@ def test_global_token_mean_gradient_is_one_at_theta_zero() -> None:
     """The global token mean weighs 36 tokens of +2 against 12 of -2: (12 * -2 + 36 * 2) / 48 = 1."""
     theta = torch.zeros((), dtype=torch.float64, requires_grad=True)
     s0, s1 = _squared_error_sums(theta)
-    ((s0 + s1) / 48).backward()
+    token_mean((s0, s1), (12, 36)).backward()
     assert pytest.approx(1.0, rel=1e-15) == float(theta.grad)
 
 
@@ -185,13 +189,12 @@ def test_averaged_rank_gradients_of_global_token_loss_give_gradient_one() -> Non
 
 def test_seed_case_global_token_mean_is_total_sum_over_total_count(case: Case) -> None:
     """The seed's desired mean is the sum of every unit's loss over every unit's tokens."""
-    assert pytest.approx(case.global_mean, rel=1e-15) == sum(case.sums) / sum(case.counts)
+    assert pytest.approx(case.global_mean, rel=1e-15) == token_mean(case.sums, case.counts)
 
 
 def test_seed_case_mean_of_means_is_the_seed_s_wrong_answer(case: Case) -> None:
     """Averaging each unit's local mean gives the seed's biased number."""
-    means = [s / c for s, c in zip(case.sums, case.counts)]
-    assert pytest.approx(case.mean_of_means, rel=1e-15) == sum(means) / len(means)
+    assert pytest.approx(case.mean_of_means, rel=1e-15) == mean_of_means(case.sums, case.counts)
 
 
 def test_seed_case_averaged_global_token_loss_is_the_global_mean(case: Case) -> None:
@@ -219,14 +222,12 @@ def test_three_rank_scaled_local_values_are_two_two_and_a_half_and_one_and_a_hal
 
 def test_accuracy_from_summed_counts_is_five_sixths() -> None:
     """Rank 0 right on 90 of 100, rank 1 on 10 of 20: summing the counts gives 100 / 120 = 0.8333."""
-    (correct0, total0), (correct1, total1) = (90, 100), (10, 20)
-    got = (correct0 + correct1) / (total0 + total1)
-    assert pytest.approx(0.8333, abs=5e-5) == got
+    assert pytest.approx(0.8333, abs=5e-5) == combine_counts([(90, 100), (10, 20)])
 
 
 def test_mean_of_per_rank_accuracies_is_seventy_percent() -> None:
     """Averaging the accuracies 0.9 and 0.5 reports the biased 0.70."""
-    assert pytest.approx(0.70) == (90 / 100 + 10 / 20) / 2
+    assert pytest.approx(0.70) == mean_of_accuracies([(90, 100), (10, 20)])
 
 
 # --- global_token_loss: invalid input --------------------------------------------------------------------------------
@@ -265,13 +266,6 @@ def test_loss_sum_over_zero_supervised_tokens_is_zero_with_zero_gradients() -> N
     s.backward()
     assert (0.0, 0) == (float(s.detach()), harness.supervised_count(labels))
     assert torch.equal(torch.zeros_like(logits), logits.grad)
-
-
-def test_mean_reduction_over_zero_supervised_tokens_is_nan() -> None:
-    """The reason loss_sum is a sum: cross-entropy's ``reduction="mean"`` divides 0 by 0 and returns NaN."""
-    logits = torch.randn(10, 7, generator=torch.Generator().manual_seed(0))
-    labels = torch.full((10,), IGNORE_INDEX, dtype=torch.int64)
-    assert math.isnan(float(F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="mean")))
 
 
 # --- padding and prompt positions never enter the denominator --------------------------------------------------------

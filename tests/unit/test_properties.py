@@ -18,6 +18,7 @@ from harness.testing.hypothesis_profiles import load_profile, max_examples
 load_profile()
 
 from harness import global_token_loss, loss_sum  # noqa: E402  (after the profile, as every property module)
+from harness.core.loss import mean_of_means, token_mean  # noqa: E402
 from harness.data.batching import collate  # noqa: E402
 from harness.data.config import Config  # noqa: E402
 from harness.data.corpus import Row  # noqa: E402
@@ -31,11 +32,13 @@ layouts = st.lists(rank_stats, min_size=1, max_size=8).filter(lambda rs: sum(c f
 
 
 def _global_mean(ranks: list[tuple[int, int]]) -> Fraction:
-    return Fraction(sum(s for s, _ in ranks), sum(c for _, c in ranks))
+    """The harness's token mean, in exact arithmetic."""
+    return token_mean([Fraction(s) for s, _ in ranks], [c for _, c in ranks])
 
 
 def _mean_of_means(ranks: list[tuple[int, int]]) -> Fraction:
-    return sum((Fraction(s, c) for s, c in ranks), Fraction(0)) / len(ranks)
+    """The harness's mean of local means, in exact arithmetic."""
+    return mean_of_means([Fraction(s) for s, _ in ranks], [c for _, c in ranks])
 
 
 @given(layouts)
@@ -154,7 +157,7 @@ def test_dividing_each_microbatch_by_its_own_count_is_found_out_by_a_search() ->
     @settings(phases=[Phase.generate], max_examples=200, database=None, derandomize=True)
     @given(st.lists(st.tuples(st.integers(0, 100), st.integers(1, 20)), min_size=2, max_size=6))
     def claim(microbatches: list[tuple[int, int]]) -> None:
-        per_mb = sum((Fraction(s, c) for s, c in microbatches), Fraction(0)) / len(microbatches)
+        per_mb = mean_of_means([Fraction(s) for s, _ in microbatches], [c for _, c in microbatches])
         assert _global_mean(microbatches) == per_mb
 
     with pytest.raises(AssertionError):
