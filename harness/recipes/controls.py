@@ -1,6 +1,9 @@
 """Negative controls: each reproduces a mistake real projects made, names where the battery must reject it
 (:data:`CONTROLS`), and, for each scenario but the base one, the control that only that scenario catches
-(:data:`SCENARIO_CONTROLS`). ``tests/distributed/test_negative_controls.py`` shows each rejected."""
+(:data:`SCENARIO_CONTROLS`). ``tests/distributed/test_negative_controls.py`` shows each rejected.
+
+One module past the usual size on purpose: a catalog of small, independent classes, each read on its own beside the
+correct recipe it departs from, and one table (:data:`CONTROLS`) that must name every one of them."""
 
 from __future__ import annotations
 
