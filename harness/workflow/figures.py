@@ -2,13 +2,17 @@
 runs, one PNG.
 
 matplotlib is imported inside the function with the Agg backend: the figure is written on headless machines (CI, the
-GPU runner) and importing ``harness`` must not need a display or even matplotlib.
+GPU runner) and importing ``harness`` must not need a display or even matplotlib. The PNG is drawn in memory and
+written through a fsynced temporary name, so an existing figure is replaced whole or not at all.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
+
+from harness.training.checkpoint import write_atomic
 
 
 def write_figure(
@@ -47,8 +51,12 @@ def write_figure(
     right.legend()
 
     fig.tight_layout()
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
-    plt.close(fig)
+    write_atomic(out, buf.getvalue())
     return out

@@ -239,6 +239,7 @@ def test_report_names_the_failing_check_on_the_last_line_and_exits_1(
     small: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """When a check of the protocol fails, the command exits 1 and its last line says which one."""
+    import harness.workflow.render as render
     import harness.workflow.report as report
 
     def fake_run(config: object, config_path: str, outputs: Path, **_: object) -> report.Report:
@@ -248,7 +249,7 @@ def test_report_names_the_failing_check_on_the_last_line_and_exits_1(
         return r
 
     monkeypatch.setattr(report, "run_report", fake_run)
-    monkeypatch.setattr(report, "summary_table", lambda r: "table")
+    monkeypatch.setattr(render, "summary_table", lambda r: "table")
     assert 1 == main(["report", "--config", small, "--outputs", str(tmp_path / "out")])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "FAILED: report: resume equals continuous at the last step (max abs difference 1e-07)" == last

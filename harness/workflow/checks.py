@@ -1,0 +1,210 @@
+"""The commands that check or tidy rather than produce: battery, check-environment, check-checkpoints and clean."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from harness.recipes import CORRECT_RECIPE
+from harness.workflow.commands import config_from, config_path_of, err, outputs_of
+from harness.workflow.outputs import BadInput
+
+
+def cmd_battery(args: argparse.Namespace) -> int:
+    """Judge recipes under test on the battery's cases, and the negative controls on their targets.
+
+    ``--recipe X`` (repeatable) judges X as a recipe under test: exit 0 when every check holds, 1 when one fails.
+    ``--controls`` (every control, or the named ones) runs the controls: each must be rejected by its targeted check
+    failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
+    """
+    from harness.battery import plan
+    from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
+    from harness.recipes import CONTROLS, RecipeError, load_recipe
+
+    try:
+        worlds = plan.parse_world_sizes(args.world_sizes)
+        cases = plan.cases(worlds, args.precision)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    if args.controls is None:
+        controls: list[str] = [] if args.recipe else list(CONTROLS)
+    else:
+        controls = [c for c in args.controls.split(",") if c] or list(CONTROLS)
+    unknown = [c for c in controls if c not in CONTROLS]
+    if unknown:
+        raise BadInput(f"--controls={args.controls!r}: {', '.join(unknown)} not among {', '.join(CONTROLS)}")
+    recipes = list(args.recipe or ([] if args.controls is not None else [CORRECT_RECIPE]))
+    for r in recipes:
+        try:
+            load_recipe(r)
+        except RecipeError as exc:
+            raise BadInput(f"--recipe: {exc}") from None
+    progress = (lambda s: err(f"  running {s}")) if args.verbose else None
+    start = time.monotonic()
+    if args.examples < 0:
+        raise BadInput(f"--examples={args.examples} must be 0 (no drawn layouts) or a positive number")
+    drawn = args.examples > 0 and importlib.util.find_spec("hypothesis") is not None
+    verdicts = []
+    for r in recipes:
+        verdicts += run_cases(r, cases, args.deadline, progress)
+        if drawn:
+            from harness.battery.layouts import drawn_verdict
+
+            if progress:
+                progress(f"{r.split(':')[-1]}: {args.examples} drawn layouts")
+            verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true"))
+    results = run_controls(controls, worlds, args.deadline, progress) if controls else []
+    if verdicts:
+        print(format_table(verdicts))
+    if results:
+        print(("\n" if verdicts else "") + "negative controls, each on its target:\n" + format_controls(results))
+    failed = [v for v in verdicts if not v.passed]
+    unrejected = [c for c in results if not c.rejected]
+    status = 1 if failed or unrejected else 0
+    print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
+          f"{list(worlds)}, precision {args.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
+    for path in filter(None, (args.json, args.battery_report)):
+        from harness.workflow.outputs import write_json
+
+        expected = (len(cases) + drawn) * len(recipes)
+        write_json(Path(path), report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
+                                           precision=args.precision))
+        print(f"report written to {path}")
+    for v in failed:
+        err(v.message)
+    for c in unrejected:
+        err(f"control {c.control} not rejected: {c.verdict.message}")
+    if failed:
+        first = failed[0]
+        err(f"FAILED: {len(failed)} check(s) failed; first: {first.check} of {first.recipe} ({first.scenario}, "
+             f"W={first.world_size}, {first.precision})")
+    elif unrejected:
+        err(f"FAILED: negative control(s) not rejected by their targeted check: "
+             f"{sorted({c.control for c in unrejected})}")
+    else:
+        print("every check holds" + ("; every negative control is rejected by its targeted check" if results else ""))
+    return status
+
+
+def cmd_check_environment(args: argparse.Namespace) -> int:
+    """Python, torch, backends and devices; ``--dual``: two ranks meet through the launcher."""
+    import platform
+
+    import torch.distributed as dist
+
+    from harness.testing.skips import two_gpus_missing
+
+    config = config_from(args)
+    available = dist.is_available()
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"python      {platform.python_version()} ({sys.executable})")
+    print(f"torch       {torch.__version__}")
+    print(f"distributed {'available' if available else 'NOT available'}; gloo "
+          f"{'yes' if available and dist.is_gloo_available() else 'no'}, nccl "
+          f"{'yes' if available and dist.is_nccl_available() else 'no'}")
+    print(f"cpu         {platform.machine()}, {os.cpu_count()} cores")
+    names = [torch.cuda.get_device_name(i) for i in range(cuda)]
+    print(f"cuda        {cuda} device(s){': ' + ', '.join(names) if names else ''}")
+    print(f"config      {config_path_of(args)}: world_size {config.world_size}")
+    if not (available and dist.is_gloo_available()):
+        err("FAILED: check-environment: torch.distributed with gloo is needed for the CPU lanes")
+        return 1
+    if not args.dual:
+        return 0
+    from harness.dist.launcher import LaunchError, launch
+    from harness.dist.probes import all_reduce_rank
+
+    start = time.monotonic()
+    try:
+        sums = launch(all_reduce_rank, 2, deadline=args.deadline)
+    except LaunchError as exc:
+        err(str(exc))
+        err("FAILED: check-environment --dual: two gloo ranks could not meet")
+        return 1
+    if sums != [3, 3]:
+        err(f"FAILED: check-environment --dual: all_reduce of 1 + 2 gave {sums}, expected [3, 3]")
+        return 1
+    print(f"dual        two gloo ranks met and all-reduced 1 + 2 = 3 in {time.monotonic() - start:.2f} s")
+    why = two_gpus_missing()
+    print(f"gpu2 lane   {'cannot run here: ' + why if why else 'can run here (2 CUDA devices, NCCL)'}")
+    return 0
+
+
+def cmd_check_checkpoints(args: argparse.Namespace) -> int:
+    """Every step directory's manifest under the run directories."""
+    from harness.workflow.protocol import checkpoint_problems, step_dirs
+
+    if args.run_dir:
+        run_dirs = [Path(d) for d in args.run_dir]
+    else:
+        runs = outputs_of(args) / "runs"
+        found = runs.iterdir() if runs.is_dir() else iter(())
+        run_dirs = sorted(p for p in found if p.is_dir() and not p.name.startswith("."))
+    if not run_dirs:
+        raise BadInput(f"no run directory under {outputs_of(args) / 'runs'}; pass --run-dir DIR (repeatable)")
+    for d in run_dirs:
+        if not d.is_dir():
+            raise BadInput(f"--run-dir {str(d)!r} is not a directory")
+    bad: list[tuple[Path, str]] = []
+    total = 0
+    for d in run_dirs:
+        folders = step_dirs(d)
+        problems = dict(checkpoint_problems(d))
+        total += len(folders)
+        for folder in folders:
+            print(f"{'INVALID' if folder in problems else 'ok':<8} {folder}")
+        bad += list(problems.items())
+    print(f"{total} step directories in {len(run_dirs)} run director{'y' if len(run_dirs) == 1 else 'ies'}, "
+          f"{len(bad)} invalid")
+    for folder, why in bad:
+        err(f"{folder}: {why}")
+    if bad:
+        err(f"FAILED: check-checkpoints: {len(bad)} invalid step director{'y' if len(bad) == 1 else 'ies'}, first "
+             f"{bad[0][0]}")
+        return 1
+    return 0
+
+
+GENERATED = ("data", "reference", "runs", "report.md", "report.json", "report.png", "outputs.json")
+"""What the harness writes into an outputs folder; clean removes these names and its own temporary names only."""
+TRAIN_RUNS = ("stopped", "continuous", "resumed")
+"""harness.train's default run folders under ``runs/``."""
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    """Generated files: listed by default, deleted with --yes; nothing outside the outputs and run folders."""
+    out = outputs_of(args)
+    targets: list[Path] = []
+    if (out / "outputs.json").is_file():
+        targets += [out / n for n in GENERATED if (out / n).exists()]
+        targets += [p for p in out.iterdir() if p.name.startswith((".tmp-", ".old-", ".report.")) or ".tmp-" in p.name]
+    elif out.exists():
+        # Without the marker this folder was not made by prepare: its contents may be the user's, so leave them.
+        err(f"{out}: no outputs.json, so not an outputs folder made by `prepare`; leaving it alone")
+    runs = Path(args.runs)
+    targets += [runs / n for n in TRAIN_RUNS if (runs / n).is_dir()]
+    targets = sorted(set(targets))
+    if not targets:
+        print("nothing to clean")
+        return 0
+    for t in targets:
+        print(f"{'deleting' if args.yes else 'would delete'} {t}{'/' if t.is_dir() else ''}")
+    if not args.yes:
+        print(f"dry run: {len(targets)} item(s) listed, nothing deleted; add --yes to delete them")
+        return 0
+    for t in targets:
+        if t.is_dir() and not t.is_symlink():
+            shutil.rmtree(t)
+        else:
+            t.unlink()
+    print(f"deleted {len(targets)} item(s)")
+    return 0
+
+

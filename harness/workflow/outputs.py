@@ -1,0 +1,167 @@
+"""The outputs folder: its marker and data-lock check, the error for unusable input, and writers that survive a
+crash.
+
+Layout of an outputs folder (``--outputs``, default ``outputs/``)::
+
+    outputs.json            marker: the data lock and config the folder was prepared from (clean and prepare read it)
+    data/corpus.jsonl       every row of every split
+    data/plan.json          plan[step][rank][microbatch] -> sequence ids
+    reference/              the single-device control gradient (reference.pt) and its summary (reference.json)
+    runs/{stopped,continuous,resumed}/step-NNNN   the trio's checkpoints
+    report.md  report.json  report.png
+
+Every file is written under a temporary name in its own folder, fsynced, renamed over the final name and the folder
+fsynced (:func:`harness.training.checkpoint.write_atomic`): a reader sees the old file or the whole new one. ``runs/``
+is replaced as a whole by :func:`swap_dir`, which exchanges the two folders in one rename where the system can
+(Linux ``renameat2(RENAME_EXCHANGE)``) and otherwise keeps the previous folder under ``.old-runs-PID`` until the new
+one is in place; :func:`restore_dir` puts such a leftover back when a crash came between the two renames.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.training.checkpoint import write_atomic
+
+MARKER = "outputs.json"
+
+
+class BadInput(ValueError):
+    """The user's input cannot be used as given (another data lock, a missing step, an incomplete checkpoint)."""
+
+
+Progress = Callable[[str], None]
+
+
+def silent(_message: str) -> None:
+    pass
+
+
+def stderr_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ writing safely
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` through a fsynced temporary name in the same folder (never half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data)
+
+
+def write_text(path: Path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic rename; False where the system cannot (nothing changed then)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return bool(done == 0)
+
+
+def old_name(final: Path) -> Path:
+    return final.with_name(f".old-{final.name}-{os.getpid()}")
+
+
+def swap_dir(new: Path, final: Path) -> None:
+    """Put the folder ``new`` in place of ``final``; at every instant ``final`` is the old folder or the new one.
+
+    With an atomic exchange the old folder lands at ``new``'s name and is deleted. Without one, the old folder is
+    renamed aside and ``new`` renamed in; if the second rename fails the old one is put back, and a crash between the
+    two leaves it as ``.old-NAME-PID``, which :func:`restore_dir` (run before every report) renames back.
+    """
+    if final.exists() and exchange(new, final):
+        _fsync_dir(final.parent)
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    old = old_name(final)
+    if final.exists():
+        os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_dir(final: Path) -> Path | None:
+    """When ``final`` is missing but a crashed :func:`swap_dir` left ``.old-NAME-PID``, rename the newest one back."""
+    if final.exists() or not final.parent.is_dir():
+        return None
+    leftovers = sorted((p for p in final.parent.glob(f".old-{final.name}-*") if p.is_dir()),
+                       key=lambda p: p.stat().st_mtime)
+    if not leftovers:
+        return None
+    os.replace(leftovers[-1], final)
+    _fsync_dir(final.parent)
+    return leftovers[-1]
+
+
+def temp_dir(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+# ------------------------------------------------------------------------------------------------ marker and lock
+
+
+def read_marker(outputs: Path) -> dict[str, Any] | None:
+    path = outputs / MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+        str(marker["data_lock"])
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = f"{path}: not a valid outputs marker ({exc!r}); remove {outputs} or pass another --outputs"
+        raise BadInput(msg) from None
+    return dict(marker)
+
+
+def check_lock(outputs: Path, lock: str, config_path: str) -> None:
+    """Refuse an outputs folder prepared from other data: mixing two corpora would make every comparison meaningless."""
+    marker = read_marker(outputs)
+    if marker is not None and marker["data_lock"] != lock:
+        msg = (
+            f"--outputs {str(outputs)!r} was prepared from data lock {marker['data_lock']} "
+            f"(config {marker.get('config', '?')}), but --config {config_path} gives data lock {lock}; "
+            "pass another --outputs, or remove that folder (clean --scope generated --yes) to start over"
+        )
+        raise BadInput(msg)
