@@ -27,6 +27,7 @@ from harness.workflow.commands import (
     err,
 )
 from harness.workflow.outputs import BadInput
+from harness.workflow.scaling import SCALING_STEPS
 
 
 def _add_config(p: argparse.ArgumentParser, outputs: bool = True, default: str | None = DEFAULT_CONFIG) -> None:
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="the whole protocol; writes report.md, report.json and report.png")
     _add_config(p)
-    p.add_argument("--scaling-steps", type=int, default=20, help="timed steps per world size in the scaling table")
+    p.add_argument("--scaling-steps", type=int, default=SCALING_STEPS,
+                   help=f"timed steps per world size in the scaling table (default: {SCALING_STEPS})")
     p.add_argument("--battery-controls", metavar="NAME,...",
                    help="negative controls the battery runs (default: every one; e.g. mean_of_local_means)")
     p.set_defaults(fn=cmd_report)

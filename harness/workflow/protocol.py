@@ -45,7 +45,7 @@ from harness.workflow.outputs import (
 MEAN_OF_MEANS = "harness.recipes:mean_of_local_means"
 DEADLINE = 300.0
 """Seconds one launched run may take before it is called hung. benchmarks/results/torchrun_trio.json measured the
-whole trio (three runs of configs/minimum.yaml) at a median of 16.4 s on a 2-core machine; 300 s is far beyond."""
+whole trio (three torchrun runs of configs/minimum.yaml) at a median of 16.4 s on 2 cores; 300 s is far beyond."""
 
 
 # ------------------------------------------------------------------------------------------------------ prepare

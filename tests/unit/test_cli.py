@@ -253,3 +253,17 @@ def test_report_names_the_failing_check_on_the_last_line_and_exits_1(
     assert 1 == main(["report", "--config", small, "--outputs", str(tmp_path / "out")])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "FAILED: report: resume equals continuous at the last step (max abs difference 1e-07)" == last
+
+
+def test_the_default_config_is_the_checkouts_own_when_run_from_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --config, outside the checkout's root, the checkout's configs/minimum.yaml is the one read."""
+    import argparse
+
+    from harness.workflow.commands import config_path_of
+
+    monkeypatch.chdir(tmp_path)
+    path = config_path_of(argparse.Namespace(config=None))
+    assert Path(path) == ROOT / "configs" / "minimum.yaml"
+    assert 0 == main(["check-loss"])
