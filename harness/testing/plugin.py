@@ -2,6 +2,10 @@
 
 Loaded by the repository's ``conftest.py`` from a checkout, or by the ``pytest11`` entry point once installed, so
 another project can run ``pytest --pyargs harness.battery --recipe=theirpkg.module:attr``.
+
+It is loaded in every pytest run of an environment that has the package, so it costs a run that runs no battery test
+nothing: torch, the battery and the recipes are imported only when a battery test runs, or when ``--recipe`` or
+``--battery-report`` is given (``tests/unit/test_plugin_cost.py``).
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from harness.battery.checks import NOT_APPLICABLE, Verdict
-from harness.recipes import CORRECT_RECIPE, RecipeError, load_recipe
+if TYPE_CHECKING:
+    from harness.battery.checks import Verdict
 
 MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
@@ -31,8 +36,9 @@ _PROPERTY = "battery_verdict"
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddp-harness", "distributed gradient semantics")
     group.addoption(
-        "--recipe", default=CORRECT_RECIPE, metavar="PKG.MODULE:ATTR",
-        help=f"the recipe the battery checks: an instance or a zero-argument factory (default: {CORRECT_RECIPE})",
+        "--recipe", default=None, metavar="PKG.MODULE:ATTR",
+        help="the recipe the battery checks: an instance or a zero-argument factory (default: the harness's correct "
+        "recipe, harness.recipes.CORRECT_RECIPE)",
     )
     group.addoption(
         "--battery-report", default=None, metavar="PATH",
@@ -56,11 +62,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
-    # A bad --recipe is a usage error now, in the parent, not a traceback from deep inside a rank later.
-    try:
-        load_recipe(config.getoption("recipe"))
-    except RecipeError as exc:
-        raise pytest.UsageError(f"--recipe: {exc}") from None
+    # A bad --recipe is a usage error now, in the parent, not a traceback from deep inside a rank later. The default
+    # recipe needs no check (the harness's tests cover it), and so a run without --recipe does not import torch here.
+    if config.getoption("recipe") is not None:
+        from harness.recipes import RecipeError, load_recipe
+
+        try:
+            load_recipe(config.getoption("recipe"))
+        except RecipeError as exc:
+            raise pytest.UsageError(f"--recipe: {exc}") from None
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()
@@ -132,7 +142,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     statuses = [str(v.get("status")) for v in _CONTROLLER_VERDICTS]
     payload = {
         "schema": SCHEMA,
-        "recipes": [session.config.getoption("recipe")],
+        "recipes": [chosen_recipe(session.config)],
         "precision": session.config.getoption("precision"),
         "expected": _SESSION.get("expected", 0),
         "run": len(_CONTROLLER_VERDICTS),
@@ -149,16 +159,27 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     tmp.replace(out)
 
 
+def chosen_recipe(config: pytest.Config) -> str:
+    """``--recipe``, or the harness's correct recipe when it was not given."""
+    chosen = config.getoption("recipe")
+    if chosen is None:
+        from harness.recipes import CORRECT_RECIPE
+
+        return CORRECT_RECIPE
+    return str(chosen)
+
+
 @pytest.fixture(scope="session")
 def recipe_path(pytestconfig: pytest.Config) -> str:
     """The ``package.module:attr`` of the recipe under test."""
-    return str(pytestconfig.getoption("recipe"))
+    return chosen_recipe(pytestconfig)
 
 
 @pytest.fixture
 def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
     """Record a verdict for ``--battery-report``; fail the test with its message when it failed (with every rank's
     whole report under ``-v``), skip it when the check does not apply."""
+    from harness.battery.checks import NOT_APPLICABLE
 
     def check(verdict: Verdict) -> None:
         request.node.user_properties.append((_PROPERTY, verdict.to_dict()))

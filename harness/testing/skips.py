@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import pytest
-import torch
-import torch.distributed as dist
 
 REQUIRE_GPUS_ENV = "HARNESS_REQUIRE_GPUS"
 """Environment variable: a positive integer N; lanes needing at most N CUDA devices fail instead of skipping."""
@@ -25,11 +24,19 @@ REQUIRED_MARK = "required_gpus_missing"
 Verdict = Literal["run", "skip", "fail"]
 
 
+# torch is imported where a lane is decided, not with the module: the plugin checks HARNESS_REQUIRE_GPUS at start-up
+# in every pytest run, and a run without a GPU lane should not pay for torch.
+
+
 def cuda_devices() -> int:
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _nccl() -> bool:
+    import torch.distributed as dist
+
     return dist.is_available() and dist.is_nccl_available()
 
 
@@ -100,6 +107,25 @@ def _lane(lane: str, needs: int, missing: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(verdict == "skip", reason=why or "present")
 
 
-requires_cuda = _lane("gpu", 1, "" if cuda_devices() >= 1 else f"needs 1 CUDA device, found {cuda_devices()}")
-requires_two_gpus = _lane("gpu2", 2, two_gpus_missing())
-requires_one_gpu_with_nccl = _lane("gpu", 1, gpus_with_nccl_missing(1))
+_LANES: dict[str, Callable[[], pytest.MarkDecorator]] = {
+    "requires_cuda": lambda: _lane(
+        "gpu", 1, "" if cuda_devices() >= 1 else f"needs 1 CUDA device, found {cuda_devices()}"),
+    "requires_two_gpus": lambda: _lane("gpu2", 2, two_gpus_missing()),
+    "requires_one_gpu_with_nccl": lambda: _lane("gpu", 1, gpus_with_nccl_missing(1)),
+}
+"""The lane markers (``from harness.testing.skips import requires_cuda``), each decided on first import of its name
+(PEP 562): the plugin imports this module in every pytest run, and only a GPU test module needs torch to ask."""
+
+if TYPE_CHECKING:
+    requires_cuda: pytest.MarkDecorator
+    requires_two_gpus: pytest.MarkDecorator
+    requires_one_gpu_with_nccl: pytest.MarkDecorator
+
+
+def __getattr__(name: str) -> pytest.MarkDecorator:
+    make = _LANES.get(name)
+    if make is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    mark = globals()[name] = make()
+    return mark
