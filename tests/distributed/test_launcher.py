@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -16,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-from harness.dist import probes
+from harness.dist import probes, scratch
 from harness.dist.launcher import Expected, LaunchError, launch, progress
 
 HERE = Path(__file__).parent
@@ -169,6 +171,11 @@ def test_no_rank_outlives_a_killed_parent(tmp_path: Path) -> None:
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         assert [] == _wait_gone(pids, within=10)
+        # Its launch folder outlived it (its `finally` never ran); the next launch of any process removes it.
+        left = f"{scratch.PREFIX}{parent.pid}-"
+        assert any(n.startswith(left) for n in os.listdir(tempfile.gettempdir()))
+        launch(probes.identity, 1, None)
+        assert not any(n.startswith(left) for n in os.listdir(tempfile.gettempdir()))
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -375,3 +382,29 @@ def test_a_preloaded_module_is_imported_by_the_forkserver_before_it_forks(tmp_pa
     assert results[0]["imported_in"] != os.getpid()
     # The server keeps the module for later launches that do not ask for it.
     assert results[0]["imported_in"] == launch(importlib.import_module(preloaded).where, 2)[0]["imported_in"]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_launch_removes_the_folders_of_dead_callers_and_keeps_live_ones() -> None:
+    """A folder named after a process that has ended (a caller SIGKILLed mid-launch) is removed by the next launch;
+    one of a live process, or one without a pid in its name, is left alone."""
+    root = tempfile.gettempdir()
+    dead = _dead_pid()
+    assert not scratch.pid_alive(dead)
+    stale = Path(tempfile.mkdtemp(prefix=f"{scratch.PREFIX}{dead}-", dir=root))
+    (stale / "stack-0.txt").write_text("left behind")
+    live = Path(tempfile.mkdtemp(prefix=f"{scratch.PREFIX}{os.getpid()}-", dir=root))
+    foreign = Path(tempfile.mkdtemp(prefix=f"{scratch.PREFIX}nopid-", dir=root))
+    try:
+        assert 0 == launch(probes.identity, 1, 0)[0]["value"]
+        assert not stale.exists()
+        assert live.is_dir() and foreign.is_dir()
+    finally:
+        for path in (stale, live, foreign):
+            shutil.rmtree(path, ignore_errors=True)
+
