@@ -168,12 +168,13 @@ def test_no_rank_outlives_a_killed_parent(tmp_path: Path) -> None:
             time.sleep(0.05)
         pids = [int(Path(f"{pid_file}.{r}").read_text()) for r in (0, 1)]
         assert all(_alive(p) for p in pids)
+        # Its launch folder is named after it; it outlives it (its `finally` never runs) until the next launch of any
+        # process removes it.
+        left = f"{scratch.PREFIX}{parent.pid}-"
+        assert any(n.startswith(left) for n in os.listdir(tempfile.gettempdir()))
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         assert [] == _wait_gone(pids, within=10)
-        # Its launch folder outlived it (its `finally` never ran); the next launch of any process removes it.
-        left = f"{scratch.PREFIX}{parent.pid}-"
-        assert any(n.startswith(left) for n in os.listdir(tempfile.gettempdir()))
         launch(probes.identity, 1, None)
         assert not any(n.startswith(left) for n in os.listdir(tempfile.gettempdir()))
     finally:
