@@ -12,15 +12,18 @@ forgets one is caught by the bitwise comparison at the last step:
 * The plan (ids per step, rank, microbatch) is drawn once from its own seed; the position in it is state.
 
 ``resume_bug`` reproduces real resume mistakes as negative controls for the tests; never set it in a real run.
+
+The pieces the loop uses live by job beside it: :mod:`~harness.training.schedule` (the learning-rate factor),
+:mod:`~harness.training.rng` (per-rank generators), :mod:`~harness.training.faults` (``HARNESS_FAULT`` kill points),
+:mod:`~harness.training.state` (CPU copies and :func:`state_difference`), :mod:`~harness.training.checkpoint` and
+:mod:`~harness.training.evaluation`.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,129 +41,14 @@ from harness.model import build_model
 from harness.recipes import Recipe, load_recipe
 from harness.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from harness.training.evaluation import evaluate_model, write_eval
+from harness.training.faults import FAULT_ENV, FAULT_POINTS, FAULT_RECORD, Fault, die_at, parse_fault
+from harness.training.rng import rank_seed, rng_state, seed_rngs, set_rng_state
+from harness.training.schedule import WarmupLinearDecay
+from harness.training.state import cpu_copy, state_difference
 
 RESUME_BUGS = ("reseed", "drop_optimizer", "rank0_rng", "restart_plan")
 """Negative controls: re-seed the RNGs instead of restoring them; do not load the optimizer state; restore rank 0's
 RNG states on every rank; restart the plan from its first step."""
-
-FAULT_ENV = "HARNESS_FAULT"
-FAULT_POINTS = ("in-window", "after-rank-temp", "before-manifest", "after-manifest")
-"""Where a rank can be killed: ``in-window`` between the first and second microbatch of a step's window;
-``after-rank-temp`` after the rank file's temporary write, before its rename; ``before-manifest`` (rank 0) after every
-rank file is in, before the manifest; ``after-manifest`` once the checkpoint is complete."""
-
-
-# ----------------------------------------------------------------------------------------------- fault injection
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Kill ``rank`` with SIGKILL at ``point`` of step ``step`` (1-based: the step whose update or checkpoint it is)."""
-
-    rank: int
-    step: int
-    point: str
-
-
-def parse_fault(value: str | None) -> Fault | None:
-    """Parse ``HARNESS_FAULT="rank=1,step=37,point=in-window"``; None or empty means no fault."""
-    if not value:
-        return None
-    allowed = ", ".join(FAULT_POINTS)
-    fix = f"use e.g. {FAULT_ENV}='rank=1,step=37,point=in-window' with point one of: {allowed}"
-    try:
-        fields = dict(part.split("=", 1) for part in value.split(","))
-    except ValueError:
-        fields = {}
-    if set(fields) != {"rank", "step", "point"}:
-        msg = f"{FAULT_ENV}={value!r} must give exactly rank=, step= and point=; {fix}"
-        raise ValueError(msg)
-    try:
-        rank, step = int(fields["rank"]), int(fields["step"])
-    except ValueError:
-        msg = f"{FAULT_ENV}={value!r}: rank and step must be integers; {fix}"
-        raise ValueError(msg) from None
-    point = fields["point"].strip()
-    if point not in FAULT_POINTS:
-        msg = f"{FAULT_ENV}={value!r}: point={point!r} is not a fault point; {fix}"
-        raise ValueError(msg)
-    if rank < 0 or step < 1:
-        msg = f"{FAULT_ENV}={value!r}: rank must be >= 0 and step >= 1; {fix}"
-        raise ValueError(msg)
-    if point == "before-manifest" and rank != 0:
-        msg = f"{FAULT_ENV}={value!r}: only rank 0 writes the manifest, so point=before-manifest needs rank=0"
-        raise ValueError(msg)
-    return Fault(rank, step, point)
-
-
-FAULT_RECORD = "fault-fired.txt"
-"""Written into the run directory by the rank a fault kills, just before it dies: proof the kill came from the fault."""
-
-
-def _die_at(fault: Fault | None, rank: int, step: int, point: str, run_dir: str | Path) -> None:
-    if fault is not None and (fault.rank, fault.step, fault.point) == (rank, step, point):
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(run_dir) / FAULT_RECORD, "a") as f:
-            f.write(f"rank={rank},step={step},point={point}\n")
-        # SIGKILL, not an exception: a real crash runs no finally blocks, flushes nothing, releases no lock.
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ------------------------------------------------------------------------------------------------ the schedule
-
-
-class WarmupLinearDecay:
-    """LambdaLR factor: ``(s+1)/warmup`` during warm-up, then linear decay to 0 at ``updates``.
-
-    A class rather than a lambda so that its definition travels with the scheduler's state (LambdaLR saves the
-    ``__dict__`` of callable objects), and so that a resume that changed ``updates`` is visible in the state.
-    """
-
-    def __init__(self, warmup: int, updates: int) -> None:
-        self.warmup = warmup
-        self.updates = updates
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        return max(0.0, (self.updates - step) / (self.updates - self.warmup))
-
-
-# ---------------------------------------------------------------------------------------------------- RNG state
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """Each rank's own stream: different per rank (dropout masks differ), reproducible per (seed, rank)."""
-    return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63)
-
-
-def seed_rngs(seed: int, rank: int) -> None:
-    s = rank_seed(seed, rank)
-    random.seed(s)
-    np.random.seed(s % (2**32))
-    torch.manual_seed(s)  # also seeds every CUDA device
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's generator states, as tensors and plain Python (loadable with ``weights_only=True``)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
 
 # ----------------------------------------------------------------------------------------------------- the loop
 
@@ -285,7 +173,7 @@ def run(
         "checkpoints": written,
         "state": {
             "model": {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()},
-            "optimizer": _cpu(optimizer.state_dict()),
+            "optimizer": cpu_copy(optimizer.state_dict()),
             "scheduler": scheduler.state_dict(),
         },
     }
@@ -315,52 +203,13 @@ def _backward_window(
     def hook(_module: Any, _inputs: Any) -> None:
         calls[0] += 1
         if calls[0] == 2:
-            _die_at(fault, rank, step, "in-window", run_dir)
+            die_at(fault, rank, step, "in-window", run_dir)
 
     handle = model.module.register_forward_pre_hook(hook)
     try:
         return recipe.backward_window(model, window)
     finally:
         handle.remove()
-
-
-def _cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
-
-
-def state_difference(a: Any, b: Any) -> float:
-    """Largest absolute difference between two nested states (dicts, lists, tensors, numbers); 0.0 means equal bits.
-
-    A difference in structure or in a non-numeric leaf counts as ``inf``: it is never "close".
-    """
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return float("inf")
-        if not a.numel():
-            return 0.0
-        if not a.is_floating_point():
-            return 0.0 if torch.equal(a.cpu(), b.cpu()) else float("inf")
-        return float((a.detach().cpu().double() - b.detach().cpu().double()).abs().max())
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return float("inf")
-        return max((state_difference(a[k], b[k]) for k in a), default=0.0)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return float("inf")
-        return max((state_difference(x, y) for x, y in zip(a, b)), default=0.0)
-    numbers = (int, float)
-    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
-        if a == b:
-            return 0.0
-        return abs(float(a) - float(b)) if a == a and b == b else float("inf")  # NaN is never equal
-    return 0.0 if a == b else float("inf")
 
 
 def _checkpoint(
@@ -372,8 +221,8 @@ def _checkpoint(
     if rank == 0:
         shared = {
             "step": step,
-            "model": _cpu(model.module.state_dict()),
-            "optimizer": _cpu(optimizer.state_dict()),
+            "model": cpu_copy(model.module.state_dict()),
+            "optimizer": cpu_copy(optimizer.state_dict()),
             "scheduler": scheduler.state_dict(),
             "config": config.to_dict(),
             "data_lock": lock,
@@ -387,7 +236,7 @@ def _checkpoint(
     }
     return save_checkpoint(
         run_dir, step, shared=shared, rank_state=state, rank=rank, world_size=world,
-        point=lambda name: _die_at(fault, rank, step, name, run_dir),
+        point=lambda name: die_at(fault, rank, step, name, run_dir),
     )
 
 
@@ -420,9 +269,12 @@ def _quiet(_message: str) -> None:
     pass
 
 
+# FAULT_*, Fault, parse_fault, WarmupLinearDecay, rank_seed and state_difference live in faults, schedule, rng and
+# state; they stay importable from here, where the tests, the workflow and the benchmarks import them.
 __all__ = [
     "FAULT_ENV",
     "FAULT_POINTS",
+    "FAULT_RECORD",
     "RESUME_BUGS",
     "Fault",
     "WarmupLinearDecay",

@@ -22,7 +22,10 @@ from harness.training.checkpoint import (
     save_checkpoint,
     trajectory_mismatch,
 )
-from harness.training.trainer import FAULT_ENV, Fault, WarmupLinearDecay, parse_fault, rank_seed, state_difference
+from harness.training.faults import FAULT_ENV, Fault, parse_fault
+from harness.training.rng import rank_seed
+from harness.training.schedule import WarmupLinearDecay
+from harness.training.state import state_difference
 
 CONFIG = Config()
 LOCK = "a" * 64
@@ -241,3 +244,18 @@ def test_state_difference_is_zero_only_for_equal_states() -> None:
     assert state_difference(a, {"w": torch.tensor([1.0, 2.0]), "step": 3, "lrs": [0.5]}) == 0.0
     assert state_difference(a, {"w": torch.tensor([1.0, 2.5]), "step": 3, "lrs": [0.5]}) == 0.5
     assert float("inf") == state_difference(a, {"w": torch.tensor([1.0, 2.0])})
+
+
+def test_the_names_that_moved_out_of_the_trainer_are_still_importable_from_it() -> None:
+    """The workflow, the benchmarks and the GPU tests import these from ``harness.training.trainer``."""
+    from harness.training import faults, rng, schedule, state, trainer
+
+    for module, names in [
+        (faults, ["FAULT_ENV", "FAULT_POINTS", "FAULT_RECORD", "Fault", "parse_fault"]),
+        (schedule, ["WarmupLinearDecay"]),
+        (rng, ["rank_seed"]),
+        (state, ["state_difference"]),
+    ]:
+        for name in names:
+            assert getattr(trainer, name) is getattr(module, name), name
+            assert name in trainer.__all__
