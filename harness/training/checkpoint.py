@@ -43,7 +43,23 @@ NON_TRAJECTORY_FIELDS = frozenset({"stop_at", "checkpoint_every"})
 
 
 def step_dir_name(step: int) -> str:
+    """``7`` -> ``step-0007``: the one place a step directory's name is made; :func:`step_of` reads it back."""
     return f"step-{step:04d}"
+
+
+def step_of(name: str) -> int | None:
+    """``step-0007`` -> 7; None for any name :func:`step_dir_name` does not make."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(run_dir: str | Path) -> list[Path]:
+    """The step directories of ``run_dir``, newest (highest step) first, complete or not; [] if it is no folder."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(step, p) for p in root.iterdir() if p.is_dir() and (step := step_of(p.name)) is not None]
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 def rank_file(rank: int) -> str:
@@ -59,6 +75,10 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+"""A temporary of :func:`_write_temp`: ``.NAME.tmp-PID``, renamed over ``NAME`` once whole, left behind by a kill."""
 
 
 def _write_temp(path: Path, data: bytes) -> Path:
@@ -150,7 +170,10 @@ def _sha256(path: Path) -> str:
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """The manifest of ``folder``, after checking that every file it lists is there, whole, and unchanged."""
+    """The manifest of ``folder``, after checking that every file it lists is there, whole, and unchanged.
+
+    Any problem, a malformed manifest included, is a ValueError that names the file and what is wrong with it.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         msg = f"checkpoint {str(folder)!r} is not a directory; pass a step directory such as runs/stopped/step-0050"
@@ -164,19 +187,50 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
         raise ValueError(msg)
     try:
         manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        int(manifest["world_size"])
-        int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as exc:
-        msg = f"{path}: not a valid manifest ({exc!r}); the checkpoint cannot be trusted, resume from another step"
+    except (ValueError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        msg = f"{path}: not a valid manifest ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted"
         raise ValueError(msg) from None
+    files = _check_manifest(path, manifest)
     for name, entry in files.items():
         _check_file(folder / name, entry)
-    for r in range(int(manifest["world_size"])):
-        if rank_file(r) not in files:
-            msg = f"{path}: lists no {rank_file(r)} for world size {manifest['world_size']}; the manifest is damaged"
-            raise ValueError(msg)
     return dict(manifest)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_manifest(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
+    """The ``files`` of a parsed manifest, once its shape is right: the keys, their types, and every file listed."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: malformed manifest: {what}; the checkpoint cannot be trusted, use another step")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"holds a JSON {type(manifest).__name__}, not an object")
+    for key in ("step", "world_size", "files"):
+        if key not in manifest:
+            raise bad(f"no {key!r} key")
+    for key in ("step", "world_size"):
+        if not _is_int(manifest[key]) or manifest[key] < (0 if key == "step" else 1):
+            raise bad(f"{key!r} is {manifest[key]!r}, not a {'non-negative' if key == 'step' else 'positive'} integer")
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise bad(f"'files' is a {type(files).__name__}, not an object of file entries")
+    for name, entry in files.items():
+        if not name or Path(name).name != name or name in (".", ".."):
+            raise bad(f"file name {name!r} is not a plain name inside the step directory")
+        if not isinstance(entry, dict):
+            raise bad(f"the entry of {name!r} is a {type(entry).__name__}, not an object with size and sha256")
+        if not _is_int(entry.get("size")) or entry["size"] < 0:
+            raise bad(f"the entry of {name!r} has size {entry.get('size')!r}, not a non-negative integer")
+        digest = entry.get("sha256")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise bad(f"the entry of {name!r} has sha256 {digest!r}, not 64 lowercase hex digits")
+    for name in [SHARED, *(rank_file(r) for r in range(manifest["world_size"]))]:
+        if name not in files:
+            raise bad(f"lists no {name} (world size {manifest['world_size']} needs {SHARED} and every rank's file)")
+    return files
 
 
 def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
@@ -200,20 +254,57 @@ def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The highest ``step-NNNN`` folder of ``run_dir`` whose manifest is valid; incomplete folders are skipped."""
-    root = Path(run_dir)
-    if not root.is_dir():
-        return None
-    steps = sorted(
-        ((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))),
-        reverse=True,
-    )
-    for _, folder in steps:
+    for folder in step_dirs(run_dir):
         try:
             read_manifest(folder)
         except ValueError:
             continue
         return folder
     return None
+
+
+def audit_run_dir(run_dir: str | Path) -> list[str]:
+    """Every problem in ``run_dir``, one line each, naming its path; [] when the run directory is sound.
+
+    Reported: a step directory whose manifest is missing (a checkpoint a kill interrupted) or malformed, or whose
+    files are missing, truncated or fail their checksum; and a temporary file (``.NAME.tmp-PID``, see
+    :func:`write_atomic`) anywhere under ``run_dir`` whose writing process is no longer running: what a killed run
+    leaves behind. A temporary of a process still running on this machine is being written now, and is not reported.
+    A missing ``run_dir`` is one problem.
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        return [f"{root}: not a directory"]
+    problems = []
+    for folder in sorted(step_dirs(root)):
+        try:
+            read_manifest(folder)
+        except ValueError as exc:
+            kind = "incomplete" if not (folder / MANIFEST).is_file() else "corrupt"
+            problems.append(f"{folder}: {kind} checkpoint: {exc}")
+    for path in sorted(root.rglob(".*.tmp-*")):
+        m = _TEMP.match(path.name)
+        if m is None or not path.is_file() or _running(int(m.group("pid"))):
+            continue
+        problems.append(
+            f"{path}: stale temporary file of {m.group('name')}, left by process {m.group('pid')} (no longer "
+            "running) when it was killed mid-write; delete it"
+        )
+    return problems
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    except (OverflowError, OSError):
+        return False  # no such pid can exist
+    return True
 
 
 def trajectory_mismatch(saved: Mapping[str, Any], config: Config) -> tuple[str, Any, Any] | None:
@@ -239,7 +330,7 @@ def load_checkpoint(
             "resume with the same number of ranks (per-rank RNG states and plan shards depend on it)"
         )
         raise ValueError(msg)
-    shared = _load(folder / SHARED)
+    shared = _load(folder / SHARED, ("data_lock", "config", "model", "optimizer", "scheduler"))
     if shared["data_lock"] != data_lock:
         msg = (
             f"{folder / SHARED}: other data lock {shared['data_lock'][:16]}..., this run's data gives "
@@ -254,7 +345,7 @@ def load_checkpoint(
             "the trajectory, so resume with the checkpoint's value (only stop_at and checkpoint_every may change)"
         )
         raise ValueError(msg)
-    state = _load(folder / rank_file(rank))
+    state = _load(folder / rank_file(rank), ("rank", "world_size", "position", "losses", "rng"))
     if state["rank"] != rank or state["world_size"] != world_size:
         msg = (
             f"{folder / rank_file(rank)}: holds rank {state['rank']} of {state['world_size']}, expected rank {rank} "
@@ -264,7 +355,7 @@ def load_checkpoint(
     return shared, state
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     try:
         # weights_only: a checkpoint is data, never code to run; everything saved here is tensors and plain Python.
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -274,6 +365,10 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         msg = f"{path}: holds a {type(obj).__name__}, not a checkpoint mapping"
         raise ValueError(msg)
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        msg = f"{path}: lacks {', '.join(missing)}; it was not written by this trainer, resume from another step"
+        raise ValueError(msg)
     return obj
 
 
@@ -281,12 +376,15 @@ __all__ = [
     "MANIFEST",
     "NON_TRAJECTORY_FIELDS",
     "SHARED",
+    "audit_run_dir",
     "latest_checkpoint",
     "load_checkpoint",
     "rank_file",
     "read_manifest",
     "save_checkpoint",
     "step_dir_name",
+    "step_dirs",
+    "step_of",
     "trajectory_mismatch",
     "write_atomic",
 ]

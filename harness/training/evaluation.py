@@ -21,6 +21,7 @@ from harness.core.microbatch import IGNORE_INDEX
 from harness.data.batching import collate
 from harness.data.config import Config
 from harness.data.corpus import Row, split_rows
+from harness.training.checkpoint import write_atomic
 
 EVAL_FILE = "eval.json"
 EVAL_BATCH = 32
@@ -63,6 +64,12 @@ def evaluate_model(
     result: dict[str, Any] = {}
     for j, s in enumerate(splits):
         loss, correct, count = (float(x) for x in t[3 * j : 3 * j + 3])
+        if count == 0:
+            msg = (
+                f"split {s!r} has no supervised tokens ({len(split_rows(rows, s))} sequences, no label to score): "
+                "its loss and accuracy would be 0/0; give the split labelled sequences, or leave it out of splits"
+            )
+            raise ValueError(msg)
         result[f"{s}_loss"] = loss / count
         result[f"{s}_accuracy"] = correct / count
         result[f"{s}_sequences"] = len(split_rows(rows, s))
@@ -71,10 +78,10 @@ def evaluate_model(
 
 
 def write_eval(run_dir: str | Path, result: dict[str, Any], *, step: int) -> Path:
-    """Rank 0 only: ``run_dir/eval.json`` with the step it describes."""
+    """Rank 0 only: ``run_dir/eval.json`` with the step it describes, written whole (temporary, fsync, rename)."""
     path = Path(run_dir) / EVAL_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"step": step, **result}, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, (json.dumps({"step": step, **result}, indent=2, sort_keys=True) + "\n").encode())
     return path
 
 

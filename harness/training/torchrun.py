@@ -7,7 +7,9 @@
 
 The three runs write to ``runs/stopped``, ``runs/continuous`` and ``runs/resumed`` unless ``--run-dir`` says otherwise,
 so a resumed run never overwrites the checkpoints it came from. ``--resume`` takes a step directory, or a run
-directory (its latest complete checkpoint is used).
+directory: then its newest complete checkpoint is used and named. Step directories without a manifest (a checkpoint a
+kill interrupted) are skipped; if the newest one with a manifest is corrupt, the command refuses and names it, unless
+``--allow-older`` lets it fall back to the newest valid one (it says what it skipped).
 
 Run as a module (the torchrun worker), it leaves through :func:`entry`: the process group is destroyed, stdout and
 stderr are flushed, and the process ends with ``os._exit``, skipping the interpreter's teardown, in which gloo's and
@@ -24,7 +26,7 @@ import gc
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from harness.data.config import load_config
 from harness.data.corpus import data_lock, make_corpus
-from harness.training.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint
+from harness.training.checkpoint import MANIFEST, load_checkpoint, read_manifest, step_dirs, step_of
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 DEFAULT_RUN_DIRS = {"stopped": "runs/stopped", "continuous": "runs/continuous", "resumed": "runs/resumed"}
@@ -46,9 +48,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--continuous", action="store_true", help="run to config.updates instead of stopping at stop_at")
     mode.add_argument("--resume", metavar="DIR", help="continue to config.updates from a step (or run) directory")
+    p.add_argument(
+        "--allow-older", action="store_true",
+        help="with --resume RUN_DIR: if its newest checkpoint is corrupt, resume from the newest valid one instead",
+    )
     p.add_argument("--run-dir", metavar="DIR", help="where checkpoints and eval.json go (default: runs/<mode>)")
     p.add_argument("--backend", choices=BACKENDS, help="default: nccl when every rank has its own GPU, else gloo")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.allow_older and not args.resume:
+        p.error("--allow-older only applies to --resume RUN_DIR")
+    return args
 
 
 def default_backend(local_world_size: int) -> str:
@@ -58,15 +67,45 @@ def default_backend(local_world_size: int) -> str:
     return "gloo"
 
 
-def resolve_resume(path: str) -> Path:
+def resolve_resume(path: str, *, allow_older: bool = False, say: Callable[[str], None] = print) -> Path:
+    """The step directory ``--resume PATH`` means; ``say`` is told which one and what was skipped.
+
+    A step directory is returned as it is (:func:`load_checkpoint` then says precisely what is wrong with it, if
+    anything). A run directory gives its newest complete checkpoint. Step directories without a manifest are
+    checkpoints a kill interrupted: skipped, and said. The newest one with a manifest must be valid: if it is corrupt
+    (malformed manifest, missing or changed file) this refuses, naming it, unless ``allow_older``, which skips it
+    (and any other corrupt one) for the newest valid checkpoint below it. SystemExit carries every refusal.
+    """
     folder = Path(path)
-    if (folder / MANIFEST).is_file() or folder.name.startswith("step-"):
-        return folder  # a step directory: load_checkpoint says precisely what is wrong with it, if anything
-    found = latest_checkpoint(folder)
-    if found is None:
+    if (folder / MANIFEST).is_file() or step_of(folder.name) is not None:
+        return folder
+    candidates = step_dirs(folder)
+    if not candidates:
         msg = f"--resume {path!r} is neither a step directory nor a run directory holding a complete checkpoint"
         raise SystemExit(msg)
-    return found
+    skipped: list[str] = []
+    for step_dir in candidates:
+        if not (step_dir / MANIFEST).is_file():
+            skipped.append(f"{step_dir} (incomplete: no {MANIFEST})")
+            continue
+        try:
+            read_manifest(step_dir)
+        except ValueError as exc:
+            if not allow_older:
+                msg = (
+                    f"--resume {path!r}: its newest checkpoint {step_dir} is corrupt: {exc}\n"
+                    f"refusing to resume from an older one silently; pass --allow-older to use the newest valid "
+                    f"checkpoint below it, or --resume an older step directory"
+                )
+                raise SystemExit(msg) from None
+            skipped.append(f"{step_dir} (corrupt: {exc})")
+            continue
+        for line in skipped:
+            say(f"--resume: skipped {line}")
+        say(f"--resume: using {step_dir}, the newest complete checkpoint of {path}")
+        return step_dir
+    msg = f"--resume {path!r}: no complete checkpoint in that run directory; skipped: " + "; ".join(skipped)
+    raise SystemExit(msg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(msg)
     mode = "resumed" if args.resume else "continuous" if args.continuous else "stopped"
     run_dir = Path(args.run_dir or DEFAULT_RUN_DIRS[mode])
-    resume = resolve_resume(args.resume) if args.resume else None
+    say = print if os.environ["RANK"] == "0" else _silent
+    resume = resolve_resume(args.resume, allow_older=args.allow_older, say=say) if args.resume else None
     if resume is not None:
         # Refuse a wrong checkpoint before any rank joins a process group: a clean message, not W tracebacks.
         rows = make_corpus(config)
@@ -124,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.collect()  # frees a DDP module held only by a reference cycle while its process group still exists
         dist.destroy_process_group()
     return 0
+
+
+def _silent(_message: str) -> None:
+    pass
 
 
 def _status(exc: SystemExit) -> int:
