@@ -1,0 +1,4 @@
+"""Distributed plumbing: the launcher (ranks with a deadline, no orphans), the counting comm hook, rank probes.
+Imports :mod:`harness.core`, :mod:`harness.data` and :mod:`harness.model` at most; never a recipe, the battery or a
+workflow.
+"""
