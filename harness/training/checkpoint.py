@@ -14,11 +14,14 @@ within a file system), and the folder is fsynced so the rename itself survives a
 after a barrier that every rank enters once its own file is in; a folder without a valid manifest is therefore an
 incomplete checkpoint, and :func:`latest_checkpoint` skips it. Every rank calls :func:`save_checkpoint` and takes part
 in the same collectives: rank 0 writing more files than its peers never means a peer skips a barrier.
+
+The file-level pieces live beside this module: :mod:`~harness.training.atomic` (temporary, fsync, rename) and
+:mod:`~harness.training.manifest` (the manifest and its checks). This module keeps the step directories: their names,
+writing one collectively, finding the latest, auditing a run directory, and loading one into a run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -31,10 +34,9 @@ import torch
 import torch.distributed as dist
 
 from harness.data.config import Config
+from harness.training.atomic import TEMP_NAME, commit, write_atomic, write_temp
+from harness.training.manifest import FORMAT, MANIFEST, SHARED, rank_file, read_manifest, sha256
 
-MANIFEST = "manifest.json"
-SHARED = "shared.pt"
-FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{4,})$")
 
 # Config fields that do not change the trajectory of the first ``updates`` steps: where a run stops and how often it
@@ -60,45 +62,6 @@ def step_dirs(run_dir: str | Path) -> list[Path]:
         return []
     found = [(step, p) for p in root.iterdir() if p.is_dir() and (step := step_of(p.name)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank}.pt"
-
-
-# --------------------------------------------------------------------------------------------------------- writing
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
-"""A temporary of :func:`_write_temp`: ``.NAME.tmp-PID``, renamed over ``NAME`` once whole, left behind by a kill."""
-
-
-def _write_temp(path: Path, data: bytes) -> Path:
-    """Write ``data`` durably under a temporary name next to ``path``; return that name (not yet renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def _commit(tmp: Path, path: Path) -> None:
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a reader sees either the old file or the whole new one."""
-    _commit(_write_temp(path, data), path)
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -140,116 +103,22 @@ def save_checkpoint(
             raise ValueError(msg)
         write_atomic(folder / SHARED, _to_bytes(dict(shared)))
     own = folder / rank_file(rank)
-    tmp = _write_temp(own, _to_bytes(dict(rank_state)))
+    tmp = write_temp(own, _to_bytes(dict(rank_state)))
     if point:
         point("after-rank-temp")
-    _commit(tmp, own)
+    commit(tmp, own)
     _barrier()  # every rank's file is in: only now may the checkpoint be declared complete
     if rank == 0:
         if point:
             point("before-manifest")
         names = [SHARED, *(rank_file(r) for r in range(world_size))]
-        files = {n: {"size": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
+        files = {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in names}
         manifest = {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     _barrier()  # no rank returns (and perhaps exits) before the checkpoint it took part in is complete
     if point:
         point("after-manifest")
     return folder
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------------------------------------- reading
-
-
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """The manifest of ``folder``, after checking that every file it lists is there, whole, and unchanged.
-
-    Any problem, a malformed manifest included, is a ValueError that names the file and what is wrong with it.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        msg = f"checkpoint {str(folder)!r} is not a directory; pass a step directory such as runs/stopped/step-0050"
-        raise ValueError(msg)
-    path = folder / MANIFEST
-    if not path.is_file():
-        msg = (
-            f"checkpoint {str(folder)!r} has no {MANIFEST}: it is incomplete (the run was stopped while writing it); "
-            "resume from an earlier step directory or use latest_checkpoint(run_dir)"
-        )
-        raise ValueError(msg)
-    try:
-        manifest = json.loads(path.read_text())
-    except (ValueError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        msg = f"{path}: not a valid manifest ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted"
-        raise ValueError(msg) from None
-    files = _check_manifest(path, manifest)
-    for name, entry in files.items():
-        _check_file(folder / name, entry)
-    return dict(manifest)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_manifest(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
-    """The ``files`` of a parsed manifest, once its shape is right: the keys, their types, and every file listed."""
-
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: malformed manifest: {what}; the checkpoint cannot be trusted, use another step")
-
-    if not isinstance(manifest, dict):
-        raise bad(f"holds a JSON {type(manifest).__name__}, not an object")
-    for key in ("step", "world_size", "files"):
-        if key not in manifest:
-            raise bad(f"no {key!r} key")
-    for key in ("step", "world_size"):
-        if not _is_int(manifest[key]) or manifest[key] < (0 if key == "step" else 1):
-            raise bad(f"{key!r} is {manifest[key]!r}, not a {'non-negative' if key == 'step' else 'positive'} integer")
-    files = manifest["files"]
-    if not isinstance(files, dict):
-        raise bad(f"'files' is a {type(files).__name__}, not an object of file entries")
-    for name, entry in files.items():
-        if not name or Path(name).name != name or name in (".", ".."):
-            raise bad(f"file name {name!r} is not a plain name inside the step directory")
-        if not isinstance(entry, dict):
-            raise bad(f"the entry of {name!r} is a {type(entry).__name__}, not an object with size and sha256")
-        if not _is_int(entry.get("size")) or entry["size"] < 0:
-            raise bad(f"the entry of {name!r} has size {entry.get('size')!r}, not a non-negative integer")
-        digest = entry.get("sha256")
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise bad(f"the entry of {name!r} has sha256 {digest!r}, not 64 lowercase hex digits")
-    for name in [SHARED, *(rank_file(r) for r in range(manifest["world_size"]))]:
-        if name not in files:
-            raise bad(f"lists no {name} (world size {manifest['world_size']} needs {SHARED} and every rank's file)")
-    return files
-
-
-def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
-    if not path.is_file():
-        kind = "rank file" if path.name.startswith("rank-") else "file"
-        msg = f"{path}: missing {kind} listed in {MANIFEST}; the checkpoint is incomplete, resume from another step"
-        raise ValueError(msg)
-    size = path.stat().st_size
-    if size != entry["size"]:
-        what = "truncated" if size < entry["size"] else "longer than recorded"
-        msg = f"{path}: {what}: {size} bytes, {MANIFEST} says {entry['size']}; resume from another step"
-        raise ValueError(msg)
-    digest = _sha256(path)
-    if digest != entry["sha256"]:
-        msg = (
-            f"{path}: checksum mismatch: SHA-256 {digest[:16]}..., {MANIFEST} says {entry['sha256'][:16]}...; "
-            "the file was changed or corrupted, resume from another step"
-        )
-        raise ValueError(msg)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -283,7 +152,7 @@ def audit_run_dir(run_dir: str | Path) -> list[str]:
             kind = "incomplete" if not (folder / MANIFEST).is_file() else "corrupt"
             problems.append(f"{folder}: {kind} checkpoint: {exc}")
     for path in sorted(root.rglob(".*.tmp-*")):
-        m = _TEMP.match(path.name)
+        m = TEMP_NAME.match(path.name)
         if m is None or not path.is_file() or _running(int(m.group("pid"))):
             continue
         problems.append(
@@ -372,7 +241,10 @@ def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     return obj
 
 
+# MANIFEST, SHARED, rank_file, read_manifest (manifest.py) and write_atomic (atomic.py) stay importable from here,
+# where the workflow and the tests import them.
 __all__ = [
+    "FORMAT",
     "MANIFEST",
     "NON_TRAJECTORY_FIELDS",
     "SHARED",

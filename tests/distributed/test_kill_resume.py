@@ -15,7 +15,7 @@ import pytest
 
 from harness.data.config import Config, load_config
 from harness.dist.launcher import LaunchError, launch
-from harness.training.checkpoint import MANIFEST, latest_checkpoint
+from harness.training.checkpoint import MANIFEST, audit_run_dir, latest_checkpoint, step_dir_name
 from harness.training.trainer import FAULT_ENV, FAULT_RECORD, launched_run, state_difference
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
@@ -79,11 +79,11 @@ def test_a_killed_run_resumes_from_its_latest_complete_checkpoint_to_the_same_bi
 
     latest = latest_checkpoint(killed_dir)
     assert latest is not None
-    assert latest.name == f"step-{kill.resumes_at:04d}"
+    assert latest.name == step_dir_name(kill.resumes_at)
     if kill.resumes_at < kill.step and kill.point != "in-window":
         # The interrupted step directory exists, but without its manifest: discovery had to skip it.
-        assert (killed_dir / f"step-{kill.step:04d}").is_dir()
-        assert not (killed_dir / f"step-{kill.step:04d}" / MANIFEST).exists()
+        assert (killed_dir / step_dir_name(kill.step)).is_dir()
+        assert not (killed_dir / step_dir_name(kill.step) / MANIFEST).exists()
 
     resumed = launch(launched_run, 2, kill_config, str(resumed_dir), {"resume": f"latest:{killed_dir}"},
                      deadline=DEADLINE)
@@ -103,11 +103,17 @@ def test_a_rank_file_killed_before_its_rename_leaves_only_a_temporary_name(
     with pytest.raises(LaunchError):
         launch(launched_run, 2, kill_config.replace(updates=30, stop_at=30), str(tmp_path), {}, deadline=DEADLINE,
                env=kill.env)
-    folder = tmp_path / "step-0020"
+    folder = tmp_path / step_dir_name(20)
     names = {p.name for p in folder.iterdir()}
     assert "rank-1.pt" not in names
-    assert any(n.startswith(".rank-1.pt.tmp-") for n in names), names
-    assert latest_checkpoint(tmp_path).name == "step-0010"  # type: ignore[union-attr]
+    temps = [n for n in names if n.startswith(".rank-1.pt.tmp-")]
+    assert temps, names
+    assert step_dir_name(10) == latest_checkpoint(tmp_path).name  # type: ignore[union-attr]
+    # The audit names what the kill left: the step without manifest, and the temporary of the dead rank.
+    problems = audit_run_dir(tmp_path)
+    expected = [f"{folder}: incomplete checkpoint: ", f"{folder / temps[0]}: stale temporary file of rank-1.pt, "]
+    assert 2 == len(problems), problems
+    assert all(p.startswith(e) for p, e in zip(problems, expected)), problems
 
 
 def test_a_fault_at_a_step_without_checkpoint_is_refused(kill_config: Config, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from harness.data.config import Config, load_config
 from harness.data.corpus import make_corpus, split_rows
 from harness.dist.launcher import Expected, launch
 from harness.model import build_model
-from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file
+from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file, step_dir_name
 from harness.training.evaluation import EVAL_FILE, evaluate_model
 from harness.training.trainer import RESUME_BUGS, launched_run, state_difference
 
@@ -63,7 +63,7 @@ def test_the_stopped_run_ends_with_a_complete_checkpoint_at_step_50(stopped_mini
     run_dir, summaries = stopped_minimum
     assert [s["final_step"] for s in summaries] == [50, 50]
     assert latest_checkpoint(run_dir).name == "step-0050"  # type: ignore[union-attr]
-    assert [f"step-{k:04d}" for k in range(10, 51, 10)] == sorted(p.name for p in run_dir.glob("step-*"))
+    assert [step_dir_name(k) for k in range(10, 51, 10)] == sorted(p.name for p in run_dir.glob("step-*"))
     assert [] == [p.name for p in run_dir.rglob("*.tmp-*")]
 
 
