@@ -138,8 +138,9 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
 
 
 def cmd_check_checkpoints(args: argparse.Namespace) -> int:
-    """Every step directory's manifest under the run directories."""
-    from harness.workflow.protocol import checkpoint_problems, step_dirs
+    """Every step directory's manifest under the run directories, and what a killed run left (incomplete steps,
+    stale temporary files): :func:`harness.training.checkpoint.audit_run_dir`."""
+    from harness.training.checkpoint import audit_run_dir, step_dirs
 
     if args.run_dir:
         run_dirs = [Path(d) for d in args.run_dir]
@@ -152,22 +153,25 @@ def cmd_check_checkpoints(args: argparse.Namespace) -> int:
     for d in run_dirs:
         if not d.is_dir():
             raise BadInput(f"--run-dir {str(d)!r} is not a directory")
-    bad: list[tuple[Path, str]] = []
-    total = 0
+    problems: list[str] = []
+    total = invalid = 0
     for d in run_dirs:
-        folders = step_dirs(d)
-        problems = dict(checkpoint_problems(d))
+        folders = list(reversed(step_dirs(d)))
+        lines = audit_run_dir(d)
         total += len(folders)
         for folder in folders:
-            print(f"{'INVALID' if folder in problems else 'ok':<8} {folder}")
-        bad += list(problems.items())
+            broken = any(line.startswith(f"{folder}:") for line in lines)
+            invalid += broken
+            print(f"{'INVALID' if broken else 'ok':<8} {folder}")
+        problems += lines
     print(f"{total} step directories in {len(run_dirs)} run director{'y' if len(run_dirs) == 1 else 'ies'}, "
-          f"{len(bad)} invalid")
-    for folder, why in bad:
-        err(f"{folder}: {why}")
-    if bad:
-        err(f"FAILED: check-checkpoints: {len(bad)} invalid step director{'y' if len(bad) == 1 else 'ies'}, first "
-             f"{bad[0][0]}")
+          f"{invalid} invalid, {len(problems) - invalid} other problem(s)")
+    for line in problems:
+        err(line)
+    if problems:
+        other = len(problems) - invalid
+        err(f"FAILED: check-checkpoints: {invalid} invalid step director{'y' if invalid == 1 else 'ies'}"
+            + (f" and {other} other problem(s)" if other else "") + f", first {problems[0].split(': ')[0]}")
         return 1
     return 0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from harness.data.corpus import Row, data_lock, make_corpus
 from harness.data.plan import Plan, make_plan
 from harness.dist.launcher import launch
 from harness.model import build_model
-from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, step_dir_name
+from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, step_dir_name, step_dirs
 from harness.workflow.outputs import (
     MARKER,
     BadInput,
@@ -193,23 +192,6 @@ def evaluate_checkpoint(config: Config, step_dir: str) -> dict[str, Any]:
     return evaluate_model(model, make_corpus(config), config, torch.device("cpu"), splits=("test",))
 
 
-def step_dirs(run_dir: Path) -> list[Path]:
-    pattern = re.compile(r"^step-(\d{4,})$")
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := pattern.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def checkpoint_problems(run_dir: Path) -> list[tuple[Path, str]]:
-    """``(step dir, why)`` for every step directory of ``run_dir`` whose manifest does not vouch for its files."""
-    problems = []
-    for folder in step_dirs(run_dir):
-        try:
-            read_manifest(folder)
-        except ValueError as exc:
-            problems.append((folder, str(exc)))
-    return problems
-
-
 def checkpoint_to_evaluate(run_dir: Path) -> Path:
     """The newest step directory of ``run_dir``, refused (BadInput) when it is incomplete or there is none."""
     if not run_dir.is_dir():
@@ -219,7 +201,7 @@ def checkpoint_to_evaluate(run_dir: Path) -> Path:
     if not folders:
         msg = f"--run-dir {str(run_dir)!r} holds no step-NNNN checkpoint; train first (report, or harness.train)"
         raise BadInput(msg)
-    newest = folders[-1]
+    newest = folders[0]
     try:
         read_manifest(newest)
     except ValueError as exc:

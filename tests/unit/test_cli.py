@@ -135,6 +135,19 @@ def test_check_checkpoints_fails_naming_an_incomplete_step_directory(
     assert "step-0010" in err.strip().splitlines()[-1]
 
 
+def test_check_checkpoints_reports_a_temporary_file_a_killed_run_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Complete steps, but a stale ``.NAME.tmp-PID`` of a process that is gone: exit 1, the file named."""
+    step = _checkpoint(tmp_path / "run", 5)
+    stale = step / ".rank-0.pt.tmp-999999999"  # no process has this pid (beyond Linux's pid_max)
+    stale.write_bytes(b"half")
+    assert 1 == main(["check-checkpoints", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert f"{stale}: stale temporary file" in err
+    assert "0 invalid step directories and 1 other problem(s)" in err.strip().splitlines()[-1]
+
+
 def test_check_checkpoints_without_a_run_directory_is_exit_2(tmp_path: Path) -> None:
     """Nothing to check is bad input, not a pass."""
     assert 2 == main(["check-checkpoints", "--outputs", str(tmp_path / "empty")])
