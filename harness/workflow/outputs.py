@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.training.checkpoint import write_atomic
+from harness.training.atomic import fsync_dir, write_atomic
 
 MARKER = "outputs.json"
 
@@ -65,14 +65,6 @@ def write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -102,7 +94,7 @@ def swap_dir(new: Path, final: Path) -> None:
     two leaves it as ``.old-NAME-PID``, which :func:`restore_dir` (run before every report) renames back.
     """
     if final.exists() and exchange(new, final):
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         shutil.rmtree(new, ignore_errors=True)
         return
     old = old_name(final)
@@ -114,7 +106,7 @@ def swap_dir(new: Path, final: Path) -> None:
         if old.exists() and not final.exists():
             os.replace(old, final)
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -127,7 +119,7 @@ def restore_dir(final: Path) -> Path | None:
     if not leftovers:
         return None
     os.replace(leftovers[-1], final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return leftovers[-1]
 
 
