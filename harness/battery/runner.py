@@ -86,6 +86,24 @@ class Run:
         """A fresh single-device model with this run's initial weights and precision."""
         return build_model(scenarios.BATTERY_CONFIG, seed=self.init_seed).to(PRECISIONS[self.precision])
 
+    def loss_sum(self, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
+        """The loss *sum* of one microbatch under this run's model and batch convention: the quantity the global
+        token mean adds up (the reference, the logged-loss check and the diagnosis all go through here)."""
+        return loss_sum(model(mb.inputs), mb.labels)
+
+    def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
+        model = self.model()
+        if dtype is not None:
+            model = model.to(dtype)
+        with torch.no_grad():
+            offset = 0
+            for p in model.parameters():
+                n = p.numel()
+                p.copy_(params[offset : offset + n].view_as(p))
+                offset += n
+        return model
+
 
 def _rng_states() -> dict[str, object]:
     states: dict[str, object] = {
@@ -211,17 +229,12 @@ def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int |
 def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     """The global token mean of ``window`` at the weights ``params`` (flat, model order): what a logged loss must be
     when the recipe started the window from those weights, right or wrong."""
-    model = run.model()
+    model = run.model_at(params)
     with torch.no_grad():
-        offset = 0
-        for p in model.parameters():
-            n = p.numel()
-            p.copy_(params[offset : offset + n].view_as(p))
-            offset += n
         total, count = 0.0, 0
         for rank in run.windows[window]:
             for mb in rank:
-                total += float(loss_sum(model(mb.inputs), mb.labels))
+                total += float(run.loss_sum(model, mb))
                 count += mb.supervised
     return total / count
 
