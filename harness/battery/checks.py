@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from harness.battery.diagnose import diagnose
 from harness.battery.runner import Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
 
@@ -40,6 +41,9 @@ class Verdict:
     notes: tuple[str, ...] = ()
     details: str | None = None
     """Every rank's whole report when the run failed (tracebacks, stacks), for ``-v``."""
+    diagnosis: dict[str, object] | None = None
+    """A failing parity verdict's diagnosis (:meth:`harness.battery.diagnose.Diagnosis.to_dict`): the effective
+    weights, the signature they match and the per-parameter table."""
 
     @property
     def passed(self) -> bool:
@@ -145,7 +149,11 @@ def parity(run: Run) -> Verdict:
             detail += ("; the error is at float32 rounding scale (within float32's tolerances): part of the loss or "
                        "gradient was computed in float32 (a .float() on the logits, an autocast region). If that is "
                        "intended, run the float32 lane alone (--precision fp32)")
-    return _failed("parity", run, detail, k, finding=finding, **numbers)
+    found = diagnose(run, k, rank)
+    if found is not None:
+        detail += "\n  " + found.line()
+    return _failed("parity", run, detail, k, finding=finding, diagnosis=None if found is None else found.to_dict(),
+                   **numbers)
 
 
 def ranks_agree(run: Run) -> Verdict:

@@ -94,8 +94,9 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
         for recipe, width in zip(recipes, widths):
             v = cell.get((recipe, key))
             parts.append(("" if v is None else _cell(v)).ljust(width))
-            if v is not None and v.finding:
-                footnotes.append(f"{recipe.split(':')[-1]}, {c} ({s}, W={w}, {p}): {v.finding}")
+            if v is not None and (v.finding or v.diagnosis):
+                said = str(v.diagnosis["line"]) if v.diagnosis else str(v.finding)
+                footnotes.append(f"{recipe.split(':')[-1]}, {c} ({s}, W={w}, {p}): {said}")
         lines.append(" | ".join(parts))
     return "\n".join(lines + [f"  note: {f}" for f in footnotes])
 

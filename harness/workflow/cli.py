@@ -1,7 +1,8 @@
 """Command line: ``python -m harness <command>`` (or the ``ddp-harness`` console script).
 
 Seed 000's workflow: prepare, reference, check-loss, evaluate, exercise, check-environment, check-checkpoints, clean,
-and ``report``, which runs the whole protocol and writes report.md, report.json and report.png; plus ``battery``.
+and ``report``, which runs the whole protocol and writes report.md, report.json and report.png; plus ``battery`` and
+``explain`` (the effective token weights of a recipe's gradient).
 
 Exit codes: 0 when every check a command ran holds; 1 when a check fails (the last line names it); 2 for input that
 cannot be used as given (a missing or invalid config, an outputs folder from another data lock, an incomplete
@@ -26,6 +27,7 @@ from harness.workflow.commands import (
     cmd_report,
     err,
 )
+from harness.workflow import explain
 from harness.workflow.outputs import BadInput
 from harness.workflow.scaling import SCALING_STEPS
 
@@ -106,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--battery-report", metavar="PATH", help="the same report, under pytest's option name")
     p.add_argument("-v", "--verbose", action="store_true", help="print each run as it starts")
     p.set_defaults(fn=cmd_battery)
+
+    explain.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,383 @@
+"""Why a data-parallel gradient is wrong: the effective token weights a step optimized, and the mistake they name.
+
+A synchronized gradient is linear in the per-token losses, so every normalization mistake is a *re-weighting*: the
+recipe's gradient ``g`` is ``sum over blocks b of w[b] * G[b]``, where a block is one rank's microbatch (or one
+sequence of it) and ``G[b]`` the single-device gradient of that block's loss *sum*. The global token mean has every
+``w[b] = 1/N``. :func:`fit_weights` solves for ``w`` by least squares (a few dozen unknowns against every gradient
+component), and :func:`classify` reads the weights, as ratios ``q = w * N`` to the right ones, against a catalog of
+signatures (:data:`SIGNATURES`) whose expected weights come from the window's own counts, never from constants.
+
+When the fit leaves a large residual the mistake is not a re-weighting; :func:`parameter_table` then says which
+parameter tensors carry the error and by what ratio. ``tests/unit/test_diagnosis.py`` recovers drawn weight
+patterns through the fit; ``tests/distributed/test_diagnosis.py`` diagnoses every negative control.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+SIGNATURES: dict[str, str] = {
+    "correct": "every token weighs 1/N: the global token mean",
+    "float32_computation": "the weights are right, and the residual sits at float32 rounding scale in a float64 run",
+    "global_scale": "every token weighs the same c/N with c != 1: a factor (world size, microbatch count) or a "
+                    "normalizing count that is not the window's",
+    "mean_of_local_means": "each rank's tokens weigh 1/(W * n_r): each rank divides by its own count",
+    "per_microbatch_mean": "each microbatch's tokens weigh 1/(W * k * n_rm): a mean per microbatch",
+    "per_sequence_mean": "each sequence's tokens weigh in inverse proportion to its own length: a mean per sequence",
+    "dropped": "some blocks weigh nothing (a rank or microbatch that never reached backward), the rest alike",
+    "double_counted": "some blocks weigh twice what the others do (a microbatch backpropagated twice)",
+    "not_synchronized": "a rank's gradient holds only its own microbatches, W times too heavy: no synchronization",
+    "nonfinite": "the gradient holds NaN or inf (a division by a zero count)",
+    "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
+                   "re-weighting at all; the per-parameter table says where the error lives",
+}
+"""The catalog: each signature's name and what its weights look like (``ratio = weight / (1/N)``)."""
+
+MATCH_TOLERANCE = 1e-3
+"""Largest relative deviation between fitted ratios and a signature's pattern for the signature to match. The fit
+itself is good to about 1e-6 on float32 gradients (condition numbers 4-6 on the battery's windows); distinct
+signatures on real counts differ by percents."""
+
+EXACT_TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9}
+"""Largest ``|ratio - 1|`` still called right, by the precision of the gradient that was fitted."""
+
+EXPLAINED_RESIDUAL = 1e-4
+"""Largest relative residual ``|G w - g| / |g|`` of a fit that explains ``g`` as a re-weighting."""
+
+FLOAT64_RESIDUAL = 1e-10
+"""A float64 gradient's residual above this, with the right weights, is float32 rounding somewhere."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One unknown of the fit: rank ``rank``'s microbatch ``microbatch`` (its row ``row`` when fitting sequences)."""
+
+    rank: int
+    microbatch: int
+    tokens: int
+    row: int | None = None
+
+    def label(self) -> str:
+        where = f"rank {self.rank}'s microbatch {self.microbatch}"
+        return where if self.row is None else f"{where}, row {self.row}"
+
+
+@dataclass(frozen=True)
+class Fit:
+    weights: torch.Tensor
+    """One weight per block (float64); NaN where the block holds no token (its gradient is zero: no information)."""
+    residual: float
+    """``|G w - g| / |g|``: 0 when ``g`` is exactly a re-weighting of the blocks."""
+    condition: float
+    """Condition number of the column-normalized block gradients (how well the blocks are told apart)."""
+
+
+def fit_weights(columns: torch.Tensor, g: torch.Tensor) -> Fit:
+    """Least-squares weights ``w`` with ``columns @ w ~ g``; ``columns`` is ``[components, blocks]``.
+
+    Columns are normalized before solving (block gradients differ in scale by their token counts) and all-zero
+    columns (blocks without a token) are left out with a NaN weight.
+    """
+    if columns.dim() != 2 or g.dim() != 1 or columns.shape[0] != g.shape[0]:
+        msg = f"columns {tuple(columns.shape)} and g {tuple(g.shape)} must be [D, K] and [D]"
+        raise ValueError(msg)
+    a, b = columns.double(), g.double()
+    norms = a.norm(dim=0)
+    live = norms > 0
+    weights = torch.full((a.shape[1],), math.nan, dtype=torch.float64)
+    gnorm = float(b.norm())
+    if not bool(live.any()):
+        return Fit(weights, 1.0 if gnorm > 0 else 0.0, math.inf)
+    scaled = a[:, live] / norms[live]
+    solution = torch.linalg.lstsq(scaled, b.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    weights[live] = solution / norms[live]
+    resid = float((scaled @ solution - b).norm())
+    singular = torch.linalg.svdvals(scaled)
+    condition = float(singular[0] / singular[-1]) if float(singular[-1]) > 0 else math.inf
+    return Fit(weights, resid / gnorm if gnorm > 0 else resid, condition)
+
+
+@dataclass(frozen=True)
+class ParameterRow:
+    name: str
+    components: int
+    max_abs_error: float
+    over_tolerance: int
+    ratio: float
+    """``<g_p, e_p> / <e_p, e_p>``: the scale of this tensor's gradient against the expected one (1 when right)."""
+
+
+def parameter_table(got: torch.Tensor, expected: torch.Tensor, names: Sequence[str], sizes: Sequence[int],
+                    atol: float, rtol: float) -> list[ParameterRow]:
+    """Per parameter tensor (model order, ``got`` and ``expected`` flat): its error, components over tolerance and
+    its ratio to the expected gradient."""
+    rows, offset = [], 0
+    for name, n in zip(names, sizes):
+        a, e = got[offset : offset + n].double(), expected[offset : offset + n].double()
+        offset += n
+        diff = (a - e).abs()
+        denom = float(e.dot(e))
+        ratio = float(a.dot(e)) / denom if denom > 0 else (1.0 if float(a.abs().max()) == 0 else math.inf)
+        rows.append(ParameterRow(name, n, float(diff.max()) if n else 0.0,
+                                 int((~(diff <= atol + rtol * e.abs())).sum()), ratio))
+    return rows
+
+
+def locate(rows: Sequence[ParameterRow]) -> str:
+    """One sentence on where a non-re-weighting error lives, from :func:`parameter_table`."""
+    bad = [r for r in rows if r.over_tolerance]
+    if not bad:
+        return "every parameter tensor is within tolerance"
+    if len(bad) == len(rows):
+        ratios = [r.ratio for r in bad]
+        if max(ratios) - min(ratios) <= MATCH_TOLERANCE * max(abs(x) for x in ratios):
+            return f"every parameter tensor is off by the same ratio {ratios[0]:.4g}: a scale on the whole gradient"
+    worst = sorted(bad, key=lambda r: -r.max_abs_error)
+    listed = ", ".join(f"{r.name} (ratio {r.ratio:.4g}, {r.over_tolerance} of {r.components} over)" for r in worst[:4])
+    more = f" and {len(worst) - 4} more" if len(worst) > 4 else ""
+    return f"{len(bad)} of {len(rows)} parameter tensors are off: {listed}{more}"
+
+
+@dataclass(frozen=True)
+class Signature:
+    name: str
+    sentence: str
+    factor: float | None = None
+    """The common scale ``c`` of the matched pattern (1 when the pattern holds exactly)."""
+    blocks: tuple[str, ...] = ()
+    """The blocks a dropped/double-counted signature names."""
+    alternatives: tuple[str, ...] = ()
+    """Other signatures these counts cannot tell apart from this one."""
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _rank_counts(blocks: Sequence[Block]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for b in blocks:
+        out[b.rank] = out.get(b.rank, 0) + b.tokens
+    return out
+
+
+def _k(blocks: Sequence[Block]) -> dict[int, int]:
+    out: dict[int, set[int]] = {}
+    for b in blocks:
+        out.setdefault(b.rank, set()).add(b.microbatch)
+    return {r: len(m) for r, m in out.items()}
+
+
+def patterns(blocks: Sequence[Block], world_size: int) -> dict[str, list[float]]:
+    """Each re-weighting signature's expected ratio per block, from the blocks' real counts."""
+    n = sum(b.tokens for b in blocks)
+    per_rank, k = _rank_counts(blocks), _k(blocks)
+    per_mb: dict[tuple[int, int], int] = {}
+    for b in blocks:
+        per_mb[(b.rank, b.microbatch)] = per_mb.get((b.rank, b.microbatch), 0) + b.tokens
+
+    def ratio(denominator: float) -> float:
+        return n / denominator if denominator > 0 else math.nan
+
+    return {
+        "correct": [1.0 for _ in blocks],
+        "mean_of_local_means": [ratio(world_size * per_rank[b.rank]) for b in blocks],
+        "per_microbatch_mean": [ratio(world_size * k[b.rank] * per_mb[(b.rank, b.microbatch)]) for b in blocks],
+    }
+
+
+def _scale_fit(q: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
+    """Best ``c`` with ``q ~ c p`` and the largest deviation relative to ``max |c p|``."""
+    pairs = [(a, b) for a, b in zip(q, p) if math.isfinite(a) and math.isfinite(b)]
+    if not pairs:
+        return math.nan, math.inf
+    c = sum(a * b for a, b in pairs) / sum(b * b for _, b in pairs)
+    top = max(abs(c * b) for _, b in pairs)
+    if top == 0:
+        return c, math.inf
+    return c, max(abs(a - c * b) for a, b in pairs) / top
+
+
+def name_factor(c: float, blocks: Sequence[Block], world_size: int,
+                other_counts: Mapping[str, int] | None = None) -> str:
+    """What a common scale ``c`` on every weight means, in words, from the window's counts; ``other_counts`` names
+    token counts the recipe may have divided by instead (``{"window 0's global count": 800}``)."""
+    ks = set(_k(blocks).values())
+    n = sum(b.tokens for b in blocks)
+    named: list[tuple[float, str]] = [
+        (2.0, "every weight is twice the right one (each microbatch backpropagated twice)"),
+        (1 / world_size, f"the world-size factor is missing (every weight is 1/W of what it should be, "
+                         f"W={world_size})"),
+        (float(world_size), f"the world-size factor is applied twice (every weight is W={world_size} times too large: "
+                            "a summing reduction, or a loss already multiplied by W)"),
+    ]
+    if len(ks) == 1:
+        (k,) = ks
+        named += [
+            (1 / k, f"an extra division by the microbatch count k={k}"),
+            (float(k), f"every weight is k={k} times too large (a division by k undone twice)"),
+            (1 / (k * world_size), f"an extra division by the microbatch count k={k} and the world-size factor "
+                                   f"missing (W={world_size})"),
+        ]
+    for what, count in (other_counts or {}).items():
+        if count > 0 and count != n:
+            named.append((n / count, f"the loss was normalized by {what} ({count} tokens) where the window holds "
+                                     f"N={n}"))
+    matches = [words for value, words in named if value != 1 and abs(c / value - 1) <= MATCH_TOLERANCE]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        return " or ".join(matches) + f" (every weight is {c:.4g}x; these counts cannot tell them apart)"
+    return (f"every weight is {c:.6g} times the right one: the loss was normalized by {n / c:.6g} tokens where the "
+            f"window holds N={n} (a count of other tokens: another window's, one microbatch's, a local one)")
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _block_groups(blocks: Sequence[Block], q: Sequence[float]) -> tuple[float, dict[int, list[int]]] | None:
+    """Blocks whose ratios are each 0, 1 or 2 times one common value ``c``: ``(c, {multiple: [block index]})``."""
+    live = [(i, v) for i, v in enumerate(q) if math.isfinite(v) and blocks[i].tokens > 0]
+    if not live:
+        return None
+    top = max(abs(v) for _, v in live)
+    nonzero = sorted(v for _, v in live if abs(v) > MATCH_TOLERANCE * top)
+    if not nonzero:
+        return None
+    c = nonzero[len(nonzero) // 2]
+    groups: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for i, v in live:
+        m = round(v / c)
+        if m not in groups or abs(v - m * c) > MATCH_TOLERANCE * abs(c) * max(m, 1):
+            return None
+        groups[m].append(i)
+    return c, groups
+
+
+def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str, rank: int | None = None,
+             other_counts: Mapping[str, int] | None = None) -> Signature:
+    """The catalog signature that the fitted weights of a microbatch-level fit match.
+
+    ``blocks`` must hold every microbatch of every rank (empty ones with ``tokens=0``) so that microbatch counts
+    ``k`` are the window's; ``rank`` is the rank whose gradient was fitted (to recognize a gradient that holds only
+    that rank's own blocks); ``other_counts`` as in :func:`name_factor`.
+    """
+    n = sum(b.tokens for b in blocks)
+    q = [float(w) * n for w in fit.weights]
+    if fit.residual > EXPLAINED_RESIDUAL:
+        return Signature("unexplained", f"not a re-weighting of the microbatches' losses (the best weights leave "
+                         f"{fit.residual:.2e} of the gradient unexplained)")
+    exact = EXACT_TOLERANCE.get(precision, EXACT_TOLERANCE["fp32"])
+    found: list[tuple[float, str, float]] = []
+    for name, p in patterns(blocks, world_size).items():
+        c, dev = _scale_fit(q, p)
+        if dev <= MATCH_TOLERANCE:
+            found.append((dev, name, c))
+    if found:
+        found.sort(key=lambda t: t[0])
+        dev, name, c = found[0]
+        others = tuple(other for d, other, oc in found[1:] if abs(oc - c) <= MATCH_TOLERANCE * abs(c))
+        worst = max(abs(v - 1) for v in _finite(q))
+        if name == "correct":
+            if worst <= exact:
+                return Signature("correct", f"the weighting is right: every token weighs 1/N (N={n}) to within "
+                                 f"{worst:.1e}", 1.0)
+            if worst <= EXACT_TOLERANCE["fp32"] and precision == "fp64" and fit.residual > FLOAT64_RESIDUAL:
+                return Signature("float32_computation", f"the weighting is right (every weight 1/N to {worst:.1e}); "
+                                 f"the residual {fit.residual:.1e} is float32 rounding: part of the loss or gradient "
+                                 "was computed in float32", 1.0)
+            if abs(c - 1) <= MATCH_TOLERANCE:
+                return Signature("correct", f"the weighting is right to {worst:.1e} (N={n}), above this precision's "
+                                 "fit noise", 1.0)
+            return Signature("global_scale", name_factor(c, blocks, world_size, other_counts), c,
+                             alternatives=others)
+        named = name_factor(c, blocks, world_size, other_counts)
+        scale = "" if abs(c - 1) <= MATCH_TOLERANCE else f", and then {named}"
+        return Signature(name, _describe(name, blocks, q, world_size) + scale, c, alternatives=others)
+    groups = _block_groups(blocks, q)
+    if groups is not None:
+        c, by = groups
+        own = {i for i, b in enumerate(blocks) if b.rank == rank and b.tokens > 0}
+        if world_size > 1 and own and set(by[1]) == own and not by[2] and abs(c - world_size) <= MATCH_TOLERANCE * c:
+            return Signature("not_synchronized", f"rank {rank}'s gradient holds only its own microbatches, each W="
+                             f"{world_size} times too heavy: the gradients were never synchronized (a last backward "
+                             "inside no_sync())", c, blocks=tuple(b.label() for b in blocks if b.rank != rank))
+        dropped = tuple(blocks[i].label() for i in by[0])
+        doubled = tuple(blocks[i].label() for i in by[2])
+        parts = []
+        if dropped:
+            parts.append(f"{_join(dropped)} contributed nothing")
+        if doubled:
+            parts.append(f"{_join(doubled)} counted twice")
+        if abs(c - 1) > MATCH_TOLERANCE:
+            parts.append(f"the others: {name_factor(c, blocks, world_size, other_counts)}")
+        name = "dropped" if dropped else "double_counted"
+        return Signature(name, "; ".join(parts), c, blocks=dropped or doubled)
+    return Signature("unexplained", "a re-weighting outside the catalog (the residual is small): read the weight "
+                     "table")
+
+
+def classify_sequences(blocks: Sequence[Block], fit: Fit) -> Signature | None:
+    """The per-sequence reading of a sequence-level fit (one block per row): a mean per sequence when every row's
+    weight times its token count is one value per rank."""
+    if fit.residual > EXPLAINED_RESIDUAL:
+        return None
+    by_rank: dict[int, list[float]] = {}
+    for b, w in zip(blocks, fit.weights):
+        if b.tokens > 0 and math.isfinite(float(w)):
+            by_rank.setdefault(b.rank, []).append(float(w) * b.tokens)
+    if not by_rank:
+        return None
+    for values in by_rank.values():
+        top = max(abs(v) for v in values)
+        if top == 0 or max(values) - min(values) > MATCH_TOLERANCE * top:
+            return None
+    lengths = [b.tokens for b in blocks if b.tokens > 0]
+    if max(lengths) == min(lengths):
+        return None  # equal lengths: per-sequence and per-token weights coincide
+    return Signature("per_sequence_mean", "each sequence weighs the same whatever its length: a mean per sequence "
+                     f"(a {min(lengths)}-token row's tokens weigh {max(lengths) / min(lengths):.2g}x a "
+                     f"{max(lengths)}-token row's)")
+
+
+def _join(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _describe(name: str, blocks: Sequence[Block], q: Sequence[float], world_size: int) -> str:
+    per_rank: dict[int, list[float]] = {}
+    for b, v in zip(blocks, q):
+        if math.isfinite(v):
+            per_rank.setdefault(b.rank, []).append(v)
+    if name == "mean_of_local_means":
+        means = {r: sum(v) / len(v) for r, v in per_rank.items()}
+        hi, lo = max(means, key=means.__getitem__), min(means, key=means.__getitem__)
+        return (f"each rank's tokens weigh 1/(W * its own count): the mean of local means; rank {hi}'s tokens weigh "
+                f"{means[hi] / means[lo]:.2g}x rank {lo}'s")
+    live = [(b, v) for b, v in zip(blocks, q) if math.isfinite(v)]
+    hi_b, hi_v = max(live, key=lambda t: t[1])
+    lo_b, lo_v = min(live, key=lambda t: t[1])
+    return (f"each microbatch's tokens weigh 1/(k * W * its own count): a mean per microbatch; {hi_b.label()}'s "
+            f"tokens weigh {hi_v / lo_v:.2g}x {lo_b.label()}'s")
+
+
+__all__ = [
+    "EXPLAINED_RESIDUAL",
+    "MATCH_TOLERANCE",
+    "SIGNATURES",
+    "Block",
+    "Fit",
+    "ParameterRow",
+    "Signature",
+    "classify",
+    "classify_sequences",
+    "fit_weights",
+    "locate",
+    "name_factor",
+    "parameter_table",
+    "patterns",
+]
