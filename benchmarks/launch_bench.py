@@ -1,9 +1,12 @@
 """Warm launcher vs a fresh ``spawn`` per launch, for one 2-rank gloo DDP step.
 
-    python benchmarks/launch_bench.py [--warm 20] [--spawn 3]
+    python benchmarks/launch_bench.py [--warm 20] [--spawn 3] [--out benchmarks/results/launch.json]
 
-Prints the median wall time per launch of each way and their ratio, measured in the same run (the machine is shared
-and noisy: read the ratio, not the absolute figures). Not a test: nothing here asserts a speed.
+Times the first launch (it starts the forkserver, which imports torch once), then ``--warm`` launches through the
+warm forkserver, then ``--spawn`` launches of the same step the plain way (a fresh interpreter per rank). Writes the
+median wall time per launch of each way, their ranges and their ratio, measured in the same run, as JSON and prints
+it. The machine is shared and noisy: read the ratio, not the absolute figures. Not a test: nothing here asserts a
+speed.
 """
 
 from __future__ import annotations
@@ -12,12 +15,9 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import RESULTS, command, machine, now, summary, timed, write_result
 
 from harness.dist import probes
 from harness.dist.launcher import launch
@@ -52,32 +52,29 @@ def spawn_once(world: int = 2) -> list[float]:
     return [results[r] for r in range(world)]
 
 
-def timed(fn, n: int) -> list[float]:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm", type=int, default=20, help="warm launches to time (after one to start the server)")
     parser.add_argument("--spawn", type=int, default=3, help="spawn-per-launch runs to time")
+    parser.add_argument("--out", default=str(RESULTS / "launch.json"))
     args = parser.parse_args()
 
     first = timed(lambda: launch(probes.ddp_step, 2), 1)[0]
     warm = timed(lambda: launch(probes.ddp_step, 2), args.warm)
     spawn = timed(spawn_once, args.spawn)
-    w, s = statistics.median(warm), statistics.median(spawn)
-    print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}")
-    print(f"first launch (starts the forkserver, imports torch once): {first:.3f} s")
-    print(f"warm launch, 2-rank gloo DDP step, median of {args.warm}: {w:.3f} s "
-          f"(min {min(warm):.3f}, max {max(warm):.3f})")
-    print(f"spawn per launch, same step, median of {args.spawn}: {s:.3f} s "
-          f"(min {min(spawn):.3f}, max {max(spawn):.3f})")
-    print(f"ratio spawn / warm: {s / w:.1f}x")
+    result = {
+        "command": command("benchmarks/launch_bench.py"),
+        "what": "wall time per launch of one 2-rank gloo DDP step (harness.dist.probes.ddp_step): through the "
+        "launcher's warm forkserver, and with a fresh spawn of each rank",
+        "world_size": 2,
+        "machine": machine(),
+        "date": now(),
+        "first_launch_s": round(first, 3),
+        "warm": summary(warm),
+        "spawn": summary(spawn, 3),
+        "ratio_spawn_over_warm": round(statistics.median(spawn) / statistics.median(warm), 1),
+    }
+    print(write_result(args.out, result))
 
 
 if __name__ == "__main__":

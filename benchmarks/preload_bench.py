@@ -14,25 +14,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch
+from _common import RESULTS, command, machine, now, timed, write_result
 
 from harness.dist import probes
 from harness.dist.launcher import launch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 _BODY = '''
 
@@ -47,15 +39,6 @@ MODULES = {
     "sleep": "import time\n\ntime.sleep({sleep})\n" + _BODY,
     "matplotlib.pyplot": "import matplotlib\n\nmatplotlib.use('Agg')\nimport matplotlib.pyplot\n" + _BODY,
 }
-
-
-def timed(fn: Callable[[], Any], n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
 
 
 def measure(name: str, launches: int) -> dict[str, Any]:
@@ -79,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=10, help="launches to time in each way, per module")
     parser.add_argument("--sleep", type=float, default=0.5, help="seconds the stand-in module sleeps at import")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "preload.json"))
+    parser.add_argument("--out", default=str(RESULTS / "preload.json"))
     args = parser.parse_args()
 
     tag = f"{os.getpid()}"
@@ -94,18 +77,16 @@ def main() -> None:
         cases = {case: measure(name, args.launches) for case, name in names.items()}
 
     result = {
-        "command": " ".join(["python benchmarks/preload_bench.py", *sys.argv[1:]]),
+        "command": command("benchmarks/preload_bench.py"),
         "what": "wall time per launch of a 2-rank gloo run whose function lives in a module with a slow import",
         "world_size": 2,
         "launches_per_way": args.launches,
         "sleep_module_import_s": args.sleep,
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
+        "date": now(),
         "cases": cases,
     }
-    text = json.dumps(result, indent=2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
-    print(text)
+    print(write_result(args.out, result))
 
 
 if __name__ == "__main__":

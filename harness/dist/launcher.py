@@ -1,14 +1,15 @@
 """Run a function on W real ranks, with a deadline, and never leave a process behind.
 
-Why it looks the way it does (numbers from FACTS.md, measured on 2-core machines):
+Why it looks the way it does:
 
-* **forkserver with torch preloaded.** A fresh ``spawn`` pays ~4.7 s per launch, nearly all of it imports (the first
+* **forkserver with torch preloaded.** A fresh ``spawn`` pays seconds per launch, nearly all of it imports (the first
   DDP construction alone imports ``torch._dynamo``). A forkserver that imported torch, ``torch.distributed`` and
-  ``torch._dynamo`` once forks ranks that are ready in tens of milliseconds. ``fork`` from the test process is faster
-  still but hung 2 launches in 10 and cannot use CUDA.
+  ``torch._dynamo`` once forks ranks that are ready in tens of milliseconds: ``benchmarks/launch_bench.py`` measures
+  both for one 2-rank DDP step (``benchmarks/results/launch.json``). ``fork`` from the test process is faster still
+  but hangs some launches and cannot use CUDA.
 * **A FileStore in a private temporary folder** for the rendezvous: no port to collide on under ``pytest -n auto``.
-  The folder is named after the calling process, and the next launch removes any whose caller has died
-  (:mod:`harness.dist.scratch`).
+  The folder is named after the calling process and its start time, and the next launch removes any whose caller has
+  ended (:mod:`harness.dist.scratch`).
 * **Fail fast.** A rank that raises while its peers sit in a collective leaves them blocked until the process-group
   timeout; so the parent watches every rank's result pipe *and* its process sentinel, and the first unexpected error
   or death kills every rank at once (SIGKILL: SIGTERM does not reliably stop a rank stuck in gloo).
