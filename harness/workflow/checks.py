@@ -14,7 +14,7 @@ import torch
 
 from harness.recipes import CORRECT_RECIPE
 from harness.workflow.commands import config_from, config_path_of, err, outputs_of
-from harness.workflow.outputs import BadInput
+from harness.workflow.outputs import BadInput, leftover_in_use
 
 
 def cmd_battery(args: argparse.Namespace) -> int:
@@ -183,7 +183,11 @@ TRAIN_RUNS = ("stopped", "continuous", "resumed")
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    """Generated files: listed by default, deleted with --yes; nothing outside the outputs and run folders."""
+    """Generated files: listed by default, deleted with --yes; nothing outside the outputs and run folders.
+
+    A ``.old-runs-PID`` folder is kept, with the reason and what to do on stderr, while its process still runs or no
+    ``runs/`` exists (it may be the only copy); exit 1 with --yes when something was kept.
+    """
     out = outputs_of(args)
     targets: list[Path] = []
     if (out / "outputs.json").is_file():
@@ -195,9 +199,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
     runs = Path(args.runs)
     targets += [runs / n for n in TRAIN_RUNS if (runs / n).is_dir()]
     targets = sorted(set(targets))
+    # A swap's leftover may be the only copy of the runs (a crash between its two renames): never deleted here.
+    kept = {t: why for t in targets if (why := leftover_in_use(t)) is not None}
+    targets = [t for t in targets if t not in kept]
+    for t, why in kept.items():
+        err(f"{'keeping' if args.yes else 'would keep'} {t}/: {why}")
     if not targets:
-        print("nothing to clean")
-        return 0
+        print("nothing to clean" if not kept else f"nothing else to clean; {len(kept)} item(s) kept")
+        return 1 if kept and args.yes else 0
     for t in targets:
         print(f"{'deleting' if args.yes else 'would delete'} {t}{'/' if t.is_dir() else ''}")
     if not args.yes:
@@ -208,7 +217,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
             shutil.rmtree(t)
         else:
             t.unlink()
-    print(f"deleted {len(targets)} item(s)")
-    return 0
+    print(f"deleted {len(targets)} item(s)" + (f"; kept {len(kept)}, see above" if kept else ""))
+    return 1 if kept else 0
 
 

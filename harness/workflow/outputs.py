@@ -14,7 +14,8 @@ Every file is written under a temporary name in its own folder, fsynced, renamed
 fsynced (:func:`harness.training.checkpoint.write_atomic`): a reader sees the old file or the whole new one. ``runs/``
 is replaced as a whole by :func:`swap_dir`, which exchanges the two folders in one rename where the system can
 (Linux ``renameat2(RENAME_EXCHANGE)``) and otherwise keeps the previous folder under ``.old-runs-PID`` until the new
-one is in place; :func:`restore_dir` puts such a leftover back when a crash came between the two renames.
+one is in place; :func:`restore_dir` puts such a leftover back when a crash came between the two renames, and
+``clean`` keeps it (:func:`leftover_in_use`) while it may be the only copy.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.dist.scratch import pid_alive
 from harness.training.atomic import fsync_dir, write_atomic
 
 MARKER = "outputs.json"
@@ -121,6 +123,28 @@ def restore_dir(final: Path) -> Path | None:
     os.replace(leftovers[-1], final)
     fsync_dir(final.parent)
     return leftovers[-1]
+
+
+def leftover_in_use(path: Path, swapped: tuple[str, ...] = ("runs",)) -> str | None:
+    """Why ``clean`` must not delete ``path``, or None where it may.
+
+    Only a ``.old-NAME-PID`` folder that :func:`swap_dir` leaves beside a swapped folder NAME (``runs`` in an outputs
+    folder) is ever kept: while process PID still runs, it is in the middle of a swap; once PID has ended, a crash came
+    between the two renames, and while ``NAME`` does not exist this folder may be its only copy (:func:`restore_dir`
+    would put it back, as it would any ``.old-NAME-*``). Once ``NAME`` exists again it is a replaced copy, and may go.
+    """
+    name = next((n for n in swapped if path.name.startswith(f".old-{n}-")), None)
+    if name is None or not path.is_dir() or path.is_symlink():
+        return None
+    pid, final = path.name[len(f".old-{name}-"):], path.with_name(name)
+    if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+        return (f"process {pid} is still swapping {final}/ with it; run clean again once that process has ended "
+                f"(or, if it is not a harness process, delete {path} by hand)")
+    if final.exists():
+        return None
+    return (f"no {final}/ exists, so this folder, left by a swap that was interrupted, may be the only copy of it; "
+            f"move it back (mv {path} {final}), which the next `report` also does, or delete it by hand "
+            f"(rm -r {path}) if you do not need it")
 
 
 def temp_dir(final: Path) -> Path:
