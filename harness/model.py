@@ -1,4 +1,5 @@
-"""A small causal language model: ``model(inputs) -> logits [B, T, V]`` in the parameters' dtype.
+"""A small causal language model: ``model(inputs) -> logits [B, T, V]`` in the parameters' dtype; and the loader of
+a user's model (``--model=pkg.mod:factory``) with the battery's dropout rule.
 
 Small on purpose (18,944 parameters at the battery's size: the components every parity message counts) so that a
 DDP step on CPU costs milliseconds and the suite measures the protocol, not the matrix multiplications.
@@ -6,13 +7,26 @@ DDP step on CPU costs milliseconds and the suite measures the protocol, not the 
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harness.core.formats import shifted_loss_sum
+from harness.core.microbatch import IGNORE_INDEX
 from harness.data.config import Config
+
+
+class CausalLMOutput(NamedTuple):
+    """What a keyword call (``model(input_ids=...)``) returns, shaped like a Hugging Face output: ``.logits``, and
+    ``.loss`` when ``labels`` were passed (HF's default: the shifted *mean* over supervised tokens of this call)."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
 
 
 class Block(nn.Module):
@@ -64,7 +78,38 @@ class TinyCausalLM(nn.Module):
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> Any:
+        """``model(inputs)`` -> logits ``[B, T, V]``; ``model(input_ids=..., attention_mask=..., labels=None)`` (a
+        Hugging Face style call) -> :class:`CausalLMOutput`.
+
+        ``attention_mask`` is accepted and not needed: the harness pads on the right, and under causal attention a
+        padding position never reaches the logits of a real one. ``labels`` (unshifted, HF's convention) make
+        ``.loss`` HF's shifted mean.
+        """
+        if (inputs is None) == (input_ids is None):
+            msg = "pass the token ids once: model(inputs) or model(input_ids=...)"
+            raise TypeError(msg)
+        if inputs is not None:
+            return self._logits(inputs)
+        assert input_ids is not None
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            msg = (f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
+                   f"{tuple(input_ids.shape)}")
+            raise ValueError(msg)
+        logits = self._logits(input_ids)
+        if labels is None:
+            return CausalLMOutput(logits)
+        count = (labels[:, 1:] != IGNORE_INDEX).sum()
+        return CausalLMOutput(logits, shifted_loss_sum(logits, labels) / count)
+
+    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.dim() != 2 or inputs.shape[1] > self.max_len:
             msg = f"inputs must be [B, T] with T <= max_len={self.max_len}, got shape {tuple(inputs.shape)}"
             raise ValueError(msg)
@@ -110,4 +155,91 @@ def build_model(
     return model.to(config.dtype)
 
 
-__all__ = ["TinyCausalLM", "build_model"]
+# --- A user's model ------------------------------------------------------------------------------------------------
+
+
+class ModelError(ValueError):
+    """A ``--model`` that cannot be used: a bad import path, an import error, a factory that raised, or something that
+    is not an ``nn.Module`` factory."""
+
+
+_MODEL_FIX = ("--model wants 'package.module:attr' naming a zero-argument callable that returns a torch.nn.Module, or "
+              "an nn.Module class built with no argument (see the README's 'Your model')")
+
+
+def load_model_factory(path: str) -> Callable[[], nn.Module]:
+    """The factory named by ``"package.module:attr"``; :class:`ModelError` naming the value and the fix otherwise."""
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        msg = f"model={path!r} must look like 'package.module:attr'; {_MODEL_FIX}"
+        raise ModelError(msg)
+    module_name, attr = path.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        msg = (f"model={path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
+               "(is the package installed, or its folder on PYTHONPATH?)")
+        raise ModelError(msg) from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            msg = f"model={path!r}: {module_name!r} has no attribute {attr!r}; {_MODEL_FIX}"
+            raise ModelError(msg)
+        obj = getattr(obj, part)
+    if isinstance(obj, nn.Module):
+        msg = (f"model={path!r} is an nn.Module instance; every rank and the reference build their own copy from the "
+               f"same seed, so give the factory that builds it instead; {_MODEL_FIX}")
+        raise ModelError(msg)
+    if not callable(obj):
+        msg = f"model={path!r}: {attr!r} is a {type(obj).__name__}, not callable; {_MODEL_FIX}"
+        raise ModelError(msg)
+    return obj
+
+
+def build_user_model(path: str, seed: int) -> nn.Module:
+    """Call the factory of ``path`` right after ``torch.manual_seed(seed)``, so that every process that builds it
+    (each rank, the reference) draws the same initial weights; the caller's global RNG state is left as it was."""
+    factory = load_model_factory(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = factory()
+        except Exception as exc:
+            msg = f"model={path!r}: calling it to build the model failed: {type(exc).__name__}: {exc}; {_MODEL_FIX}"
+            raise ModelError(msg) from exc
+    if not isinstance(model, nn.Module):
+        msg = f"model={path!r} returned a {type(model).__name__}, not a torch.nn.Module; {_MODEL_FIX}"
+        raise ModelError(msg)
+    return model
+
+
+DROPOUT_SUFFIXES = ("dropout", "_pdrop")
+"""A float attribute whose name ends so (of ``model.config``, or of any submodule) is a dropout probability."""
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """The battery's dropout rule, applied after building (a model is built before the harness can reach its
+    configuration): every dropout module's ``p`` is set to 0; where the model has a ``config`` object, each float
+    attribute whose name ends in ``dropout`` or ``_pdrop`` is set to 0.0; so is each such float attribute of a
+    submodule (the probability a functional ``F.dropout`` call reads). The mode is left alone (the battery runs in
+    train mode). Returns ``model``.
+
+    A probability the model copied somewhere else at construction (a closure, a constant) is out of reach: build such
+    a model with dropout 0 in its factory.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        _zero_dropout_floats(module)
+    config = getattr(model, "config", None)
+    if config is not None and not isinstance(config, nn.Module):
+        _zero_dropout_floats(config)
+    return model
+
+
+def _zero_dropout_floats(obj: object) -> None:
+    for name, value in list(getattr(obj, "__dict__", {}).items()):
+        if isinstance(value, float) and name.endswith(DROPOUT_SUFFIXES):
+            setattr(obj, name, 0.0)
+
+
+__all__ = ["CausalLMOutput", "ModelError", "TinyCausalLM", "build_model", "build_user_model", "disable_dropout",
+           "load_model_factory"]

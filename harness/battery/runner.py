@@ -5,6 +5,10 @@ Rank side (:func:`rank_body`): the model wrapped in DDP with the harness's count
 before and after, the synchronization count, the logged loss, what the recipe left when it refused a window, and
 which global random generators or settings it touched. Parent side (:func:`run`): the launch with a deadline, the
 reference chain, and a cache so that the checks sharing a run launch it once.
+
+``model`` (``"pkg.mod:factory"``) checks the recipe on a user's model instead of the built-in one, and
+``batch_format="hf"`` hands the recipe each microbatch as the dict a Hugging Face loop sees; both travel to the ranks
+as one :class:`~harness.battery.spec.ModelSpec`, and the reference is computed with the same model and convention.
 """
 
 from __future__ import annotations
@@ -17,13 +21,13 @@ import numpy as np
 import torch
 
 from harness.battery import scenarios
+from harness.battery.spec import ModelSpec, model_module, weights_digest
 from harness.core.compare import PRECISIONS, flat_grad, flat_params
-from harness.core.loss import loss_sum
+from harness.core.formats import HARNESS, check_batch_format
 from harness.core.microbatch import Microbatch
 from harness.core.reference import Reference, reference_gradient
 from harness.dist import launcher
 from harness.dist.launcher import LaunchError, launch
-from harness.model import build_model
 from harness.recipes import recipe_module
 
 LR = 0.1
@@ -77,19 +81,32 @@ class Run:
     failure: LaunchError | None = None
     init_seed: int | None = None
     """The seed of the model's initial weights (None: the battery config's)."""
+    model_path: str | None = None
+    """The user's model factory (``--model``); None: the built-in model."""
+    batch_format: str = HARNESS
+    """``"harness"`` (aligned Microbatch) or ``"hf"`` (the dict a Hugging Face loop sees; ``--batch-format``)."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
-        return f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
+        extra = (f", model {self.model_path}" if self.model_path else "") + (
+            f", {self.batch_format} batches" if self.batch_format != HARNESS else "")
+        return (f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
+                f"{extra}")
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The run's model and batch convention."""
+        return ModelSpec(self.model_path, self.batch_format, self.init_seed, self.precision)
 
     def model(self) -> torch.nn.Module:
-        """A fresh single-device model with this run's initial weights and precision."""
-        return build_model(scenarios.BATTERY_CONFIG, seed=self.init_seed).to(PRECISIONS[self.precision])
+        """A fresh single-device model with this run's initial weights and precision (the user's factory when
+        ``model_path`` is set, else the built-in model), dropout disabled, in train mode."""
+        return self.spec.build()
 
     def loss_sum(self, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
         """The loss *sum* of one microbatch under this run's model and batch convention: the quantity the global
         token mean adds up (the reference, the logged-loss check and the diagnosis all go through here)."""
-        return loss_sum(model(mb.inputs), mb.labels)
+        return self.spec.loss_sum(model, mb)
 
     def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
@@ -150,8 +167,9 @@ def _grads_left(model: torch.nn.Module) -> str:
 
 
 def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean",
-              init_seed: int | None = None) -> list[WindowRecord]:
-    """Runs on every rank: the recipe under DDP with the counting hook, window after window."""
+              init_seed: int | None = None, spec: ModelSpec | None = None) -> list[WindowRecord]:
+    """Runs on every rank: the recipe under DDP with the counting hook, window after window (``spec``: the model and
+    batch convention; None: the built-in model with harness batches)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -161,7 +179,10 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     recipe = load_recipe(recipe_path)
-    model = build_model(scenarios.BATTERY_CONFIG, seed=init_seed).to(PRECISIONS[precision]).to(dev)
+    spec = spec or ModelSpec(None, HARNESS, init_seed, precision)
+    model = spec.build()
+    spec.check_weights(model, f"rank {rank}")
+    model = model.to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     counter = attach(ddp, reduction)
     ddp.train()
@@ -170,7 +191,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         setup()
     records = []
     for k, window in enumerate(windows):
-        mine: list[Microbatch] = [mb.to(dev) for mb in window[rank]]
+        mine = [spec.batch(mb.to(dev)) for mb in window[rank]]
         for p in model.parameters():
             p.grad = None
         before = flat_params(model)
@@ -179,7 +200,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         error = None
         logged = None
         try:
-            out = recipe.backward_window(ddp, mine)
+            out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
             logged = None if out is None else float(out)
         except ValueError as exc:
             error = f"ValueError: {exc}"
@@ -207,15 +228,19 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     return records
 
 
-def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None) -> list[Reference | None]:
-    """The single-device gradient of each window, stepping the same SGD between windows (None: no token at all)."""
-    model = build_model(scenarios.BATTERY_CONFIG, seed=init_seed).to(PRECISIONS[precision])
+def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
+                    spec: ModelSpec | None = None) -> list[Reference | None]:
+    """The single-device gradient of each window, stepping the same SGD between windows (None: no token at all);
+    ``spec`` gives the model and batch convention (None: the built-in model, harness batches)."""
+    spec = spec or ModelSpec(None, HARNESS, init_seed, precision)
+    model = spec.build()
     refs: list[Reference | None] = []
     for window in windows:
         if sum(mb.supervised for rank in window for mb in rank) == 0:
             refs.append(None)
             continue
-        ref = reference_gradient(model, window)
+        default = spec.path is None and spec.batch_format == HARNESS
+        ref = reference_gradient(model, window, None if default else spec.loss_sum)
         refs.append(ref)
         with torch.no_grad():
             offset = 0
@@ -243,24 +268,29 @@ _CACHE: dict[tuple[object, ...], Run] = {}
 
 
 
-def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, device: str = "cpu",
-        backend: str = "gloo", deadline: float = DEADLINE, reduction: str = "mean") -> Run:
+def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, model: str | None = None,
+        batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
+        reduction: str = "mean") -> Run:
     """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
-    key = (recipe, scenario, world_size, precision, device, backend, deadline, reduction)
+    key = (recipe, scenario, world_size, precision, model, batch_format, device, backend, deadline, reduction)
     if key not in _CACHE:
         windows = scenarios.build(scenario, world_size)
-        _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, device=device, backend=backend,
-                                  deadline=deadline, reduction=reduction)
+        _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, model=model,
+                                  batch_format=batch_format, device=device, backend=backend, deadline=deadline,
+                                  reduction=reduction)
     return _CACHE[key]
 
 
 def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32", *, scenario: str = "custom",
-                device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
-                reduction: str = "mean", init_seed: int | None = None, env: dict[str, str] | None = None) -> Run:
+                model: str | None = None, batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo",
+                deadline: float = DEADLINE, reduction: str = "mean", init_seed: int | None = None,
+                env: dict[str, str] | None = None) -> Run:
     """Launch ``recipe`` on explicit ``windows[k][rank][microbatch]`` (world size = ranks per window); not cached.
 
     ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
-    ``init_seed`` draws other initial weights (the same on every rank and in the reference).
+    ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
+    (``"pkg.mod:factory"``) builds the user's model on every rank and for the reference, from the same seed;
+    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`.
     """
     if precision not in PRECISIONS:
         msg = f"precision={precision!r} must be one of {sorted(PRECISIONS)}"
@@ -268,17 +298,24 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
     if not windows or len({len(w) for w in windows}) != 1:
         msg = "windows must be a non-empty list of windows with the same number of ranks each"
         raise ValueError(msg)
+    check_batch_format(batch_format)
     world_size = len(windows[0])
-    references = reference_chain(windows, precision, init_seed)
-    module = recipe_module(recipe)
+    spec = ModelSpec(model, batch_format, init_seed, precision)
+    if model is not None:  # every rank must rebuild the weights the reference starts from
+        spec = ModelSpec(model, batch_format, init_seed, precision, digest=weights_digest(spec.build()))
+    references = reference_chain(windows, precision, init_seed, spec)
+    preload = tuple(m for m in (recipe_module(recipe), model_module(model)) if m)
+    args: tuple[object, ...] = (recipe, windows, precision, device, reduction, init_seed)
+    if model is not None or batch_format != HARNESS:
+        args += (spec,)
     try:
-        records = launch(rank_body, world_size, recipe, windows, precision, device, reduction, init_seed,
-                         deadline=deadline, backend=backend, device=device, env=env,
-                         preload=(module,) if module else (), lockstep_grace=LOCKSTEP_GRACE)
-        return Run(recipe, scenario, world_size, precision, windows, records, references, init_seed=init_seed)
+        records = launch(rank_body, world_size, *args, deadline=deadline, backend=backend, device=device, env=env,
+                         preload=preload, lockstep_grace=LOCKSTEP_GRACE)
+        return Run(recipe, scenario, world_size, precision, windows, records, references, init_seed=init_seed,
+                   model_path=model, batch_format=batch_format)
     except LaunchError as exc:
         return Run(recipe, scenario, world_size, precision, windows, None, references, failure=exc,
-                   init_seed=init_seed)
+                   init_seed=init_seed, model_path=model, batch_format=batch_format)
 
 
 __all__ = ["Run", "WindowRecord", "rank_body", "reference_chain", "run", "run_windows", "token_mean_at"]

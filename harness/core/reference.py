@@ -8,7 +8,7 @@ distributed machinery, so it cannot share a bug with the code under test.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +29,16 @@ class Reference:
     """The global supervised count."""
 
 
-def reference_gradient(model: nn.Module, windows: Sequence[Sequence[Microbatch]]) -> Reference:
+def reference_gradient(
+    model: nn.Module,
+    windows: Sequence[Sequence[Microbatch]],
+    loss_sum_of: Callable[[nn.Module, Microbatch], torch.Tensor] | None = None,
+) -> Reference:
     """Gradient of the global token mean over ``windows[rank][microbatch]``, on a private copy of ``model``.
 
-    ``model`` itself (its weights, its ``.grad``, its mode) is left untouched.
+    ``model`` itself (its weights, its ``.grad``, its mode) is left untouched. ``loss_sum_of(model, mb)`` is one
+    microbatch's loss *sum* (default: ``loss_sum(model(mb.inputs), mb.labels)``; the battery passes its run's batch
+    convention, e.g. the hf dict with the shift in the loss, and a user model's logits).
     """
     if not windows or any(len(w) == 0 for w in windows):
         msg = "windows must hold at least one rank, each with at least one Microbatch"
@@ -53,7 +59,10 @@ def reference_gradient(model: nn.Module, windows: Sequence[Sequence[Microbatch]]
     for mb in microbatches:
         # One backward per microbatch keeps memory flat; dividing each sum by the same total is exactly
         # d(sum of sums)/d(theta) / N.
-        s = loss_sum(local(mb.inputs.to(device)), mb.labels.to(device))
+        if loss_sum_of is None:
+            s = loss_sum(local(mb.inputs.to(device)), mb.labels.to(device))
+        else:
+            s = loss_sum_of(local, mb.to(device))
         (s / total).backward()
         loss += float(s.detach())
     return Reference(gradient=flat_grad(local), loss=loss / total, tokens=total)

@@ -4,9 +4,10 @@ A recipe's ``backward_window(model, window)`` runs on every rank with ``model`` 
 over ranks) and ``window`` this rank's microbatches for one optimizer step. It must leave in ``.grad`` the gradient of
 ``(sum of per-token cross-entropy over every supervised token of every rank's window) / (number of those tokens)``.
 
-``contract`` holds the protocol and the one loader, ``correct`` the correct recipe, ``controls`` the negative
-controls, ``reduction`` the summing-hook contract and ``symmetry`` the Join recipes. Every recipe and control is
-importable from here too, so ``--recipe=harness.recipes:<name>`` names any of them.
+``contract`` holds the protocol and the one loader, ``helpers`` what a recipe may use (``global_count``,
+``sync_context``, ``require_tokens``), ``correct`` the correct recipes, ``controls`` the negative controls,
+``reduction`` the summing-hook contract and ``symmetry`` the Join recipes. Every recipe and control is importable from
+here too, so ``--recipe=harness.recipes:<name>`` names any of them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from harness.recipes.controls import (
     FirstMicrobatchNeverSyncs,
     FixedAccumulationSteps,
     Float32Loss,
+    HfNoShift,
+    HfShiftTwice,
     LocalCountGuard,
     LocalLoggedLoss,
     MeanOfLocalMeans,
@@ -45,6 +48,8 @@ from harness.recipes.controls import (
     first_microbatch_never_syncs,
     fixed_accumulation_steps,
     float32_loss,
+    hf_no_shift,
+    hf_shift_twice,
     local_count_guard,
     local_logged_loss,
     mean_of_local_means,
@@ -65,11 +70,14 @@ from harness.recipes.controls import (
 from harness.recipes.correct import (
     CORRECT_RECIPE,
     GlobalTokenMean,
+    HfGlobalTokenMean,
     accumulate,
     global_sum,
     global_token_mean,
+    hf_global_token_mean,
     window_count,
 )
+from harness.recipes.helpers import global_count, require_tokens, supervised_tokens, sync_context
 
 __all__ = [
     "CONTROLS",
@@ -83,6 +91,9 @@ __all__ = [
     "FixedAccumulationSteps",
     "Float32Loss",
     "GlobalTokenMean",
+    "HfGlobalTokenMean",
+    "HfNoShift",
+    "HfShiftTwice",
     "LocalCountGuard",
     "LocalLoggedLoss",
     "MeanOfLocalMeans",
@@ -109,8 +120,12 @@ __all__ = [
     "first_microbatch_never_syncs",
     "fixed_accumulation_steps",
     "float32_loss",
+    "global_count",
     "global_sum",
     "global_token_mean",
+    "hf_global_token_mean",
+    "hf_no_shift",
+    "hf_shift_twice",
     "load_recipe",
     "local_count_guard",
     "local_logged_loss",
@@ -124,9 +139,12 @@ __all__ = [
     "per_microbatch_mean",
     "python_random_shuffle",
     "recipe_module",
+    "require_tokens",
     "silent_empty_window",
     "skip_backward_when_empty",
     "split_recipe_path",
+    "supervised_tokens",
+    "sync_context",
     "sync_keyed_to_first_microbatch",
     "torch_random_draw",
     "two_microbatch_loop",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from harness.core.formats import HARNESS, HF, logits_of, supervised_tokens
 from harness.core.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-from harness.recipes.correct import GlobalTokenMean, _sync_last, _world_size, accumulate, window_count
+from harness.recipes.correct import GlobalTokenMean, _sync_last, _world_size, accumulate, global_sum, window_count
 
 # --- Negative controls -------------------------------------------------------------------------------------------
 # Each reproduces a mistake real projects made. The battery must reject every one of them; tests assert that it does.
@@ -36,7 +37,7 @@ class MeanOfLocalMeans:
     name = "mean_of_local_means"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        local = sum(mb.supervised for mb in window)
+        local = sum(supervised_tokens(mb) for mb in window)  # either batch format: the mistake is the same
         accumulate(model, window, lambda s: s / max(local, 1))
         return None
 
@@ -355,6 +356,50 @@ class TorchRandomDraw:
         return GlobalTokenMean().backward_window(model, order)
 
 
+# --- Controls of the hf batch format (``--batch-format=hf``: dicts with unshifted labels) ----------------------------
+
+
+def _hf_window(model: nn.Module, window: Sequence[dict[str, torch.Tensor]],
+               pairs: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The correct hf recipe (the right global count, sums, ``no_sync``) except for how it pairs logits with labels:
+    ``pairs(logits, labels)`` returns the two aligned tensors the loss compares."""
+    total = window_count(window)
+    world, local = _world_size(), 0.0
+    for i, batch in enumerate(window):
+        with _sync_last(model, i, len(window)):
+            logits = logits_of(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+            lg, lb = pairs(logits, batch["labels"])
+            s = F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            (s * (world / total)).backward()
+        local += float(s.detach())
+    return global_sum(local) / total
+
+
+class HfShiftTwice:
+    """Shifts labels that the loss shifts again: the batch's labels are moved one step left "to align them" (as if
+    they were the harness's pre-shifted labels), then the HF loss pairs ``logits[:, :-1]`` with ``labels[:, 1:]``, so
+    every position is trained on the token two ahead. A loss that runs, decreases and optimizes another objective."""
+
+    name = "hf_shift_twice"
+
+    def backward_window(self, model: nn.Module, window: Sequence[dict[str, torch.Tensor]]) -> float | None:
+        def twice(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            once = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+            return logits[:, :-1], once[:, 1:]
+
+        return _hf_window(model, window, twice)
+
+
+class HfNoShift:
+    """Takes the unshifted labels as aligned: ``logits[:, t]`` against ``labels[:, t]``, the token at ``t`` itself,
+    which position ``t`` already sees (the harness's aligned labels used in the hf convention)."""
+
+    name = "hf_no_shift"
+
+    def backward_window(self, model: nn.Module, window: Sequence[dict[str, torch.Tensor]]) -> float | None:
+        return _hf_window(model, window, lambda logits, labels: (logits, labels))
+
+
 mean_of_local_means = MeanOfLocalMeans()
 extra_microbatch_division = ExtraMicrobatchDivision()
 no_world_size_factor = NoWorldSizeFactor()
@@ -379,6 +424,8 @@ nan_gradients_then_raise = NanGradientsThenRaise()
 python_random_shuffle = PythonRandomShuffle()
 numpy_random_draw = NumpyRandomDraw()
 torch_random_draw = TorchRandomDraw()
+hf_shift_twice = HfShiftTwice()
+hf_no_shift = HfNoShift()
 
 
 @dataclass(frozen=True)
@@ -391,6 +438,8 @@ class Target:
     scenario: str
     precision: str = "fp32"
     shows_as: str = "numbers"
+    batch_format: str = HARNESS
+    """The batch convention the control is written for (``"hf"``: the dict a Hugging Face loop sees)."""
 
 
 CONTROLS: dict[str, Target] = {
@@ -416,6 +465,8 @@ CONTROLS: dict[str, Target] = {
     "python_random_shuffle": Target("hygiene", "uneven"),
     "numpy_random_draw": Target("hygiene", "uneven"),
     "torch_random_draw": Target("hygiene", "uneven"),
+    "hf_shift_twice": Target("parity", "uneven", batch_format=HF),
+    "hf_no_shift": Target("parity", "uneven", batch_format=HF),
 }
 """Every negative control in this module (``harness.recipes:<name>``) and where the battery must reject it."""
 

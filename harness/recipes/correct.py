@@ -1,36 +1,55 @@
 """The correct recipe: loss sums, one all-reduced count before any backward, ``no_sync()`` around all but the last
-microbatch, and the helpers the controls share with it (each control differs from it by its one mistake)."""
+microbatch, and the helpers the controls share with it (each control differs from it by its one mistake).
+
+:class:`GlobalTokenMean` and the shared helpers take a window in either batch format (harness ``Microbatch`` or the
+``hf`` dict, :mod:`harness.core.formats`); :class:`HfGlobalTokenMean` is the same recipe written the way a Hugging
+Face training loop is, for ``--batch-format=hf`` only."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from harness.core.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
-from harness.core.microbatch import Microbatch
+from harness.core.formats import hf_forward, logits_of, shifted_loss_sum, supervised_tokens
+from harness.core.loss import count_device, global_token_loss, loss_sum
+from harness.core.microbatch import IGNORE_INDEX
+from harness.recipes.helpers import global_count, require_tokens, sync_context
+
+Batch = Any
+"""One microbatch in either format: a :class:`Microbatch`, or the ``hf`` dict."""
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def window_count(window: Sequence[Microbatch]) -> int:
+def window_count(window: Sequence[Batch]) -> int:
     """The global supervised count of the window, all-reduced before any backward; ValueError (on every rank
     alike) when it is 0."""
     # Every rank calls global_count, also a rank whose own count is 0, and every rank sees the same total, so every
     # rank raises together and none is left waiting in a collective.
-    total = global_count(sum(mb.supervised for mb in window))
-    check_global_count(total)
-    return total
+    return require_tokens(global_count(sum(supervised_tokens(mb) for mb in window)))
+
+
+def forward_loss_sum(model: nn.Module, mb: Batch, loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One microbatch's loss sum in its own format: ``model(inputs)`` against aligned labels, or the ``hf`` call
+    ``model(input_ids=..., attention_mask=...)`` against the shifted labels."""
+    if isinstance(mb, Mapping):
+        logits = hf_forward(model, mb)
+        return shifted_loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb["labels"])
+    logits = logits_of(model(mb.inputs))  # a user's model may return an output object (--model)
+    return loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb.labels)
 
 
 def accumulate(
     model: nn.Module,
-    window: Sequence[Microbatch],
+    window: Sequence[Batch],
     scale: Callable[[torch.Tensor], torch.Tensor],
     *,
     sync_every_microbatch: bool = False,
@@ -44,10 +63,8 @@ def accumulate(
     """
     local = 0.0
     for i, mb in enumerate(window):
-        last = i == len(window) - 1
-        with contextlib.nullcontext() if last or sync_every_microbatch else model.no_sync():  # type: ignore[operator]
-            logits = model(mb.inputs)
-            s = loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb.labels)
+        with contextlib.nullcontext() if sync_every_microbatch else sync_context(model, i, len(window)):
+            s = forward_loss_sum(model, mb, loss_dtype)
             scale(s).backward()
         local += float(s.detach())
     return local
@@ -67,7 +84,7 @@ class GlobalTokenMean:
 
     name = "global_token_mean"
 
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+    def backward_window(self, model: nn.Module, window: Sequence[Batch]) -> float | None:
         total, world = window_count(window), _world_size()
         local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
         # The logged loss must be the global token mean on every rank, not this rank's share of it.
@@ -76,11 +93,38 @@ class GlobalTokenMean:
 
 global_token_mean = GlobalTokenMean()
 
+
+class HfGlobalTokenMean:
+    """The correct recipe as a Hugging Face training loop writes it (``--batch-format=hf``): dict batches with
+    unshifted labels, ``model(input_ids=..., attention_mask=...)`` without ``labels`` (HF's built-in loss is a
+    per-call mean), the shift done once in the loss, summed and divided by the global count."""
+
+    name = "hf_global_token_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Mapping[str, torch.Tensor]]) -> float | None:
+        # The count of what the loss will see: labels[:, 1:], after the shift.
+        local_count = sum(int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) for batch in window)
+        total = require_tokens(global_count(local_count))
+        world = _world_size()
+        local = 0.0
+        for i, batch in enumerate(window):
+            with sync_context(model, i, len(window)):
+                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                logits = logits_of(out)
+                shift_logits, shift_labels = logits[:, :-1], batch["labels"][:, 1:]
+                s = F.cross_entropy(shift_logits.flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+                (s * (world / total)).backward()
+            local += float(s.detach())
+        return global_sum(local) / total
+
+
+hf_global_token_mean = HfGlobalTokenMean()
+
 CORRECT_RECIPE = "harness.recipes:global_token_mean"
 """The correct recipe's import path: the battery's default ``--recipe`` and the reference column of every table."""
 
 
-def _sync_last(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
-    """``no_sync()`` for every microbatch but the last (forward and backward inside it)."""
-    return contextlib.nullcontext() if i == n - 1 else model.no_sync()  # type: ignore[operator]
+_sync_last = sync_context
+"""``no_sync()`` for every microbatch but the last (forward and backward inside it); the controls' name for it."""
 

@@ -1,0 +1,96 @@
+"""The model a battery run checks and its batch convention, as one small picklable value that travels to every rank.
+
+:class:`ModelSpec` builds the same model with the same initial weights wherever it is asked (each rank, the parent's
+reference, the logged-loss check, the diagnosis), hands the recipe its microbatches in the run's batch format, and
+computes a microbatch's loss sum under that format. Without ``--model`` it is the harness's built-in
+``TinyCausalLM`` at the battery's size and every number is the one the battery computed before ``--model`` existed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harness.battery import scenarios
+from harness.core.compare import PRECISIONS, flat_params
+from harness.core.formats import HARNESS, HF, batch_as, check_batch_format, logits_of, shifted_loss_sum, to_hf
+from harness.core.loss import loss_sum
+from harness.core.microbatch import Microbatch
+from harness.model import build_model, build_user_model, disable_dropout, load_model_factory
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``path`` (``"pkg.mod:factory"``, None: the built-in model), the batch format, the initial weights' seed (None:
+    the battery config's) and the precision; ``digest``, when set, is the initial weights' fingerprint every rank
+    must reproduce."""
+
+    path: str | None = None
+    batch_format: str = HARNESS
+    init_seed: int | None = None
+    precision: str = "fp32"
+    digest: str | None = None
+
+    def __post_init__(self) -> None:
+        check_batch_format(self.batch_format)
+        if self.precision not in PRECISIONS:
+            msg = f"precision={self.precision!r} must be one of {sorted(PRECISIONS)}"
+            raise ValueError(msg)
+
+    @property
+    def seed(self) -> int:
+        return scenarios.BATTERY_CONFIG.seed if self.init_seed is None else self.init_seed
+
+    def build(self) -> nn.Module:
+        """A fresh single-device model: the initial weights of ``seed``, the precision's dtype, dropout disabled
+        (:func:`harness.model.disable_dropout`), train mode."""
+        if self.path is None:
+            model: nn.Module = build_model(scenarios.BATTERY_CONFIG, seed=self.init_seed)
+        else:
+            model = build_user_model(self.path, self.seed)
+        model = disable_dropout(model.to(PRECISIONS[self.precision]))
+        model.train()
+        return model
+
+    def check_weights(self, model: nn.Module, where: str) -> None:
+        """RuntimeError unless ``model``'s initial weights are the ones ``digest`` fingerprints (nothing to check
+        without a digest)."""
+        if self.digest is not None and weights_digest(model) != self.digest:
+            msg = (f"model={self.path!r}: {where} built other initial weights than the reference; the factory must "
+                   "draw its weights from torch's global generator (the harness seeds it right before the call) or "
+                   "build them deterministically")
+            raise RuntimeError(msg)
+
+    def batch(self, mb: Microbatch) -> Microbatch | dict[str, torch.Tensor]:
+        """What the recipe receives for ``mb``."""
+        return batch_as(mb, self.batch_format)
+
+    def loss_sum(self, model: nn.Module, mb: Microbatch) -> torch.Tensor:
+        """The loss *sum* of ``mb`` under this convention: ``model(inputs)`` against the aligned labels, or the hf call
+        ``model(input_ids=..., attention_mask=...)`` against the unshifted labels with the shift in the loss."""
+        if self.batch_format == HF:
+            batch = to_hf(mb)
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            return shifted_loss_sum(logits_of(out), batch["labels"])
+        if self.path is None:
+            return loss_sum(model(mb.inputs), mb.labels)
+        return loss_sum(logits_of(model(mb.inputs)), mb.labels)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A fingerprint of the weights (bitwise): equal digests, equal initial weights."""
+    return hashlib.sha256(flat_params(model).detach().cpu().numpy().tobytes()).hexdigest()
+
+
+def model_module(path: str | None) -> str | None:
+    """The module a ``--model`` factory lives in (for the launcher to preload), else None."""
+    if path is None:
+        return None
+    load_model_factory(path)  # a bad path fails here, naming the fix, not in every rank
+    return path.split(":")[0]
+
+
+__all__ = ["ModelSpec", "model_module", "weights_digest"]

@@ -1,0 +1,105 @@
+"""Batch conventions: the harness's aligned :class:`Microbatch`, and the dict a Hugging Face training loop sees.
+
+``harness`` (the default): ``Microbatch(inputs [B, T], labels [B, T])`` with labels already aligned, so ``labels[b, t]``
+is the target of ``logits[b, t]`` and the loss needs no shift.
+
+``hf``: ``{"input_ids": [B, T+1], "attention_mask": [B, T+1], "labels": [B, T+1]}`` with labels *unshifted*: the
+label at position ``t`` is the token at ``t`` itself (``IGNORE_INDEX`` on the prompt and on padding), and the loss
+shifts, pairing ``logits[:, :-1]`` with ``labels[:, 1:]``. The exact rule (:func:`to_hf`), for every row ``b``:
+
+- ``input_ids[b, :T] = inputs[b]`` and ``input_ids[b, t+1] = labels[b, t]`` wherever ``labels[b, t]`` is supervised:
+  the full token row, its last token included; ``PAD`` after the row's end (and at the last position of a row that
+  has no supervised token, whose last token the microbatch does not hold: it is no target, and under causal
+  attention it reaches no logit that predicts one);
+- ``attention_mask = (input_ids != PAD)``: 1 on real tokens, 0 on padding (``PAD`` is never a real token id in the
+  harness's data);
+- ``labels[b, 0] = IGNORE_INDEX`` and ``labels[b, t+1] = mb.labels[b, t]`` for every ``t``: the token itself where
+  supervised, ``IGNORE_INDEX`` elsewhere.
+
+So the HF shift gives exactly the harness's (position, target) pairs and the same supervised count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
+
+HARNESS = "harness"
+HF = "hf"
+BATCH_FORMATS = (HARNESS, HF)
+"""``--batch-format`` values."""
+
+HF_KEYS = ("input_ids", "attention_mask", "labels")
+"""The keys of an ``hf`` microbatch."""
+
+
+def check_batch_format(batch_format: str, option: str = "batch_format") -> str:
+    if batch_format not in BATCH_FORMATS:
+        msg = f"{option}={batch_format!r} must be one of {', '.join(BATCH_FORMATS)}"
+        raise ValueError(msg)
+    return batch_format
+
+
+def to_hf(mb: Microbatch) -> dict[str, torch.Tensor]:
+    """The ``hf`` dict of a harness microbatch (see the module's docstring for the rule)."""
+    b, t = mb.inputs.shape
+    supervised = mb.labels != IGNORE_INDEX
+    input_ids = torch.full((b, t + 1), PAD, dtype=torch.int64, device=mb.inputs.device)
+    input_ids[:, :t] = mb.inputs
+    input_ids[:, 1:] = torch.where(supervised, mb.labels, input_ids[:, 1:])
+    labels = torch.full((b, t + 1), IGNORE_INDEX, dtype=torch.int64, device=mb.labels.device)
+    labels[:, 1:] = mb.labels
+    return {"input_ids": input_ids, "attention_mask": (input_ids != PAD).to(torch.int64), "labels": labels}
+
+
+def batch_as(mb: Microbatch, batch_format: str) -> Microbatch | dict[str, torch.Tensor]:
+    """What a recipe receives for ``mb`` under ``batch_format``."""
+    return to_hf(mb) if check_batch_format(batch_format) == HF else mb
+
+
+def supervised_tokens(batch: Microbatch | Mapping[str, torch.Tensor]) -> int:
+    """Supervised positions of one microbatch in either format (the same number for a microbatch and its hf dict)."""
+    if isinstance(batch, Microbatch):
+        return batch.supervised
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: a tensor itself; an object with ``.logits`` (a Hugging Face ``ModelOutput``);
+    or a tuple or list whose first element is the logits (``return_dict=False`` without ``labels``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    msg = (f"the model returned {type(output).__name__}; the harness reads logits [B, T, V] from a tensor, an object "
+           "with .logits, or a tuple whose first element is the logits")
+    raise TypeError(msg)
+
+
+def shifted_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The HF convention's loss *sum*: ``logits[:, :-1]`` against ``labels[:, 1:]``, cross-entropy summed over
+    supervised positions (``IGNORE_INDEX`` ignored)."""
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        msg = f"logits must be [B, T, V] and labels [B, T]; got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        raise ValueError(msg)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def hf_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``model(input_ids=..., attention_mask=...)`` (labels are not passed: the loss is computed outside) -> logits."""
+    return logits_of(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+
+
+__all__ = ["BATCH_FORMATS", "HARNESS", "HF", "HF_KEYS", "batch_as", "check_batch_format", "hf_forward", "logits_of",
+           "shifted_loss_sum", "supervised_tokens", "to_hf"]

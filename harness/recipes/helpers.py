@@ -1,0 +1,54 @@
+"""Helpers a recipe may use (none is required: ``examples/token_mean_recipe.py`` is correct without them).
+
+The three places where recipes go wrong without noticing, each in one line:
+
+- :func:`global_count`: the window's supervised count summed over every rank (the one denominator), on the device
+  the backend needs, also without a process group (a single process is the whole world);
+- :func:`sync_context`: the ``no_sync()`` decision for microbatch ``i`` of ``n`` (all but the last skip the
+  all-reduce; forward and backward both belong inside it);
+- :func:`require_tokens`: the contract's ``ValueError`` when the *global* count is zero, raised on every rank with
+  the same message, so no rank is left waiting in a collective (a guard on the local count hangs its peers).
+
+::
+
+    total = require_tokens(global_count(sum(supervised_tokens(mb) for mb in window)))
+    for i, mb in enumerate(window):
+        with sync_context(model, i, len(window)):
+            (loss_sum_of(model, mb) * world_size / total).backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from harness.core.formats import supervised_tokens
+from harness.core.loss import check_global_count, global_count
+
+
+def sync_context(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
+    """``model.no_sync()`` for microbatch ``i < n - 1`` of a window of ``n``, a null context for the last one (the
+    one that synchronizes gradients); a null context throughout for a model without ``no_sync`` (no DDP wrapper)."""
+    if isinstance(i, bool) or isinstance(n, bool) or not isinstance(i, int) or not isinstance(n, int) \
+            or not 0 <= i < n:
+        msg = f"sync_context(model, i={i!r}, n={n!r}): i must be a microbatch index 0 <= i < n"
+        raise ValueError(msg)
+    no_sync = getattr(model, "no_sync", None)
+    if i == n - 1 or no_sync is None:
+        return contextlib.nullcontext()
+    return no_sync()
+
+
+def require_tokens(global_count: int) -> int:
+    """Return ``global_count``, or raise the contract's ``ValueError`` when it is zero.
+
+    Give it the *global* count (:func:`global_count`): every rank then holds the same number, so every rank raises
+    the same message together and none is left in a collective. Call it before any forward or backward, so that a
+    refused window leaves no gradient behind.
+    """
+    check_global_count(global_count)
+    return int(global_count)
+
+
+__all__ = ["global_count", "require_tokens", "supervised_tokens", "sync_context"]
