@@ -169,15 +169,20 @@ class _LayoutFailed(AssertionError):
         super().__init__("\n".join(v.message for v in verdicts))
 
 
-def judge_layout(recipe: str, layout: Layout) -> list[Verdict]:
-    """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds)."""
-    run = runner.run_windows(recipe, layout.build(), "fp32", scenario="drawn", init_seed=layout.init_seed)
+def judge_layout(recipe: str, layout: Layout, *, model: str | None = None,
+                 batch_format: str = "harness") -> list[Verdict]:
+    """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), on ``model`` (None: the
+    built-in one) with ``batch_format``."""
+    run = runner.run_windows(recipe, layout.build(), "fp32", scenario="drawn", init_seed=layout.init_seed,
+                             model=model, batch_format=batch_format)
     return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
 
 
-def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bool = False) -> Verdict:
+def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bool = False, *,
+                  model: str | None = None, batch_format: str = "harness") -> Verdict:
     """Check ``recipe`` on ``examples`` drawn layouts; one verdict, whose failure message shows the drawn layout, a
-    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis."""
+    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model`` and ``batch_format``
+    as in :func:`harness.battery.runner.run_windows`."""
     import hypothesis
 
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
@@ -189,15 +194,16 @@ def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bo
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(layout=layouts())
     def every_layout(layout: Layout) -> None:
-        failed = judge_layout(recipe, layout)
+        failed = judge_layout(recipe, layout, model=model, batch_format=batch_format)
         if failed:
             raise _LayoutFailed(layout, failed)
 
     try:
         every_layout()
     except _LayoutFailed as exc:
-        small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(recipe, lay)))
-        shown = judge_layout(recipe, small) or exc.verdicts
+        small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(recipe, lay, model=model,
+                                                                        batch_format=batch_format)))
+        shown = judge_layout(recipe, small, model=model, batch_format=batch_format) or exc.verdicts
         message = (f"check drawn FAILED: recipe {recipe}: a drawn layout fails "
                    f"{', '.join(sorted({v.check for v in exc.verdicts}))}:\n{exc.layout.describe()}\n"
                    f"shrunk ({spent} launches) to:\n{small.describe()}\n" + "\n".join(v.message for v in shown))

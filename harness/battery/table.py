@@ -17,13 +17,16 @@ SCHEMA = "harness.battery-report/1"
 
 
 def run_cases(recipe: str, cases: Sequence[plan.Case], deadline: float = runner.DEADLINE,
-              progress: Progress | None = None) -> list[Verdict]:
-    """Every case for one recipe under test; runs shared by several checks launch once."""
+              progress: Progress | None = None, *, model: str | None = None,
+              batch_format: str = "harness") -> list[Verdict]:
+    """Every case for one recipe under test (on ``model`` with ``batch_format``); runs shared by several checks
+    launch once."""
     verdicts = []
     for case in cases:
         if progress:
             progress(f"{recipe.split(':')[-1]}: {case.check} ({case.id})")
-        run = runner.run(recipe, case.scenario, case.world_size, case.precision, deadline=deadline)
+        run = runner.run(recipe, case.scenario, case.world_size, case.precision, model=model,
+                         batch_format=batch_format, deadline=deadline)
         verdicts.append(checks.CHECKS[case.check](run))
     return verdicts
 
@@ -47,8 +50,9 @@ class ControlResult:
 
 
 def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: float = runner.DEADLINE,
-                 progress: Progress | None = None) -> list[ControlResult]:
-    """Each control on its target (check, scenario, precision) at each world size where its mistake can show (2+)."""
+                 progress: Progress | None = None, *, model: str | None = None) -> list[ControlResult]:
+    """Each control on its target (check, scenario, precision, batch format) at each world size where its mistake can
+    show (2+), on ``model`` (None: the built-in one)."""
     unknown = [n for n in names if n not in CONTROLS]
     if unknown:
         msg = f"--controls: {', '.join(unknown)} not among the negative controls: {', '.join(CONTROLS)}"
@@ -61,7 +65,8 @@ def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: flo
                 continue  # several controls are right at W=1 (no rank to average over): they target W >= 2
             if progress:
                 progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
-            run = runner.run(f"harness.recipes:{name}", target.scenario, world, target.precision, deadline=deadline)
+            run = runner.run(f"harness.recipes:{name}", target.scenario, world, target.precision, model=model,
+                             batch_format=target.batch_format, deadline=deadline)
             out.append(ControlResult(name, checks.CHECKS[target.check](run), target.shows_as))
     return out
 
@@ -114,12 +119,16 @@ def format_controls(results: Sequence[ControlResult]) -> str:
 
 def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: int, exit_status: int,
                 errors: Sequence[str] = (), controls: Sequence[ControlResult] = (),
-                world_sizes: Sequence[int] = (), precision: str = "both") -> dict[str, object]:
-    """The battery report: what ran against what was expected, every verdict, errors and the exit status."""
+                world_sizes: Sequence[int] = (), precision: str = "both", model: str | None = None,
+                batch_format: str = "harness") -> dict[str, object]:
+    """The battery report: what ran against what was expected (on which model, with which batch format), every
+    verdict, errors and the exit status."""
     counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "n/a")}
     return {
         "schema": SCHEMA,
         "recipes": list(recipes),
+        "model": model,
+        "batch_format": batch_format,
         "world_sizes": list(world_sizes),
         "precision": precision,
         "expected": expected,

@@ -1,7 +1,8 @@
 """The recipe battery: does ``--recipe`` optimize the mean over every supervised token of the global window?
 
 Every check runs on real gloo ranks at world sizes 1 to 4 (1 is the sanity lane) over the scenarios of
-``harness.battery.scenarios`` and compares with the single-device reference; the cases come from
+``harness.battery.scenarios`` and compares with the single-device reference (``--model`` and ``--batch-format`` pick the
+model and the batch convention, for the ranks and the reference alike); the cases come from
 ``harness.battery.plan``, the same list the command line runs. ``--precision`` picks the float32 lane, the float64
 lane or both. A check that means nothing at one rank is skipped there as "not applicable". The negative controls in
 ``harness.recipes`` must fail these same checks (``tests/distributed/test_negative_controls.py`` shows that they do).
@@ -43,11 +44,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def judge(recipe_path: str, battery_check: Check) -> Callable[[plan.Case], None]:
-    """``judge(case)``: run (or reuse) the case's launch, apply its check, and pass, fail or skip as n/a."""
+def judge(recipe_path: str, model_path: str | None, batch_format: str,
+          battery_check: Check) -> Callable[[plan.Case], None]:
+    """``judge(case)``: run (or reuse) the case's launch on ``--model`` with ``--batch-format``, apply its check, and
+    pass, fail or skip as n/a."""
 
     def apply(case: plan.Case) -> None:
-        run = runner.run(recipe_path, case.scenario, case.world_size, case.precision)
+        run = runner.run(recipe_path, case.scenario, case.world_size, case.precision, model=model_path,
+                         batch_format=batch_format)
         battery_check(checks.CHECKS[case.check](run))
 
     return apply

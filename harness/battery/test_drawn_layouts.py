@@ -20,11 +20,13 @@ pytestmark = pytest.mark.recipe
 
 
 def test_drawn_layouts_keep_parity_one_sync_and_the_logged_loss(
-    recipe_path: str, pytestconfig: pytest.Config, battery_check: Callable[[Verdict], None]
+    recipe_path: str, model_path: str | None, batch_format: str, pytestconfig: pytest.Config,
+    battery_check: Callable[[Verdict], None]
 ) -> None:
     """On every drawn layout the recipe's gradient is the reference's, one sync per window, the right logged loss."""
     pytest.importorskip("hypothesis", reason="the drawn-layout lane needs hypothesis (the harness's [test] extra)")
     from harness.battery.layouts import drawn_verdict
 
     ci = os.environ.get("CI", "").strip().lower() == "true"
-    battery_check(drawn_verdict(recipe_path, int(pytestconfig.getoption("battery_examples")), derandomize=ci))
+    battery_check(drawn_verdict(recipe_path, int(pytestconfig.getoption("battery_examples")), derandomize=ci,
+                                model=model_path, batch_format=batch_format))

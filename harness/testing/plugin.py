@@ -41,6 +41,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "recipe, harness.recipes.CORRECT_RECIPE)",
     )
     group.addoption(
+        "--model", default=None, metavar="PKG.MODULE:FACTORY",
+        help="the model the battery checks the recipe on: a zero-argument callable returning a torch.nn.Module (or an "
+        "nn.Module class), built on every rank and for the reference after torch.manual_seed(init seed), dropout "
+        "disabled; its output may be logits, a tuple starting with them, or an object with .logits (default: the "
+        "harness's TinyCausalLM)",
+    )
+    group.addoption(
+        "--batch-format", default="harness", choices=("harness", "hf"),
+        help="what the recipe receives per microbatch: the harness's Microbatch with aligned labels (default), or "
+        "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels; shift in the loss)",
+    )
+    group.addoption(
         "--battery-report", default=None, metavar="PATH",
         help="write the battery report as JSON to PATH: every verdict (world size, precision, pass/fail/n/a, max "
         "error, tolerance ratio), the expected and run counts, errors outside a verdict, and pytest's exit status",
@@ -71,6 +83,13 @@ def pytest_configure(config: pytest.Config) -> None:
             load_recipe(config.getoption("recipe"))
         except RecipeError as exc:
             raise pytest.UsageError(f"--recipe: {exc}") from None
+    if config.getoption("model") is not None:
+        from harness.model import ModelError, build_user_model
+
+        try:
+            build_user_model(config.getoption("model"), 0)
+        except ModelError as exc:
+            raise pytest.UsageError(f"--model: {exc}") from None
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()
@@ -143,6 +162,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     payload = {
         "schema": SCHEMA,
         "recipes": [chosen_recipe(session.config)],
+        "model": session.config.getoption("model"),
+        "batch_format": session.config.getoption("batch_format"),
         "precision": session.config.getoption("precision"),
         "expected": _SESSION.get("expected", 0),
         "run": len(_CONTROLLER_VERDICTS),
@@ -173,6 +194,19 @@ def chosen_recipe(config: pytest.Config) -> str:
 def recipe_path(pytestconfig: pytest.Config) -> str:
     """The ``package.module:attr`` of the recipe under test."""
     return chosen_recipe(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def model_path(pytestconfig: pytest.Config) -> str | None:
+    """``--model``: the ``package.module:factory`` of the user's model, or None for the built-in one."""
+    value = pytestconfig.getoption("model")
+    return None if value is None else str(value)
+
+
+@pytest.fixture(scope="session")
+def batch_format(pytestconfig: pytest.Config) -> str:
+    """``--batch-format``: ``"harness"`` or ``"hf"``."""
+    return str(pytestconfig.getoption("batch_format"))
 
 
 @pytest.fixture

@@ -46,6 +46,15 @@ def cmd_battery(args: argparse.Namespace) -> int:
             load_recipe(r)
         except RecipeError as exc:
             raise BadInput(f"--recipe: {exc}") from None
+    model = getattr(args, "model", None)
+    batch_format = getattr(args, "batch_format", "harness")
+    if model is not None:
+        from harness.model import ModelError, build_user_model
+
+        try:
+            build_user_model(model, 0)
+        except ModelError as exc:
+            raise BadInput(f"--model: {exc}") from None
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     if args.examples < 0:
@@ -53,13 +62,14 @@ def cmd_battery(args: argparse.Namespace) -> int:
     drawn = args.examples > 0 and importlib.util.find_spec("hypothesis") is not None
     verdicts = []
     for r in recipes:
-        verdicts += run_cases(r, cases, args.deadline, progress)
+        verdicts += run_cases(r, cases, args.deadline, progress, model=model, batch_format=batch_format)
         if drawn:
             from harness.battery.layouts import drawn_verdict
 
             if progress:
                 progress(f"{r.split(':')[-1]}: {args.examples} drawn layouts")
-            verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true"))
+            verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true",
+                                          model=model, batch_format=batch_format))
     results = run_controls(controls, worlds, args.deadline, progress) if controls else []
     if verdicts:
         print(format_table(verdicts))
@@ -75,7 +85,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
 
         expected = (len(cases) + drawn) * len(recipes)
         write_json(Path(path), report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
-                                           precision=args.precision))
+                                           precision=args.precision, model=model, batch_format=batch_format))
         print(f"report written to {path}")
     for v in failed:
         err(v.message)

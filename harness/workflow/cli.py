@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes (default: 1,2,3,4)")
     p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"),
                    help="float32 lane, float64 lane or both (default: both)")
+    p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                   help="the model to check the recipes on: a zero-argument callable returning a torch.nn.Module (or "
+                   "an nn.Module class), seeded and built on every rank and for the reference, dropout disabled "
+                   "(default: the built-in TinyCausalLM; the negative controls always run on the built-in model)")
+    p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
+                   help="what a recipe receives per microbatch: the harness's Microbatch (aligned labels, default) or "
+                   "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels)")
     p.add_argument("--deadline", type=float, default=30.0, help="seconds one run may take before it is called hung")
     p.add_argument("--examples", type=int, default=12, help="drawn layouts per recipe (0: none; needs hypothesis)")
     p.add_argument("--json", metavar="PATH", help="write the battery report (expected and run counts, verdicts, "
