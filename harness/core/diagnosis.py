@@ -290,9 +290,6 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
                 return Signature("float32_computation", f"the weighting is right (every weight 1/N to {worst:.1e}); "
                                  f"the residual {fit.residual:.1e} is float32 rounding: part of the loss or gradient "
                                  "was computed in float32", 1.0)
-            if abs(c - 1) <= MATCH_TOLERANCE:
-                return Signature("correct", f"the weighting is right to {worst:.1e} (N={n}), above this precision's "
-                                 "fit noise", 1.0)
             return Signature("global_scale", name_factor(c, blocks, world_size, other_counts), c,
                              alternatives=others)
         named = name_factor(c, blocks, world_size, other_counts)
