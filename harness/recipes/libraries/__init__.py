@@ -1,0 +1,148 @@
+"""Recipes for real libraries: transformers' loss as its Trainer normalizes it, accelerate's gradient accumulation,
+torchtitan's loss, each as users write it and corrected, and :data:`LIBRARY_RECIPES`, the verdicts the battery must
+give each one (the integrations tests assert them; ``benchmarks/library_table.py`` measures them for the README).
+
+Any of them runs through the battery like a user's recipe, e.g.
+``python -m harness battery --recipe harness.recipes.libraries.transformers_loss:transformers_global_items``.
+The modules import without their libraries (``setup()`` then raises naming the install); nothing here imports one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+
+TESTED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0", "torchtitan": "0.3.0"}
+"""The versions the expected verdicts were measured with."""
+
+CASES: dict[str, tuple[str, str, int, str]] = {
+    "parity": ("parity", "uneven", 2, "fp32"),
+    "parity fp64": ("parity", "uneven", 2, "fp64"),
+    "parity single": ("parity", "single", 2, "fp32"),
+    "one_sync": ("one_sync", "uneven", 2, "fp32"),
+    "one_sync single": ("one_sync", "single", 2, "fp32"),
+    "logged_loss": ("logged_loss", "uneven", 2, "fp32"),
+    "hygiene": ("hygiene", "uneven", 2, "fp32"),
+    "empty_window": ("empty_window", "all_empty", 2, "fp32"),
+}
+"""Column name -> (check, scenario, world size, precision): the cases that tell these libraries apart. ``uneven``:
+one window of two microbatches per rank with different counts per rank; ``single``: one microbatch per rank (a short
+final window); ``all_empty``: no supervised token anywhere."""
+
+
+@dataclass(frozen=True)
+class Expect:
+    """The verdict a case must give: ``"pass"`` or ``"fail"``, why, and the finding a failure must carry if any."""
+
+    status: str
+    why: str
+    finding: str | None = None
+
+
+PASS = Expect("pass", "right")
+FLOAT32_LOSS = Expect("fail", "the library computes the loss in float32 (logits.float()): the float64 lane fails at "
+                      "float32 rounding scale", "float32_computation")
+NAN_ON_EMPTY = Expect("fail", "no supervised token anywhere: the loss is 0/0 and every gradient NaN, no error raised")
+
+
+@dataclass(frozen=True)
+class LibraryRecipe:
+    """One library configuration: its recipe, the library it exercises, and the verdict per column of :data:`CASES`."""
+
+    path: str
+    library: str
+    configuration: str
+    """How a user configures the library to get this behaviour (the README table's first column)."""
+    fix: str
+    """What to change when it fails (empty for the corrected configurations)."""
+    expected: dict[str, Expect] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.split(":")[-1]
+
+    def expect(self, column: str) -> Expect:
+        return self.expected.get(column, PASS)
+
+
+_T = "harness.recipes.libraries.transformers_loss"
+_A = "harness.recipes.libraries.accelerate_accumulation"
+_TT = "harness.recipes.libraries.torchtitan_loss"
+
+LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
+    LibraryRecipe(
+        f"{_T}:transformers_global_items", "transformers",
+        "Trainer loss, `average_tokens_across_devices=True` (the default): gathered `num_items_in_batch`, loss x W",
+        "skip the step when the gathered `num_items_in_batch` is 0; judge it with `--precision fp32`",
+        {"parity fp64": FLOAT32_LOSS, "empty_window": NAN_ON_EMPTY},
+    ),
+    LibraryRecipe(
+        f"{_T}:transformers_local_items", "transformers",
+        "Trainer loss, `average_tokens_across_devices=False`: this rank's `num_items_in_batch`",
+        "set `average_tokens_across_devices=True`",
+        {
+            "parity": Expect("fail", "a mean of local means: each rank divides by its own count, DDP averages"),
+            "parity fp64": Expect("fail", "a mean of local means (and float32 computation)"),
+            "parity single": Expect("fail", "a mean of local means"),
+            "logged_loss": Expect("fail", "the logged loss is the mean over ranks of local means"),
+            "empty_window": NAN_ON_EMPTY,
+        },
+    ),
+    LibraryRecipe(
+        f"{_A}:accelerate_naive", "accelerate",
+        "`Accelerator(gradient_accumulation_steps=2, cpu=True)`, `with accumulate(model)`: mean loss, "
+        "`accelerator.backward`",
+        "normalize the loss sum by the global count x `num_processes` x `gradient_accumulation_steps` (backward "
+        "divides by it); `no_sync(model)` around all but the window's last microbatch instead of `accumulate`; stop "
+        "on a zero global count",
+        {
+            "parity": Expect("fail", "a mean of per-microbatch means, divided by gradient_accumulation_steps"),
+            "parity fp64": Expect("fail", "a mean of per-microbatch means"),
+            "parity single": Expect("fail", "accumulate's counter never reached 2: no synchronization, each rank "
+                                    "kept its own gradient"),
+            "one_sync single": Expect("fail", "accumulate syncs by its own step counter: a one-microbatch window "
+                                      "never synchronizes"),
+            "logged_loss": Expect("fail", "accelerator.reduce(mean of microbatch means) is a mean of means"),
+            "empty_window": Expect("fail", "a mean over no token is NaN: NaN gradients, no error raised"),
+        },
+    ),
+    LibraryRecipe(
+        f"{_A}:accelerate_corrected", "accelerate",
+        "the same `Accelerator`: loss sum x `num_processes` x `gradient_accumulation_steps` / global count, "
+        "`no_sync(model)` but the last",
+        "",
+    ),
+    LibraryRecipe(
+        f"{_TT}:torchtitan_loss", "torchtitan",
+        "`CrossEntropyLoss` with `global_valid_tokens` (sum / global count), a backward per microbatch, under DDP",
+        "multiply the loss by the data-parallel world size (DDP averages; torchtitan's FSDP2 sums); `no_sync()` "
+        "around all but the last microbatch; stop when `global_valid_tokens` is 0",
+        {
+            "parity": Expect("fail", "the world-size factor is missing: right under a summing reduction, DDP "
+                             "averages"),
+            "parity fp64": Expect("fail", "the world-size factor is missing"),
+            "parity single": Expect("fail", "the world-size factor is missing"),
+            "one_sync": Expect("fail", "no gradient-sync suppression: DDP synchronizes after every microbatch (a "
+                               "cost, not a wrong gradient)"),
+            "empty_window": NAN_ON_EMPTY,
+        },
+    ),
+    LibraryRecipe(
+        f"{_TT}:torchtitan_loss_corrected", "torchtitan",
+        "the same loss x W, `no_sync()` but the last, a zero-count guard",
+        "judge it with `--precision fp32`",
+        {"parity fp64": FLOAT32_LOSS},
+    ),
+)
+"""Every library configuration and the verdicts the battery must give it (columns of :data:`CASES`; unlisted: pass)."""
+
+
+def installed_version(library: str) -> str | None:
+    """The installed version of a distribution, without importing it (None: not installed)."""
+    try:
+        return metadata.version(library)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+__all__ = ["CASES", "LIBRARY_RECIPES", "TESTED_WITH", "Expect", "LibraryRecipe", "installed_version"]

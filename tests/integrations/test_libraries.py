@@ -1,0 +1,58 @@
+"""Each library recipe gives, against the installed library, the verdicts ``harness.recipes.libraries.LIBRARY_RECIPES``
+declares: a library release that changes its behaviour fails here, naming the version measured and the reason the
+verdict was expected."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from harness.battery import checks, runner
+from harness.recipes.libraries import CASES, LIBRARY_RECIPES, TESTED_WITH, LibraryRecipe, installed_version
+from harness.recipes.libraries._common import EXTRA_HINT, TORCHTITAN_HINT
+
+pytestmark = pytest.mark.integrations
+
+_IMPORTS = {"transformers": "transformers.loss.loss_utils", "accelerate": "accelerate",
+            "torchtitan": "torchtitan.components.loss"}
+
+
+def _require(library: str) -> None:
+    """Skip, with the install to run, unless the library is importable."""
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(TORCHTITAN_HINT if library == "torchtitan" else EXTRA_HINT)
+    pytest.importorskip(_IMPORTS[library], reason=EXTRA_HINT)
+
+
+def _params() -> list[object]:
+    out = []
+    for recipe in LIBRARY_RECIPES:
+        for column in CASES:
+            # A recipe's cases run on one xdist worker (--dist loadgroup): the cases sharing a launch launch it once,
+            # and the worker's forkserver imports the recipe's library once.
+            group = pytest.mark.xdist_group(recipe.name)
+            out.append(pytest.param(recipe, column, id=f"{recipe.name}-{column.replace(' ', '_')}", marks=group))
+    return out
+
+
+@pytest.mark.parametrize(("recipe", "column"), _params())
+def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, column: str) -> None:
+    _require(recipe.library)
+    check, scenario, world, precision = CASES[column]
+    verdict = checks.CHECKS[check](runner.run(recipe.path, scenario, world, precision))
+    want = recipe.expect(column)
+    version = installed_version(recipe.library)
+    context = (f"{recipe.name} with {recipe.library} {version} (verdicts declared for {TESTED_WITH[recipe.library]}): "
+               f"expected {check} ({scenario}, W={world}, {precision}) to {want.status} because {want.why}; "
+               f"the battery said: {verdict.message}")
+    assert want.status == verdict.status, context
+    if want.status == "fail":
+        assert "numbers" == verdict.cause, f"failed for another reason than its numbers: {context}"
+    if want.finding is not None:
+        assert want.finding == verdict.finding, context
+
+
+def test_every_declared_column_is_a_case() -> None:
+    """The table names only the columns the tests and the README run."""
+    assert [] == [(r.name, c) for r in LIBRARY_RECIPES for c in r.expected if c not in CASES]
