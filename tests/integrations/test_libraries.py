@@ -56,3 +56,15 @@ def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, colu
 def test_every_declared_column_is_a_case() -> None:
     """The table names only the columns the tests and the README run."""
     assert [] == [(r.name, c) for r in LIBRARY_RECIPES for c in r.expected if c not in CASES]
+
+
+def test_the_trainer_step_on_a_transformers_model_gives_the_global_token_mean(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A randomly initialized LlamaForCausalLM (``--model``) fed hf batches, its own loss with the gathered
+    ``num_items_in_batch`` times W: the global token mean's gradient, one synchronization, the right logged loss."""
+    _require("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is fetched: the model is built from a config
+    run = runner.run("harness.recipes.libraries.transformers_loss:transformers_global_items_hf", "uneven", 2,
+                     model="integrations.hf_models:tiny_llama", batch_format="hf")
+    verdicts = [checks.CHECKS[c](run) for c in ("parity", "one_sync", "logged_loss", "hygiene")]
+    assert [] == [v.message for v in verdicts if v.status != "pass"]

@@ -13,6 +13,11 @@ mean over ranks of each rank's summed step losses (``Trainer._nested_gather(tr_l
 - ``transformers_local_items``: ``average_tokens_across_devices=False``. ``num_items_in_batch`` is this rank's count
   and there is no factor, so DDP averages each rank's local token mean: the mean of local means.
 
+- ``transformers_global_items_hf``: the same global-items step on a transformers model with the ``hf`` batch format
+  (``--model`` and ``--batch-format hf``): the model computes its own loss from unshifted ``labels`` and
+  ``num_items_in_batch``, as ``Trainer.compute_loss`` calls it. ``tests/integrations`` runs it on a randomly
+  initialized two-layer ``LlamaForCausalLM``: parity, one_sync, logged_loss and hygiene PASS in float32.
+
 ``ForCausalLMLoss`` upcasts the logits with ``.float()``, so the loss is computed in float32 also for a float64
 model. The verdicts are asserted in both precisions: in the float64 lane parity fails by design, at float32 rounding
 scale (finding ``float32_computation``), and ``--precision fp32`` is the lane that judges these recipes.
@@ -103,5 +108,29 @@ class TransformersLocalItems(_TrainerLoss):
     average_tokens_across_devices = False
 
 
+class TransformersGlobalItemsHF(TransformersGlobalItems):
+    """The global-items Trainer step on a transformers model with the ``hf`` batch format (``--batch-format hf``):
+    each microbatch is ``{"input_ids", "attention_mask", "labels"}`` with unshifted labels, the model computes its own
+    loss from ``labels`` and ``num_items_in_batch`` (``self.loss_function``, which shifts), as ``Trainer.compute_loss``
+    calls it; the count is the Trainer's, over ``labels[..., 1:]``."""
+
+    name = "transformers_global_items_hf"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Any]) -> float:
+        if self.loss_fn is None:
+            raise RuntimeError("setup() was not called before the first window")
+        world = world_size()
+        local = sum(int(batch["labels"][..., 1:].ne(IGNORE_INDEX).sum()) for batch in window)
+        items = all_reduce_sum(local, torch.int64) if world > 1 else torch.tensor(local)
+        tr_loss = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(window):
+            with sync_last(model, i, len(window)):
+                loss = model(**batch, num_items_in_batch=items).loss * world
+                loss.backward()
+            tr_loss += loss.detach().double()
+        return float(all_reduce_sum(float(tr_loss))) / world
+
+
 transformers_global_items = TransformersGlobalItems
 transformers_local_items = TransformersLocalItems
+transformers_global_items_hf = TransformersGlobalItemsHF
