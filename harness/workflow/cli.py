@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from harness.workflow import explain
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
 from harness.workflow.commands import (
     DEFAULT_CONFIG,
@@ -27,7 +28,6 @@ from harness.workflow.commands import (
     cmd_report,
     err,
 )
-from harness.workflow import explain
 from harness.workflow.outputs import BadInput
 from harness.workflow.scaling import SCALING_STEPS
 

@@ -27,6 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scenario", default="uneven", help="battery scenario (default: uneven)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="default: fp32")
+    p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                   help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
+                   "(default: the built-in TinyCausalLM)")
+    p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
+                   help="what the recipe receives: harness Microbatches or HF-style dicts (default: harness)")
     p.add_argument("--window", type=int, default=None, help="window to read (default: the worst one)")
     p.add_argument("--rank", type=int, default=None, help="rank whose gradient is read (default: the worst one)")
     p.add_argument("--per-sequence", action="store_true", help="also fit one weight per sequence")
@@ -85,6 +90,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from harness.battery.checks import crash_summary
     from harness.battery.diagnose import diagnose
     from harness.recipes import RecipeError, load_recipe
+    from harness.workflow.checks import check_model_option
 
     if args.scenario not in scenarios.SCENARIOS:
         raise BadInput(f"--scenario={args.scenario!r} is not one of {', '.join(scenarios.SCENARIOS)}")
@@ -94,8 +100,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         load_recipe(args.recipe)
     except RecipeError as exc:
         raise BadInput(f"--recipe: {exc}") from None
+    model = check_model_option(args.model)
     start = time.monotonic()
-    run = runner.run(args.recipe, args.scenario, args.world_size, args.precision, deadline=args.deadline)
+    run = runner.run(args.recipe, args.scenario, args.world_size, args.precision, model=model,
+                     batch_format=args.batch_format, deadline=args.deadline)
     ran = time.monotonic() - start
     if run.failure is not None:
         print(f"the run failed ({run.failure.kind}), so there is no gradient to read:")
@@ -127,7 +135,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     out = Path(args.outputs)
     stem = _stem(args.recipe, args.scenario, args.world_size, args.precision)
     payload = {"schema": SCHEMA, "recipe": args.recipe, "scenario": args.scenario, "world_size": args.world_size,
-               "precision": args.precision, "run_seconds": ran, "diagnosis_seconds": took, **found.to_dict()}
+               "precision": args.precision, "model": model, "batch_format": args.batch_format,
+               "run_seconds": ran, "diagnosis_seconds": took, **found.to_dict()}
     write_json(out / f"{stem}.json", payload)
     figure = write_weight_figure(out / f"{stem}.png", found)
     print(f"\nwritten: {out / f'{stem}.json'} and {figure}")

@@ -1,8 +1,8 @@
 """Models written the way users write them, given to the battery with ``--model=user_recipes.models:<attr>``.
 
-:class:`GruLM` is not a transformer (a GRU over token embeddings), returns an output object with ``.logits`` as a
-Hugging Face model does, takes ``input_ids`` positionally or by keyword with an ``attention_mask``, and has dropout
-(the battery must disable it, or the reference and the ranks would draw different masks).
+:class:`ConvLM` is not a transformer (a causal convolution over token embeddings), returns an output object with
+``.logits`` as a Hugging Face model does, takes ``input_ids`` positionally or by keyword with an ``attention_mask``,
+and has dropout (the battery must disable it, or the reference and the ranks would draw different masks).
 """
 
 from __future__ import annotations
@@ -22,34 +22,44 @@ class LMOutput:
     loss: torch.Tensor | None = None
 
 
-class GruLM(nn.Module):
-    """Embedding, dropout, a one-layer GRU, dropout again through ``config.hidden_dropout`` read at call time, and a
-    linear head."""
+class Config:
+    """Shaped like a Hugging Face config: the dropout probability the forward pass reads at call time."""
 
-    class Config:
-        hidden_dropout = 0.3
+    def __init__(self) -> None:
+        self.hidden_dropout = 0.3
 
-    def __init__(self, vocab: int = VOCAB, d: int = 24) -> None:
+
+class ConvLM(nn.Module):
+    """Embedding, dropout, two causal convolutions (each position sees itself and the ``kernel - 1`` before it),
+    dropout again through ``config.hidden_dropout``, and a linear head."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 24, kernel: int = 3) -> None:
         super().__init__()
-        self.config = GruLM.Config()
-        self.config.hidden_dropout = 0.3  # an instance attribute, as a Hugging Face config holds it
+        self.config = Config()
+        self.kernel = kernel
         self.embed = nn.Embedding(vocab, d)
         self.drop = nn.Dropout(0.5)
-        self.gru = nn.GRU(d, d, batch_first=True)
+        self.conv1 = nn.Conv1d(d, d, kernel)
+        self.conv2 = nn.Conv1d(d, d, kernel)
         self.head = nn.Linear(d, vocab)
+
+    def _causal(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        return conv(nn.functional.pad(x, (self.kernel - 1, 0)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> LMOutput:
         x = self.drop(self.embed(input_ids))
         if attention_mask is not None:
             x = x * attention_mask.unsqueeze(-1).to(x.dtype)
-        h, _ = self.gru(x)
-        h = nn.functional.dropout(h, p=self.config.hidden_dropout, training=self.training)
+        h = x.transpose(1, 2)
+        h = h + nn.functional.gelu(self._causal(self.conv1, h))
+        h = h + nn.functional.gelu(self._causal(self.conv2, h))
+        h = nn.functional.dropout(h.transpose(1, 2), p=self.config.hidden_dropout, training=self.training)
         return LMOutput(self.head(h))
 
 
-def make_gru() -> GruLM:
-    """A zero-argument factory (``--model=user_recipes.models:make_gru``)."""
-    return GruLM()
+def make_model() -> ConvLM:
+    """A zero-argument factory (``--model=user_recipes.models:make_model``)."""
+    return ConvLM()
 
 
 def returns_a_string() -> str:
@@ -67,3 +77,16 @@ class TupleLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor]:
         return (self.head(torch.cumsum(self.embed(input_ids), dim=1)),)
+
+
+def draws_its_own_weights() -> ConvLM:
+    """Initial weights from a private generator seeded by the process id: every process builds other weights, which
+    the battery must report instead of comparing gradients taken at different weights."""
+    import os
+
+    model = ConvLM()
+    g = torch.Generator().manual_seed(os.getpid())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
