@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from harness.battery import checks, plan, runner
 from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
+from harness.battery.diagnose import diagnose
 from harness.recipes import CONTROLS
 
 Progress = Callable[[str], None]
@@ -39,6 +40,12 @@ class ControlResult:
     control: str
     verdict: Verdict
     shows_as: str
+    diagnosis: dict[str, object] | None = None
+    """The diagnosis of the run's gradient (whatever the targeted check): None where the run left none."""
+
+    @property
+    def signature(self) -> str | None:
+        return None if self.diagnosis is None else str(self.diagnosis["signature"])
 
     @property
     def rejected(self) -> bool:
@@ -46,7 +53,7 @@ class ControlResult:
 
     def to_dict(self) -> dict[str, object]:
         return {"control": self.control, "rejected": self.rejected, "shows_as": self.shows_as,
-                "verdict": self.verdict.to_dict()}
+                "verdict": self.verdict.to_dict(), "diagnosis": self.diagnosis}
 
 
 def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: float = runner.DEADLINE,
@@ -67,7 +74,12 @@ def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: flo
                 progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
             run = runner.run(f"harness.recipes:{name}", target.scenario, world, target.precision, model=model,
                              batch_format=target.batch_format, deadline=deadline)
-            out.append(ControlResult(name, checks.CHECKS[target.check](run), target.shows_as))
+            verdict = checks.CHECKS[target.check](run)
+            found = verdict.diagnosis
+            if found is None:
+                read = diagnose(run)
+                found = None if read is None else read.to_dict()
+            out.append(ControlResult(name, verdict, target.shows_as, found))
     return out
 
 
@@ -112,8 +124,9 @@ def format_controls(results: Sequence[ControlResult]) -> str:
     for r in results:
         v = r.verdict
         what = "rejected" if r.rejected else "NOT REJECTED"
+        read = f"  diagnosis: {r.signature}" if r.signature else ""
         lines.append(f"{r.control:32s} {v.check} ({v.scenario}, W={v.world_size}, {v.precision}): {_cell(v):24s} "
-                     f"{what}")
+                     f"{what}{read}")
     return "\n".join(lines)
 
 

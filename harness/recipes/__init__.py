@@ -15,6 +15,7 @@ from __future__ import annotations
 from harness.recipes.contract import Recipe, RecipeError, load_recipe, recipe_module, split_recipe_path
 from harness.recipes.controls import (
     CONTROLS,
+    DIAGNOSES,
     NEGATIVE_CONTROLS,
     SCENARIO_CONTROLS,
     CachedCount,
@@ -82,6 +83,7 @@ from harness.recipes.helpers import global_count, require_tokens, supervised_tok
 __all__ = [
     "CONTROLS",
     "CORRECT_RECIPE",
+    "DIAGNOSES",
     "NEGATIVE_CONTROLS",
     "SCENARIO_CONTROLS",
     "CachedCount",

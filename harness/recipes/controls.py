@@ -472,6 +472,37 @@ CONTROLS: dict[str, Target] = {
 
 NEGATIVE_CONTROLS = tuple(CONTROLS)
 
+DIAGNOSES: dict[str, str | None] = {
+    "mean_of_local_means": "mean_of_local_means",
+    "extra_microbatch_division": "global_scale",
+    "no_world_size_factor": "global_scale",
+    "per_microbatch_mean": "per_microbatch_mean",
+    "skip_backward_when_empty": None,
+    "local_count_guard": None,
+    "never_no_sync": "correct",
+    "float32_loss": "float32_computation",
+    "local_logged_loss": "correct",
+    "two_microbatch_loop": "dropped",
+    "sync_keyed_to_first_microbatch": "correct",
+    "count_from_one_microbatch": "global_scale",
+    "cached_count": "global_scale",
+    "fixed_accumulation_steps": "dropped",
+    "first_microbatch_never_syncs": "not_synchronized",
+    "nan_on_empty_rank": "nonfinite",
+    "nan_on_empty_microbatch": "nonfinite",
+    "silent_empty_window": None,
+    "nan_gradients_then_raise": None,
+    "python_random_shuffle": "correct",
+    "numpy_random_draw": "correct",
+    "torch_random_draw": "correct",
+    "hf_shift_twice": "unexplained",
+    "hf_no_shift": "unexplained",
+}
+"""The signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must give each control on its target: its
+weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).
+A control whose mistake is not in the gradient (a sync count, a random generator, the logged loss) reads
+``correct``: the diagnosis never blames the weights for what another check catches."""
+
 SCENARIO_CONTROLS = {
     "single": "first_microbatch_never_syncs",
     "long": "fixed_accumulation_steps",

@@ -1,10 +1,8 @@
 """Every negative control is diagnosed with its own signature on real ranks, failing verdicts carry the diagnosis
 in one line (message, table, JSON), and ``python -m harness explain`` prints and writes it.
 
-Each control is read on its target scenario (where its mistake shows) at W=2 and W=3; the controls whose target is
-the uneven window are the issue's "uneven at W=2 and W=3". A control whose mistake is not in the gradient (a sync
-count, the random generators, the logged loss) must be diagnosed as a right weighting: the diagnosis never blames
-the weights for what the other checks catch.
+Each control's signature (``harness.recipes.DIAGNOSES``) is asserted on its target at W=2 and W=3 beside its
+rejection (``test_negative_controls.py``); here, the words for the ones whose sentence carries a count or a block.
 """
 
 from __future__ import annotations
@@ -17,63 +15,38 @@ import pytest
 from harness.battery import checks, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.table import format_table, report_json
-from harness.recipes import CONTROLS
+from harness.core.diagnosis import SIGNATURES
+from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
 
-EXPECTED: dict[str, tuple[str | None, str]] = {
-    # control: (signature, a phrase its sentence must hold); None: the run leaves no gradient to read.
-    "mean_of_local_means": ("mean_of_local_means", "mean of local means"),
-    "extra_microbatch_division": ("global_scale", "microbatch count k=5"),
-    "no_world_size_factor": ("global_scale", "world-size factor is missing"),
-    "per_microbatch_mean": ("per_microbatch_mean", "a mean per microbatch"),
-    "skip_backward_when_empty": (None, ""),
-    "local_count_guard": (None, ""),
-    "never_no_sync": ("correct", "weighting is right"),
-    "float32_loss": ("float32_computation", "float32"),
-    "local_logged_loss": ("correct", "weighting is right"),
-    "two_microbatch_loop": ("dropped", "microbatch 2 "),
-    "sync_keyed_to_first_microbatch": ("correct", "weighting is right"),
-    "count_from_one_microbatch": ("global_scale", "normalized by"),
-    "cached_count": ("global_scale", "window 0's global count"),
-    "fixed_accumulation_steps": ("dropped", "microbatch 4 contributed nothing"),
-    "first_microbatch_never_syncs": ("not_synchronized", "never synchronized"),
-    "nan_on_empty_rank": ("nonfinite", "NaN"),
-    "nan_on_empty_microbatch": ("nonfinite", "NaN"),
-    "silent_empty_window": (None, ""),
-    "nan_gradients_then_raise": (None, ""),
-    "python_random_shuffle": ("correct", "weighting is right"),
-    "numpy_random_draw": ("correct", "weighting is right"),
-    "torch_random_draw": ("correct", "weighting is right"),
-    "hf_shift_twice": ("unexplained", "parameter tensors are off"),
-    "hf_no_shift": ("unexplained", "parameter tensors are off"),
+PHRASES = {
+    # control: what its diagnosis must say, read at W=3 on its target (W=3 tells 1/W from 1/k on the uneven window).
+    "no_world_size_factor": "world-size factor is missing",
+    "extra_microbatch_division": "microbatch count k=5",
+    "count_from_one_microbatch": "normalized by",
+    "cached_count": "window 0's global count",
+    "two_microbatch_loop": "microbatch 2 ",
+    "fixed_accumulation_steps": "microbatch 4 contributed nothing",
+    "first_microbatch_never_syncs": "never synchronized",
+    "mean_of_local_means": "rank 0's tokens weigh 4x rank 2's",
 }
 
 
-def _run(name: str, world_size: int) -> runner.Run:
+def test_every_control_declares_its_diagnosis() -> None:
+    """The signatures themselves are asserted on every control at W=2 and W=3 by
+    ``test_negative_controls.py::test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake``, on the
+    same (cached) runs."""
+    assert sorted(CONTROLS) == sorted(DIAGNOSES)
+    assert set(DIAGNOSES.values()) - {None} <= set(SIGNATURES)
+
+
+@pytest.mark.parametrize("name", list(PHRASES))
+def test_each_diagnosis_names_the_mistake_in_words(name: str) -> None:
     t = CONTROLS[name]
-    extra = {"batch_format": t.batch_format} if getattr(t, "batch_format", "harness") != "harness" else {}
-    return runner.run(f"harness.recipes:{name}", t.scenario, world_size, t.precision, **extra)  # type: ignore[arg-type]
-
-
-def test_every_control_has_an_expected_diagnosis() -> None:
-    assert sorted(CONTROLS) == sorted(EXPECTED)
-
-
-@pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_each_control_is_diagnosed_with_its_own_signature(name: str, world_size: int) -> None:
-    if name not in CONTROLS:
-        pytest.fail(f"{name} is expected but not a control any more")
-    if "hf" in name and "batch_format" not in runner.run.__kwdefaults__:  # type: ignore[operator]
-        pytest.skip("this checkout's runner has no batch formats")
-    signature, phrase = EXPECTED[name]
-    found = diagnose(_run(name, world_size))
-    if signature is None:
-        assert found is None, found.line() if found else ""
-        return
-    assert found is not None, f"{name}: no gradient to diagnose"
-    assert signature == found.signature.name, found.line()
-    assert phrase in found.line(), found.line()
+    found = diagnose(runner.run(f"harness.recipes:{name}", t.scenario, 3, t.precision))
+    assert found is not None
+    assert DIAGNOSES[name] == found.signature.name, found.line()
+    assert PHRASES[name] in found.line(), found.line()
 
 
 def test_the_correct_recipe_weighs_every_token_1_over_n_within_1e_5() -> None:

@@ -17,7 +17,7 @@ import torch
 
 from harness.battery import checks, runner, scenarios
 from harness.battery.table import run_controls
-from harness.recipes import CONTROLS, SCENARIO_CONTROLS
+from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS
 
 ROOT = Path(__file__).parents[2]
 
@@ -33,6 +33,9 @@ def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name
     (result,) = run_controls([name], [world_size])
     assert result.rejected, result.verdict.message
     assert result.verdict.check == CONTROLS[name].check
+    # The same run, diagnosed: the weights name the control's own mistake (harness.recipes.DIAGNOSES).
+    line = result.diagnosis["line"] if result.diagnosis else "no gradient to read"
+    assert DIAGNOSES[name] == result.signature, line
 
 
 def _failing_checks(name: str, scenario: str, world_size: int = 2) -> list[str]:
