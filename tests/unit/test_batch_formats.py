@@ -21,7 +21,7 @@ from harness.data.corpus import Row
 from harness.model import CausalLMOutput, ModelError, build_model, build_user_model, disable_dropout
 from harness.recipes import global_count, require_tokens, sync_context
 
-GRU = "user_recipes.models:make_gru"
+MODEL = "user_recipes.models:make_model"
 I = IGNORE_INDEX  # noqa: E741
 
 
@@ -70,8 +70,9 @@ def test_the_built_in_model_gives_the_same_loss_sums_in_both_formats(scenario: s
 
 
 def test_the_user_model_gives_the_same_loss_sums_in_both_formats() -> None:
-    """The GRU reads the attention mask; padding after the row's end still changes no supervised position."""
-    harness, hf = ModelSpec(GRU, "harness", None, "fp64"), ModelSpec(GRU, "hf", None, "fp64")
+    """The convolution model reads the attention mask; padding after the row's end still changes no supervised
+    position."""
+    harness, hf = ModelSpec(MODEL, "harness", None, "fp64"), ModelSpec(MODEL, "hf", None, "fp64")
     model = harness.build()
     for mb in scenarios.build("uneven", 2)[0][1]:
         torch.testing.assert_close(harness.loss_sum(model, mb), hf.loss_sum(model, mb), rtol=1e-12, atol=1e-12)
@@ -112,12 +113,12 @@ def test_logits_come_from_a_tensor_a_tuple_a_dict_or_an_object() -> None:
 
 def test_dropout_is_disabled_by_the_documented_rule_and_train_mode_kept() -> None:
     """Dropout modules get p=0, config and module float attributes ending in dropout/_pdrop get 0.0; two forward
-    passes in train mode then agree (they would not with the GRU's dropout 0.5)."""
-    raw = build_user_model(GRU, 0)
+    passes in train mode then agree (they would not with the model's dropout 0.5)."""
+    raw = build_user_model(MODEL, 0)
     x = torch.randint(1, 32, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.random.fork_rng(devices=[]):
         assert not torch.equal(raw(x).logits, raw(x).logits)
-    model = ModelSpec(GRU).build()
+    model = ModelSpec(MODEL).build()
     assert model.training and model.drop.p == 0.0 and model.config.hidden_dropout == 0.0
     with torch.random.fork_rng(devices=[]):
         assert torch.equal(model(x).logits, model(x).logits)
@@ -134,7 +135,7 @@ def test_dropout_is_disabled_by_the_documented_rule_and_train_mode_kept() -> Non
 
 def test_one_seed_gives_identical_initial_weights_and_leaves_the_global_generator_alone() -> None:
     state = torch.get_rng_state()
-    a, b, c = build_user_model(GRU, 3), build_user_model(GRU, 3), build_user_model(GRU, 4)
+    a, b, c = build_user_model(MODEL, 3), build_user_model(MODEL, 3), build_user_model(MODEL, 4)
     assert torch.equal(state, torch.get_rng_state())
     assert torch.equal(flat_params(a), flat_params(b)) and not torch.equal(flat_params(a), flat_params(c))
     assert weights_digest(a) == weights_digest(b) != weights_digest(c)
@@ -144,14 +145,14 @@ def test_a_run_builds_the_user_model_and_the_default_model_unchanged() -> None:
     """Run.model() is the factory's model in the run's precision; without --model it is the built-in one, bitwise;
     Run.model_at loads flat weights into either."""
     windows = scenarios.build("uneven", 2)
-    user = Run("r", "uneven", 2, "fp64", windows, model_path=GRU, batch_format="hf")
+    user = Run("r", "uneven", 2, "fp64", windows, model_path=MODEL, batch_format="hf")
     built = user.model()
     assert built.embed.weight.dtype == torch.float64 and built.training
     params = flat_params(built) + 1
     assert torch.equal(flat_params(user.model_at(params)), params)
     default = Run("r", "uneven", 2, "fp32", windows)
     assert torch.equal(flat_params(default.model()), flat_params(build_model(scenarios.BATTERY_CONFIG)))
-    assert "model user_recipes.models:make_gru, hf batches" in user.label()
+    assert "model user_recipes.models:make_model, hf batches" in user.label()
     assert "model" not in default.label()
 
 
