@@ -40,11 +40,16 @@ def main() -> None:
     for recipe, scenario, world in CASES:
         windows = scenarios.build(scenario, world)
         runs: list[runner.Run] = []
-        run_times = timed(lambda: runs.append(runner.run_windows(recipe, windows, scenario=scenario)), args.repeat)
+
+        def launch(recipe: str = recipe, windows: scenarios.Windows = windows, scenario: str = scenario,
+                   runs: list[runner.Run] = runs) -> None:
+            runs.append(runner.run_windows(recipe, windows, scenario=scenario))
+
+        run_times = timed(launch, args.repeat)
         run = runs[-1]
         found = diagnose(run, per_sequence=args.per_sequence)
         assert found is not None, f"{recipe} on {scenario} left no gradient"
-        diag_times = timed(lambda: diagnose(run, per_sequence=args.per_sequence), args.repeat)
+        diag_times = timed(lambda run=run: diagnose(run, per_sequence=args.per_sequence), args.repeat)  # type: ignore[misc]
         r, d = summary(run_times), summary(diag_times)
         rows.append({
             "recipe": recipe, "scenario": scenario, "world_size": world,

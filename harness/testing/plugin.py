@@ -25,7 +25,7 @@ MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
     "gpu": "needs one CUDA device",
     "gpu2": "needs two CUDA devices and NCCL (one rank per device)",
-    "slow": "takes more than a few seconds; CI runs it, `-m 'not slow'` leaves it out locally",
+    "slow": "over ~10 s; scripts/test.sh leaves it out, `scripts/test.sh -m slow` runs it (CI runs both)",
     "required_gpus_missing": "set by harness.testing.skips when HARNESS_REQUIRE_GPUS requires a GPU lane this machine "
     "cannot run: the test fails with the marker's message instead of skipping",
 }
