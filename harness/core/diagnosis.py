@@ -240,22 +240,26 @@ def _finite(values: Sequence[float]) -> list[float]:
 
 
 def _block_groups(blocks: Sequence[Block], q: Sequence[float]) -> tuple[float, dict[int, list[int]]] | None:
-    """Blocks whose ratios are each 0, 1 or 2 times one common value ``c``: ``(c, {multiple: [block index]})``."""
+    """Blocks whose ratios are each 0, 1 or 2 times one common value ``c``: ``(c, {multiple: [block index]})``,
+    with ``c`` the value that most blocks share (None when no such ``c`` exists)."""
     live = [(i, v) for i, v in enumerate(q) if math.isfinite(v) and blocks[i].tokens > 0]
     if not live:
         return None
     top = max(abs(v) for _, v in live)
-    nonzero = sorted(v for _, v in live if abs(v) > MATCH_TOLERANCE * top)
-    if not nonzero:
-        return None
-    c = nonzero[len(nonzero) // 2]
-    groups: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    for i, v in live:
-        m = round(v / c)
-        if m not in groups or abs(v - m * c) > MATCH_TOLERANCE * abs(c) * max(m, 1):
-            return None
-        groups[m].append(i)
-    return c, groups
+    best: tuple[int, float, dict[int, list[int]]] | None = None
+    for _, c in live:
+        if abs(c) <= MATCH_TOLERANCE * top:
+            continue
+        groups: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        for i, v in live:
+            m = round(v / c)
+            if m not in groups or abs(v - m * c) > MATCH_TOLERANCE * abs(c) * max(m, 1):
+                break
+            groups[m].append(i)
+        else:
+            if best is None or len(groups[1]) > best[0]:
+                best = (len(groups[1]), c, groups)
+    return None if best is None else (best[1], best[2])
 
 
 def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str, rank: int | None = None,
@@ -333,12 +337,13 @@ def classify_sequences(blocks: Sequence[Block], fit: Fit) -> Signature | None:
         top = max(abs(v) for v in values)
         if top == 0 or max(values) - min(values) > MATCH_TOLERANCE * top:
             return None
-    lengths = [b.tokens for b in blocks if b.tokens > 0]
-    if max(lengths) == min(lengths):
+    live = [(b, float(w)) for b, w in zip(blocks, fit.weights) if b.tokens > 0 and math.isfinite(float(w))]
+    if len({b.tokens for b, _ in live}) == 1:
         return None  # equal lengths: per-sequence and per-token weights coincide
+    hi, lo = max(live, key=lambda t: t[1]), min(live, key=lambda t: t[1])
     return Signature("per_sequence_mean", "each sequence weighs the same whatever its length: a mean per sequence "
-                     f"(a {min(lengths)}-token row's tokens weigh {max(lengths) / min(lengths):.2g}x a "
-                     f"{max(lengths)}-token row's)")
+                     f"({hi[0].label()}, {hi[0].tokens} tokens, weighs each token {hi[1] / lo[1]:.2g}x "
+                     f"{lo[0].label()}, {lo[0].tokens} tokens)")
 
 
 def _join(items: Sequence[str]) -> str:

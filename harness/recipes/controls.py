@@ -400,6 +400,42 @@ class HfNoShift:
         return _hf_window(model, window, lambda logits, labels: (logits, labels))
 
 
+class PerSequenceMean:
+    """Each sequence's own token mean, averaged over the rank's sequences (the "mean over each sequence, then over the
+    batch" loss of sequence-level training loops); DDP averages the ranks. A sequence weighs the same whatever its
+    length, so a long sequence's tokens weigh less than a short one's."""
+
+    name = "per_sequence_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        window_count(window)
+        rows = sum(mb.inputs.shape[0] for mb in window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                per_token = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                            reduction="none").view(mb.labels.shape)
+                counts = (mb.labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+                ((per_token.sum(dim=1) / counts).sum() / rows).backward()
+        return None
+
+
+class LastMicrobatchTwice:
+    """Runs every microbatch inside ``no_sync()``, then runs the last one again outside it to get the one
+    synchronization: the count of synchronizations is right, and the last microbatch's tokens count twice."""
+
+    name = "last_microbatch_twice"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        with model.no_sync():  # type: ignore[operator]
+            for mb in window:
+                global_token_loss(loss_sum(model(mb.inputs), mb.labels), total, world).backward()
+        last = window[-1]
+        global_token_loss(loss_sum(model(last.inputs), last.labels), total, world).backward()
+        return None
+
+
 mean_of_local_means = MeanOfLocalMeans()
 extra_microbatch_division = ExtraMicrobatchDivision()
 no_world_size_factor = NoWorldSizeFactor()
@@ -426,6 +462,8 @@ numpy_random_draw = NumpyRandomDraw()
 torch_random_draw = TorchRandomDraw()
 hf_shift_twice = HfShiftTwice()
 hf_no_shift = HfNoShift()
+per_sequence_mean = PerSequenceMean()
+last_microbatch_twice = LastMicrobatchTwice()
 
 
 @dataclass(frozen=True)
@@ -467,6 +505,8 @@ CONTROLS: dict[str, Target] = {
     "torch_random_draw": Target("hygiene", "uneven"),
     "hf_shift_twice": Target("parity", "uneven", batch_format=HF),
     "hf_no_shift": Target("parity", "uneven", batch_format=HF),
+    "per_sequence_mean": Target("parity", "uneven"),
+    "last_microbatch_twice": Target("parity", "uneven"),
 }
 """Every negative control in this module (``harness.recipes:<name>``) and where the battery must reject it."""
 
@@ -497,6 +537,8 @@ DIAGNOSES: dict[str, str | None] = {
     "torch_random_draw": "correct",
     "hf_shift_twice": "unexplained",
     "hf_no_shift": "unexplained",
+    "per_sequence_mean": "per_sequence_mean",
+    "last_microbatch_twice": "double_counted",
 }
 """The signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must give each control on its target: its
 weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).
