@@ -113,3 +113,16 @@ def test_explain_refuses_bad_input_with_exit_2_naming_the_argument(
     assert 2 == status, out + err
     assert named in err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_parameter_ddp_never_synchronizes_is_located_by_the_per_parameter_view() -> None:
+    """Not a normalization mistake: the correct recipe on a user model that hides conv2.weight from DDP. The weights
+    cannot explain the gradient, and the per-parameter table names that tensor alone."""
+    run = runner.run("harness.recipes:global_token_mean", "uneven", 2,
+                     model="user_recipes.models:hides_a_parameter_from_ddp")
+    verdict = checks.parity(run)
+    assert not verdict.passed and verdict.diagnosis is not None
+    assert "unexplained" == verdict.diagnosis["signature"]
+    assert "1 of 7 parameter tensors are off: conv2.weight" in verdict.message
+    off = [p for p in verdict.diagnosis["parameters"] if p["over_tolerance"]]  # type: ignore[union-attr]
+    assert ["conv2.weight"] == [p["name"] for p in off]

@@ -90,3 +90,12 @@ def draws_its_own_weights() -> ConvLM:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     return model
+
+
+def hides_a_parameter_from_ddp() -> ConvLM:
+    """A model that tells DDP to leave ``conv2.weight`` alone (``_ddp_params_and_buffers_to_ignore``, as code that
+    manages a parameter itself does): DDP never synchronizes its gradient, so each rank keeps its own. Every other
+    tensor is right; the diagnosis must say the error is not a re-weighting and name that tensor alone."""
+    model = ConvLM()
+    model._ddp_params_and_buffers_to_ignore = ["conv2.weight"]  # type: ignore[assignment]
+    return model
