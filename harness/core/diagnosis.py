@@ -282,9 +282,13 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         if dev <= MATCH_TOLERANCE:
             found.append((dev, name, c))
     if found:
-        found.sort(key=lambda t: t[0])
+        # A pattern that holds as it is explains the weights with one mistake; the same weights read as another
+        # pattern times a factor would need two. Counts that make them coincide are named as alternatives.
+        found.sort(key=lambda t: (abs(t[2] - 1) > MATCH_TOLERANCE, t[0]))
         dev, name, c = found[0]
-        others = tuple(other for d, other, oc in found[1:] if abs(oc - c) <= MATCH_TOLERANCE * abs(c))
+        others = tuple(dict.fromkeys(
+            ("global_scale" if other == "correct" and abs(oc - 1) > MATCH_TOLERANCE else other)
+            for _, other, oc in found[1:]))
         worst = max(abs(v - 1) for v in _finite(q))
         if name == "correct":
             if worst <= exact:
@@ -358,13 +362,17 @@ def _describe(name: str, blocks: Sequence[Block], q: Sequence[float], world_size
     if name == "mean_of_local_means":
         means = {r: sum(v) / len(v) for r, v in per_rank.items()}
         hi, lo = max(means, key=means.__getitem__), min(means, key=means.__getitem__)
-        return (f"each rank's tokens weigh 1/(W * its own count): the mean of local means; rank {hi}'s tokens weigh "
-                f"{means[hi] / means[lo]:.2g}x rank {lo}'s")
+        head = "each rank's tokens weigh 1/(W * its own count): the mean of local means"
+        if hi == lo:
+            return f"{head}; only rank {hi} holds tokens here, so its tokens weigh {means[hi]:.3g}x the right weight"
+        return f"{head}; rank {hi}'s tokens weigh {means[hi] / means[lo]:.2g}x rank {lo}'s"
     live = [(b, v) for b, v in zip(blocks, q) if math.isfinite(v)]
     hi_b, hi_v = max(live, key=lambda t: t[1])
     lo_b, lo_v = min(live, key=lambda t: t[1])
-    return (f"each microbatch's tokens weigh 1/(k * W * its own count): a mean per microbatch; {hi_b.label()}'s "
-            f"tokens weigh {hi_v / lo_v:.2g}x {lo_b.label()}'s")
+    head = "each microbatch's tokens weigh 1/(k * W * its own count): a mean per microbatch"
+    if hi_b == lo_b:
+        return f"{head}; only {hi_b.label()} holds tokens here"
+    return f"{head}; {hi_b.label()}'s tokens weigh {hi_v / lo_v:.2g}x {lo_b.label()}'s"
 
 
 __all__ = [
