@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from harness.dist.ports import HOST, free_port, port_taken  # noqa: E402
 from harness.training.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
 from harness.training.evaluation import EVAL_FILE  # noqa: E402
 from harness.training.trainer import state_difference  # noqa: E402
@@ -64,12 +64,6 @@ class Run:
         return self.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT) or any(m in text for m in ABORT_MARKERS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_once(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, bool, str]:
     """Run ``command`` in a new session; on timeout kill its whole process group (torchrun and its workers)."""
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -89,11 +83,11 @@ def torchrun(name: str, cwd: Path, config: Path, timeout: float, *args: str) -> 
     for _ in range(PORT_RETRIES):  # a port found free can be taken before torchrun binds it
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            "--rdzv-backend=static", f"--master-addr={HOST}", f"--master-port={free_port()}",
             "-m", "harness.train", "--config", str(config), *args,
         ]
         code, timed_out, out = _run_once(command, cwd, env, timeout)
-        if code == 0 or "address already in use" not in out.lower():
+        if code == 0 or not port_taken(out):
             break
     return Run(name, code, time.perf_counter() - t, timed_out, out)
 

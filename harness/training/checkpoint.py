@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness.data.config import Config
+from harness.dist.scratch import pid_alive
 from harness.training.atomic import TEMP_NAME, commit, write_atomic, write_temp
 from harness.training.manifest import FORMAT, MANIFEST, SHARED, rank_file, read_manifest, sha256
 
@@ -138,7 +138,8 @@ def audit_run_dir(run_dir: str | Path) -> list[str]:
     Reported: a step directory whose manifest is missing (a checkpoint a kill interrupted) or malformed, or whose
     files are missing, truncated or fail their checksum; and a temporary file (``.NAME.tmp-PID``, see
     :func:`write_atomic`) anywhere under ``run_dir`` whose writing process is no longer running: what a killed run
-    leaves behind. A temporary of a process still running on this machine is being written now, and is not reported.
+    leaves behind. A temporary of a process still running on this machine is being written now, and is not reported;
+    one of a process that has ended but was not reaped yet (a zombie) is (:func:`harness.dist.scratch.pid_alive`).
     A missing ``run_dir`` is one problem.
     """
     root = Path(run_dir)
@@ -153,27 +154,13 @@ def audit_run_dir(run_dir: str | Path) -> list[str]:
             problems.append(f"{folder}: {kind} checkpoint: {exc}")
     for path in sorted(root.rglob(".*.tmp-*")):
         m = TEMP_NAME.match(path.name)
-        if m is None or not path.is_file() or _running(int(m.group("pid"))):
+        if m is None or not path.is_file() or pid_alive(int(m.group("pid"))):
             continue
         problems.append(
             f"{path}: stale temporary file of {m.group('name')}, left by process {m.group('pid')} (no longer "
             "running) when it was killed mid-write; delete it"
         )
     return problems
-
-
-def _running(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    except (OverflowError, OSError):
-        return False  # no such pid can exist
-    return True
 
 
 def trajectory_mismatch(saved: Mapping[str, Any], config: Config) -> tuple[str, Any, Any] | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from harness.data.config import Config, load_config
 from harness.data.corpus import make_corpus, split_rows
 from harness.dist.launcher import Expected, launch
+from harness.dist.ports import HOST, free_port, port_taken
 from harness.model import build_model
 from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file, step_dir_name
 from harness.training.evaluation import EVAL_FILE, evaluate_model
@@ -148,23 +148,17 @@ def test_evaluation_uses_all_reduced_sums_over_the_256_test_sequences(
     assert saved["test_loss"] == pytest.approx(single["test_loss"], rel=1e-6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(cwd: Path, *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     # A port found free can be taken by another process before torchrun binds it: try another one, a few times.
     for _ in range(3):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            "--rdzv-backend=static", f"--master-addr={HOST}", f"--master-port={free_port()}",
             "-m", "harness.train", "--config", str(MINIMUM), *args,
         ]
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-        if done.returncode == 0 or "address already in use" not in (done.stdout + done.stderr).lower():
+        if done.returncode == 0 or not port_taken(done.stdout + done.stderr):
             break
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from harness.battery import checks
 from harness.dist.launcher import launch
+from harness.dist.ports import HOST, free_port
 from harness.testing.skips import requires_two_gpus
 from harness.training.checkpoint import MANIFEST, SHARED, rank_file
 from harness.training.evaluation import EVAL_FILE
@@ -104,17 +104,11 @@ def test_the_mean_of_local_means_is_rejected_on_two_devices(backend: str, cuda_b
 # ------------------------------------------------------------------------------------- seed 000 through torchrun
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def torchrun(cwd: Path, env: dict[str, str], *args: str, backend: str = "nccl") -> None:
     """``torchrun --nproc-per-node=2`` of ``harness.train`` (deterministic) with ``args``; fails with its output."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--no-python", sys.executable, "-c",
+        f"--master-addr={HOST}", f"--master-port={free_port()}", "--no-python", sys.executable, "-c",
         DETERMINISTIC_MAIN, "--config", str(MINIMUM), "--backend", backend, *args,
     ]
     full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -141,6 +141,17 @@ def test_the_audit_names_a_stale_temporary_a_corrupt_step_and_an_incomplete_one(
     assert problems[2].startswith(f"{stale}: stale temporary file of rank-0.pt, left by process {NO_SUCH_PID}")
 
 
+def test_the_audit_names_the_temporary_of_a_writer_that_ended_but_was_not_reaped(
+    tmp_path: Path, zombie_pid: int
+) -> None:
+    """A zombie writer has ended (its pid still answers signal 0): its temporary is a leftover, as a dead one's is."""
+    stale = tmp_path / f".shared.pt.tmp-{zombie_pid}"
+    stale.write_bytes(b"half")
+    assert [f"{stale}: stale temporary file of shared.pt, left by process {zombie_pid}"] == [
+        p.split(" (no longer")[0] for p in audit_run_dir(tmp_path)
+    ]
+
+
 def test_the_audit_reports_a_malformed_manifest_and_a_missing_run_directory(tmp_path: Path) -> None:
     """A manifest without shared.pt is a corrupt step; an absent run directory is one problem."""
     folder = _write(tmp_path, 10)

@@ -102,6 +102,12 @@ def test_make_names_the_folder_after_this_process_and_its_start(monkeypatch: pyt
         made.rmdir()
 
 
+def test_a_zombie_is_not_alive(zombie_pid: int) -> None:
+    """A child that exited and was not reaped yet still answers signal 0, but it has ended."""
+    os.kill(zombie_pid, 0)  # the pid still exists
+    assert not scratch.pid_alive(zombie_pid)
+
+
 def test_a_pid_that_cannot_exist_is_not_alive() -> None:
     """A name with a pid beyond what the system allows is a dead caller, not an error."""
     assert not scratch.pid_alive(10**30)
