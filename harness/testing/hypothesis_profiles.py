@@ -1,14 +1,16 @@
 """Hypothesis profiles, chosen by one environment variable (``HARNESS_HYPOTHESIS_PROFILE``).
 
-* ``quick`` (the default): few examples, so the property tests stay in the default suite at a few seconds. A
-  multi-rank example is one warm launch (~0.1 to 0.3 s on a 2-core machine), so its tests ask for
+* ``quick`` (the default): few examples, so the property tests stay in the default suite. A multi-rank example is
+  one warm launch (a 2-rank DDP step: median 0.078 s, 0.068 to 0.111 s over 20 launches on a 2-core machine, in
+  ``benchmarks/results/launch.json`` from ``benchmarks/launch_bench.py``), so its tests ask for
   ``max_examples(multi=True)``, a fraction of the single-process count.
 * ``thorough``: for nightly runs; many more examples, still no per-example deadline.
 * ``ci``: derandomized (the same examples on every run, no example database), so a red CI run can be reproduced
   locally with ``HARNESS_HYPOTHESIS_PROFILE=ci``. Chosen automatically when ``CI=true`` and the variable is unset.
 
-Every profile has ``deadline=None``: a multi-process example takes tens to hundreds of milliseconds and would trip
-Hypothesis's default 200 ms deadline on a busy machine, which says nothing about the code under test.
+Every profile has ``deadline=None``: a multi-process example costs at least a warm launch (above), more with more
+ranks or steps or on a busy machine, and can trip Hypothesis's default deadline
+(``hypothesis.settings.default.deadline``, 200 ms), which says nothing about the code under test.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from harness.battery.scenarios import BATTERY_CONFIG
 from harness.core.compare import PRECISIONS
 from harness.data.config import Config
 from harness.model import build_model
@@ -30,6 +31,11 @@ def _same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 # --- construction ----------------------------------------------------------------------------------------------------
+
+
+def test_the_model_at_the_battery_size_has_the_parameter_count_its_docstring_gives() -> None:
+    """18,944 parameters (harness/model.py's docstring): the components every parity message of the battery counts."""
+    assert 18_944 == sum(p.numel() for p in _build(BATTERY_CONFIG).parameters())
 
 
 def test_build_model_is_deterministic_for_a_seed() -> None:
