@@ -6,9 +6,11 @@ against the installed libraries.
     python benchmarks/library_table.py [--out benchmarks/results/libraries.json]
 
 Writes the versions (torch, transformers, accelerate, torchtitan) and, per recipe and column, the verdict, its cause,
-finding, max error and message as JSON, and prints the markdown table: library configuration | versions | verdict
-per check | what to change when it fails. Exit 1 when a measured verdict differs from the declared one (the cell
-says which), 2 when a library is missing.
+finding, max error, message and the gradient diagnosis (signature, factor, line: a failing parity verdict's, or the
+run's own where the table declares one for another failing check) as JSON, and prints the markdown table: library
+configuration | versions | verdict per check | diagnosis of the failing parity cases | what to change when it fails.
+Exit 1 when a measured verdict or diagnosis differs from the declared one (the cell says which), 2 when a library is
+missing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.battery.checks import Verdict
+    from harness.battery.runner import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +49,35 @@ def _cell(status: str, cause: str | None, finding: str | None, max_error: float 
     return text
 
 
+def reading(diagnosis: dict[str, object]) -> str:
+    """The short reading of a diagnosis: its sentence's first clause, with the common factor where it is the point."""
+    sentence = str(diagnosis["sentence"])
+    cut = min((i for i in (sentence.find(": "), sentence.find("; "), sentence.find(" (")) if i >= 0),
+              default=len(sentence))
+    text = sentence[:cut]
+    factor = diagnosis.get("factor")
+    if diagnosis["signature"] == "global_scale" and isinstance(factor, float):
+        text += f" (every weight {factor:.3g}x)"
+    elif diagnosis["signature"] == "dropped" and isinstance(factor, float) and abs(factor - 1) > 1e-3:
+        text += f" (the others {factor:.3g}x)"
+    elif diagnosis["signature"] == "float32_computation":
+        text += ", at float32 rounding"
+    return text
+
+
+def _diagnosis_of(run: Run, verdict: Verdict) -> dict[str, object] | None:
+    """A failing parity verdict's diagnosis; for another check, the run's own (the worst window and rank)."""
+    from harness.battery.diagnose import diagnose
+
+    full = verdict.diagnosis
+    if verdict.check != "parity":
+        found = diagnose(run)
+        full = None if found is None else found.to_dict()
+    if full is None:
+        return None
+    return {k: full[k] for k in ("signature", "sentence", "line", "factor", "alternatives")}
+
+
 def measure() -> dict[str, object]:
     from harness.battery import checks, runner
     from harness.recipes.libraries import CASES, LIBRARY_RECIPES, installed_version
@@ -55,12 +91,19 @@ def measure() -> dict[str, object]:
     for recipe in LIBRARY_RECIPES:
         cells = {}
         for column, (check, scenario, world, precision) in CASES.items():
-            v = checks.CHECKS[check](runner.run(recipe.path, scenario, world, precision))
+            run = runner.run(recipe.path, scenario, world, precision)
+            v = checks.CHECKS[check](run)
             want = recipe.expect(column)
+            found = None
+            if v.status == "fail" and (check == "parity" or want.diagnosis is not None):
+                found = _diagnosis_of(run, v)
+            signature = None if found is None else found["signature"]
             cells[column] = {
                 "check": check, "scenario": scenario, "world_size": world, "precision": precision,
-                "status": v.status, "expected": want.status, "as_declared": v.status == want.status,
+                "status": v.status, "expected": want.status,
+                "as_declared": v.status == want.status and signature == want.diagnosis,
                 "cause": v.cause, "finding": v.finding, "max_error": v.max_error, "message": v.message,
+                "diagnosis": found, "diagnosis_expected": want.diagnosis,
                 "cell": _cell(v.status, v.cause, v.finding, v.max_error, v.message),
             }
             print(f"{recipe.name}: {column}: {cells[column]['cell']}", file=sys.stderr, flush=True)
@@ -79,18 +122,40 @@ def measure() -> dict[str, object]:
     }
 
 
+def diagnosis_cell(cases: dict[str, dict[str, object]]) -> str:
+    """The failing parity cases' diagnoses: ``signature``: short reading, grouped; the columns named unless one reading
+    holds for every parity column; ``-`` where parity passes."""
+    parity = [c for c, case in cases.items() if case["check"] == "parity"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for column in parity:
+        found = cases[column]["diagnosis"]
+        if isinstance(found, dict):
+            text = f"`{found['signature']}`"
+            if found["signature"] != cases[column]["diagnosis_expected"]:
+                text += f" (declared `{cases[column]['diagnosis_expected']}`)"
+            groups.setdefault((text, reading(found)), []).append(column)
+    if not groups:
+        return "-"
+    parts = []
+    for (text, read), where in groups.items():
+        named = "" if where == parity else f" ({', '.join(where)})"
+        parts.append(f"{text}{named}: {read}")
+    return "; ".join(parts)
+
+
 def markdown(result: dict[str, object]) -> str:
     columns = list(result["columns"])  # type: ignore[call-overload]
-    head = ["library configuration", "versions", *columns, "what to change when it fails"]
+    head = ["library configuration", "versions", *columns, "diagnosis", "what to change when it fails"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in result["recipes"]:  # type: ignore[attr-defined]
         versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k != "torch")
         cells = []
         for c in columns:
             case = r["cases"][c]
-            cells.append(case["cell"] if case["as_declared"] else f"{case['cell']} (declared {case['expected']})")
+            cells.append(case["cell"] if case["status"] == case["expected"]
+                         else f"{case['cell']} (declared {case['expected']})")
         name = r["recipe"].split(":")[-1]
-        row = [f"`{name}`: {r['configuration']}", versions, *cells, r["fix"] or "-"]
+        row = [f"`{name}`: {r['configuration']}", versions, *cells, diagnosis_cell(r["cases"]), r["fix"] or "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -106,7 +171,7 @@ def main() -> int:
     undeclared = [(r["recipe"], c) for r in result["recipes"] for c, case in r["cases"].items()  # type: ignore[attr-defined]
                   if not case["as_declared"]]
     for recipe, column in undeclared:
-        print(f"measured verdict differs from the declared one: {recipe} {column}", file=sys.stderr)
+        print(f"measured verdict or diagnosis differs from the declared one: {recipe} {column}", file=sys.stderr)
     return 1 if undeclared else 0
 
 

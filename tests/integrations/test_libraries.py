@@ -1,6 +1,6 @@
 """Each library recipe gives, against the installed library, the verdicts ``harness.recipes.libraries.LIBRARY_RECIPES``
-declares: a library release that changes its behaviour fails here, naming the version measured and the reason the
-verdict was expected."""
+declares, and on each failing gradient the diagnosis signature it declares: a library release that changes its
+behaviour fails here, naming the version measured and the reason the verdict was expected."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 
 from harness.battery import checks, runner
+from harness.battery.diagnose import diagnose
 from harness.recipes.libraries import CASES, LIBRARY_RECIPES, TESTED_WITH, LibraryRecipe, installed_version
 from harness.recipes.libraries._common import EXTRA_HINT, TORCHTITAN_HINT
 
@@ -26,7 +27,7 @@ def _require(library: str) -> None:
 
 
 def _params() -> list[object]:
-    out = []
+    out: list[object] = []
     for recipe in LIBRARY_RECIPES:
         for column in CASES:
             # A recipe's cases run on one xdist worker (--dist loadgroup): the cases sharing a launch launch it once,
@@ -40,7 +41,8 @@ def _params() -> list[object]:
 def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, column: str) -> None:
     _require(recipe.library)
     check, scenario, world, precision = CASES[column]
-    verdict = checks.CHECKS[check](runner.run(recipe.path, scenario, world, precision))
+    run = runner.run(recipe.path, scenario, world, precision)
+    verdict = checks.CHECKS[check](run)
     want = recipe.expect(column)
     version = installed_version(recipe.library)
     context = (f"{recipe.name} with {recipe.library} {version} (verdicts declared for {TESTED_WITH[recipe.library]}): "
@@ -51,11 +53,30 @@ def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, colu
         assert "numbers" == verdict.cause, f"failed for another reason than its numbers: {context}"
     if want.finding is not None:
         assert want.finding == verdict.finding, context
+    if want.diagnosis is not None:
+        if check == "parity":
+            assert verdict.diagnosis is not None, f"a failing parity verdict without a diagnosis: {context}"
+            line = str(verdict.diagnosis["line"])
+            signature = verdict.diagnosis["signature"]
+        else:
+            found = diagnose(run)
+            assert found is not None, f"the run left no gradient to diagnose: {context}"
+            line, signature = found.line(), found.signature.name
+        assert want.diagnosis == signature, f"expected the diagnosis {want.diagnosis}, got {line}: {context}"
 
 
 def test_every_declared_column_is_a_case() -> None:
     """The table names only the columns the tests and the README run."""
     assert [] == [(r.name, c) for r in LIBRARY_RECIPES for c in r.expected if c not in CASES]
+
+
+def test_every_failing_parity_case_declares_its_diagnosis() -> None:
+    """A failing parity verdict carries a diagnosis: the table says which, and only failures declare one."""
+    parity = [c for c, case in CASES.items() if case[0] == "parity"]
+    assert [] == [(r.name, c) for r in LIBRARY_RECIPES for c in parity
+                  if r.expect(c).status == "fail" and r.expect(c).diagnosis is None]
+    assert [] == [(r.name, c) for r in LIBRARY_RECIPES for c, e in r.expected.items()
+                  if e.diagnosis is not None and e.status != "fail"]
 
 
 def test_the_trainer_step_on_a_transformers_model_gives_the_global_token_mean(

@@ -1,6 +1,7 @@
 """Recipes for real libraries: transformers' loss as its Trainer normalizes it, accelerate's gradient accumulation,
 torchtitan's loss, each as users write it and corrected, and :data:`LIBRARY_RECIPES`, the verdicts the battery must
-give each one (the integrations tests assert them; ``benchmarks/library_table.py`` measures them for the README).
+give each one and the signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must read off each failing
+gradient (the integrations tests assert both; ``benchmarks/library_table.py`` measures them for the README).
 
 Any of them runs through the battery like a user's recipe, e.g.
 ``python -m harness battery --recipe harness.recipes.libraries.transformers_loss:transformers_global_items``.
@@ -32,16 +33,19 @@ final window); ``all_empty``: no supervised token anywhere."""
 
 @dataclass(frozen=True)
 class Expect:
-    """The verdict a case must give: ``"pass"`` or ``"fail"``, why, and the finding a failure must carry if any."""
+    """The verdict a case must give: ``"pass"`` or ``"fail"``, why, the finding a failure must carry if any, and the
+    signature the gradient diagnosis must give the case's run (required on a failing parity case: its verdict carries
+    the diagnosis; on another failing case the run is diagnosed directly)."""
 
     status: str
     why: str
     finding: str | None = None
+    diagnosis: str | None = None
 
 
 PASS = Expect("pass", "right")
 FLOAT32_LOSS = Expect("fail", "the library computes the loss in float32 (logits.float()): the float64 lane fails at "
-                      "float32 rounding scale", "float32_computation")
+                      "float32 rounding scale", "float32_computation", diagnosis="float32_computation")
 NAN_ON_EMPTY = Expect("fail", "no supervised token anywhere: the loss is 0/0 and every gradient NaN, no error raised")
 
 
@@ -81,9 +85,11 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         "Trainer loss, `average_tokens_across_devices=False`: this rank's `num_items_in_batch`",
         "set `average_tokens_across_devices=True`",
         {
-            "parity": Expect("fail", "a mean of local means: each rank divides by its own count, DDP averages"),
-            "parity fp64": Expect("fail", "a mean of local means (and float32 computation)"),
-            "parity single": Expect("fail", "a mean of local means"),
+            "parity": Expect("fail", "a mean of local means: each rank divides by its own count, DDP averages",
+                             diagnosis="mean_of_local_means"),
+            "parity fp64": Expect("fail", "a mean of local means (and float32 computation)",
+                                  diagnosis="mean_of_local_means"),
+            "parity single": Expect("fail", "a mean of local means", diagnosis="mean_of_local_means"),
             "logged_loss": Expect("fail", "the logged loss is the mean over ranks of local means"),
             "empty_window": NAN_ON_EMPTY,
         },
@@ -96,12 +102,16 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         "divides by it); `no_sync(model)` around all but the window's last microbatch instead of `accumulate`; stop "
         "on a zero global count",
         {
-            "parity": Expect("fail", "a mean of per-microbatch means, divided by gradient_accumulation_steps"),
-            "parity fp64": Expect("fail", "a mean of per-microbatch means"),
+            "parity": Expect("fail", "a mean of per-microbatch means, divided by gradient_accumulation_steps",
+                             diagnosis="per_microbatch_mean"),
+            "parity fp64": Expect("fail", "a mean of per-microbatch means", diagnosis="per_microbatch_mean"),
+            # Not "not_synchronized": that signature is a right loss left unsynchronized (the rank's own blocks W
+            # times too heavy); here each rank's own block is its local mean halved by backward (see the module).
             "parity single": Expect("fail", "accumulate's counter never reached 2: no synchronization, each rank "
-                                    "kept its own gradient"),
+                                    "kept its own gradient (its local mean / gradient_accumulation_steps)",
+                                    diagnosis="dropped"),
             "one_sync single": Expect("fail", "accumulate syncs by its own step counter: a one-microbatch window "
-                                      "never synchronizes"),
+                                      "never synchronizes", diagnosis="dropped"),
             "logged_loss": Expect("fail", "accelerator.reduce(mean of microbatch means) is a mean of means"),
             "empty_window": Expect("fail", "a mean over no token is NaN: NaN gradients, no error raised"),
         },
@@ -119,9 +129,9 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         "around all but the last microbatch; stop when `global_valid_tokens` is 0",
         {
             "parity": Expect("fail", "the world-size factor is missing: right under a summing reduction, DDP "
-                             "averages"),
-            "parity fp64": Expect("fail", "the world-size factor is missing"),
-            "parity single": Expect("fail", "the world-size factor is missing"),
+                             "averages", diagnosis="global_scale"),
+            "parity fp64": Expect("fail", "the world-size factor is missing", diagnosis="global_scale"),
+            "parity single": Expect("fail", "the world-size factor is missing", diagnosis="global_scale"),
             "one_sync": Expect("fail", "no gradient-sync suppression: DDP synchronizes after every microbatch (a "
                                "cost, not a wrong gradient)"),
             "empty_window": NAN_ON_EMPTY,
@@ -134,7 +144,10 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         {"parity fp64": FLOAT32_LOSS},
     ),
 )
-"""Every library configuration and the verdicts the battery must give it (columns of :data:`CASES`; unlisted: pass)."""
+"""Every library configuration and the verdicts the battery must give it (columns of :data:`CASES`; unlisted: pass),
+with the diagnosis of each failing gradient (measured with ``benchmarks/library_table.py``: the mean of local means
+for the Trainer's local count, a mean per microbatch for accelerate's loop, the missing world-size factor for
+torchtitan under DDP, float32 computation where only the float64 lane fails)."""
 
 
 def installed_version(library: str) -> str | None:

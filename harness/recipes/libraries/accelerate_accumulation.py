@@ -36,6 +36,16 @@ Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` i
   empty_window FAIL (a mean over no token is NaN: NaN gradients, no error).
 - corrected: every check PASS.
 
+What the gradient diagnosis reads (``harness.battery.diagnose``; the tests assert the signatures): on the uneven
+window ``per_microbatch_mean`` exactly, in both lanes (each microbatch's tokens weigh ``1/(k * W * its own count)``:
+the ``1/k`` is ``backward``'s division by ``gradient_accumulation_steps``, here equal to the window's k=2). On the
+single window it reads ``dropped``, not ``not_synchronized``: rank 0's gradient holds rank 1's microbatch at weight 0
+(never synchronized) and its own at ``1/(2 * 156)`` where the global token mean gives ``1/553`` ("normalized by 312
+tokens"; rank 1's reads 794 = 2 x 397). ``not_synchronized`` is the catalog's name for a right loss left
+unsynchronized, whose own microbatches weigh exactly W times the right weight; accelerate's unsynchronized loss is
+also a local mean halved by ``backward``, so the own block's ratio is ``N / (2 * n_r)`` (1.77 and 0.70), not W,
+and the reading left is "the peer's microbatch contributed nothing, the rest scaled by a count of other tokens".
+
 What to change: normalize by the global token count (the window's ``labels != -100`` summed with
 ``accelerator.reduce``), multiply the loss sum by ``num_processes`` and by ``gradient_accumulation_steps``, put
 ``accelerator.no_sync(model)`` around all microbatches but the window's last (or give ``accumulate`` a prepared

@@ -24,6 +24,11 @@ loss is float32 by design, so parity is asserted in both lanes: the float64 lane
   summed losses are the global token mean); hygiene PASS; empty_window FAIL (0/0: NaN gradients, no error).
 - torchtitan_loss_corrected: parity PASS in float32; one_sync, logged_loss, hygiene and empty_window PASS.
 
+The gradient diagnosis reads ``global_scale`` (every weight 0.5x) on torchtitan_loss's failing parity cases: "the
+world-size factor is missing (every weight is 1/W of what it should be, W=2)"; on the uneven window (W = k = 2) its
+sentence adds that those counts cannot tell it from an extra division by k. The corrected recipe's float64 failure
+reads ``float32_computation``.
+
 What to change under DDP: multiply the loss by the data-parallel world size (or register a summing comm hook), wrap
 all but the last microbatch in ``no_sync()``, and stop when ``global_valid_tokens`` is 0.
 """

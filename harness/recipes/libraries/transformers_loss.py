@@ -28,7 +28,10 @@ Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` i
   hygiene PASS; empty_window FAIL: with no supervised token anywhere ``num_items_in_batch`` is 0, the loss is 0/0 and
   every gradient NaN, and the Trainer does not stop (``logging_nan_inf_filter`` only hides the logged value).
 - local items: parity FAIL on the uneven scenario (rank 0 and rank 1 hold different counts); logged_loss FAIL (the
-  mean of local means again); one_sync and hygiene PASS; empty_window FAIL as above.
+  mean of local means again); one_sync and hygiene PASS; empty_window FAIL as above. The gradient diagnosis reads
+  ``mean_of_local_means`` on every failing parity case (in the float64 lane too: the re-weighting dominates the
+  float32 rounding); on the single window (k=1) its sentence adds that those counts cannot tell it from
+  ``per_microbatch_mean``. The global-items recipe's float64 failure reads ``float32_computation``.
 
 What to change: keep ``average_tokens_across_devices=True`` (the default) for data-parallel training; skip the step
 when the gathered ``num_items_in_batch`` is 0 (a custom ``training_step`` or a collator that never yields a window
