@@ -60,6 +60,8 @@ def reading(diagnosis: dict[str, object]) -> str:
         text += f" (every weight {factor:.3g}x)"
     elif diagnosis["signature"] == "dropped" and isinstance(factor, float) and abs(factor - 1) > 1e-3:
         text += f" (the others {factor:.3g}x)"
+    elif diagnosis["signature"] == "not_synchronized" and isinstance(factor, float):
+        text += f" (its own microbatches {factor:.3g}x)"
     elif diagnosis["signature"] == "float32_computation":
         text += ", at float32 rounding"
     return text

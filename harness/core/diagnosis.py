@@ -30,7 +30,8 @@ SIGNATURES: dict[str, str] = {
     "per_sequence_mean": "each sequence's tokens weigh in inverse proportion to its own length: a mean per sequence",
     "dropped": "some blocks weigh nothing (a rank or microbatch that never reached backward), the rest alike",
     "double_counted": "some blocks weigh twice what the others do (a microbatch backpropagated twice)",
-    "not_synchronized": "a rank's gradient holds only its own microbatches, W times too heavy: no synchronization",
+    "not_synchronized": "a rank's gradient holds only its own microbatches (W times the right weight when its loss was "
+                        "right): no synchronization",
     "nonfinite": "the gradient holds NaN or inf (a division by a zero count)",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
@@ -276,6 +277,9 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         return Signature("unexplained", f"not a re-weighting of the microbatches' losses (the best weights leave "
                          f"{fit.residual:.2e} of the gradient unexplained)")
     exact = EXACT_TOLERANCE.get(precision, EXACT_TOLERANCE["fp32"])
+    unsynced = _own_blocks_only(blocks, q, world_size, rank)
+    if unsynced is not None:
+        return unsynced
     found: list[tuple[float, str, float]] = []
     for name, p in patterns(blocks, world_size).items():
         c, dev = _scale_fit(q, p)
@@ -306,11 +310,6 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
     groups = _block_groups(blocks, q)
     if groups is not None:
         c, by = groups
-        own = {i for i, b in enumerate(blocks) if b.rank == rank and b.tokens > 0}
-        if world_size > 1 and own and set(by[1]) == own and not by[2] and abs(c - world_size) <= MATCH_TOLERANCE * c:
-            return Signature("not_synchronized", f"rank {rank}'s gradient holds only its own microbatches, each W="
-                             f"{world_size} times too heavy: the gradients were never synchronized (a last backward "
-                             "inside no_sync())", c, blocks=tuple(b.label() for b in blocks if b.rank != rank))
         dropped = tuple(blocks[i].label() for i in by[0])
         doubled = tuple(blocks[i].label() for i in by[2])
         parts = []
@@ -324,6 +323,30 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         return Signature(name, "; ".join(parts), c, blocks=dropped or doubled)
     return Signature("unexplained", "a re-weighting outside the catalog (the residual is small): read the weight "
                      "table")
+
+
+def _own_blocks_only(blocks: Sequence[Block], q: Sequence[float], world_size: int,
+                     rank: int | None) -> Signature | None:
+    """``not_synchronized`` when the fitted rank's gradient holds its own blocks and nothing of any other rank's,
+    whatever its own blocks weigh (named: W times the right weight is a correct local step never synchronized)."""
+    if world_size < 2 or rank is None:
+        return None
+    live = [(b, v) for b, v in zip(blocks, q) if b.tokens > 0 and math.isfinite(v)]
+    own = [v for b, v in live if b.rank == rank]
+    others = [v for b, v in live if b.rank != rank]
+    top = max((abs(v) for _, v in live), default=0.0)
+    if not own or not others or top == 0:
+        return None
+    if any(abs(v) > MATCH_TOLERANCE * top for v in others) or any(abs(v) <= MATCH_TOLERANCE * top for v in own):
+        return None
+    head = (f"rank {rank}'s gradient holds only its own microbatches: the gradients were never synchronized (the last "
+            "backward ran inside no_sync(), or the synchronization was keyed to something other than the window's end)")
+    if all(abs(v - world_size) <= MATCH_TOLERANCE * world_size for v in own):
+        words = f"; its own tokens weigh W={world_size} times the right weight, as a synchronized step would have given"
+    else:
+        words = f"; its own microbatches weigh {_join([f'{v:.3g}x' for v in own])} the right weight"
+    return Signature("not_synchronized", head + words, sum(own) / len(own),
+                     blocks=tuple(b.label() for b, _ in live if b.rank != rank))
 
 
 def classify_sequences(blocks: Sequence[Block], fit: Fit) -> Signature | None:

@@ -105,13 +105,13 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
             "parity": Expect("fail", "a mean of per-microbatch means, divided by gradient_accumulation_steps",
                              diagnosis="per_microbatch_mean"),
             "parity fp64": Expect("fail", "a mean of per-microbatch means", diagnosis="per_microbatch_mean"),
-            # Not "not_synchronized": that signature is a right loss left unsynchronized (the rank's own blocks W
-            # times too heavy); here each rank's own block is its local mean halved by backward (see the module).
+            # Each rank's gradient holds its own microbatch only, at its local mean halved by backward (see the
+            # module): read as not synchronized, with the own block's weight named.
             "parity single": Expect("fail", "accumulate's counter never reached 2: no synchronization, each rank "
                                     "kept its own gradient (its local mean / gradient_accumulation_steps)",
-                                    diagnosis="dropped"),
+                                    diagnosis="not_synchronized"),
             "one_sync single": Expect("fail", "accumulate syncs by its own step counter: a one-microbatch window "
-                                      "never synchronizes", diagnosis="dropped"),
+                                      "never synchronizes", diagnosis="not_synchronized"),
             "logged_loss": Expect("fail", "accelerator.reduce(mean of microbatch means) is a mean of means"),
             "empty_window": Expect("fail", "a mean over no token is NaN: NaN gradients, no error raised"),
         },

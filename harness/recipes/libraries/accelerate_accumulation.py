@@ -39,12 +39,10 @@ Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` i
 What the gradient diagnosis reads (``harness.battery.diagnose``; the tests assert the signatures): on the uneven
 window ``per_microbatch_mean`` exactly, in both lanes (each microbatch's tokens weigh ``1/(k * W * its own count)``:
 the ``1/k`` is ``backward``'s division by ``gradient_accumulation_steps``, here equal to the window's k=2). On the
-single window it reads ``dropped``, not ``not_synchronized``: rank 0's gradient holds rank 1's microbatch at weight 0
-(never synchronized) and its own at ``1/(2 * 156)`` where the global token mean gives ``1/553`` ("normalized by 312
-tokens"; rank 1's reads 794 = 2 x 397). ``not_synchronized`` is the catalog's name for a right loss left
-unsynchronized, whose own microbatches weigh exactly W times the right weight; accelerate's unsynchronized loss is
-also a local mean halved by ``backward``, so the own block's ratio is ``N / (2 * n_r)`` (1.77 and 0.70), not W,
-and the reading left is "the peer's microbatch contributed nothing, the rest scaled by a count of other tokens".
+single window it reads ``not_synchronized``: rank 0's gradient holds rank 1's microbatch at weight 0 (never
+synchronized) and its own at ``1/(2 * 156)`` where the global token mean gives ``1/553``: a ratio of 1.77 (rank 1's
+reads 0.70), not the W a right loss left unsynchronized would give, because accelerate's loss is also a local mean
+halved by ``backward``; the sentence names that ratio.
 
 What to change: normalize by the global token count (the window's ``labels != -100`` summed with
 ``accelerator.reduce``), multiply the loss sum by ``num_processes`` and by ``gradient_accumulation_steps``, put
