@@ -119,15 +119,15 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
 
 
 def format_controls(results: Sequence[ControlResult]) -> str:
-    """One line per control and world size: its target, the verdict there, and whether it was rejected."""
-    lines = []
-    for r in results:
-        v = r.verdict
-        what = "rejected" if r.rejected else "NOT REJECTED"
-        read = f"  diagnosis: {r.signature}" if r.signature else ""
-        lines.append(f"{r.control:32s} {v.check} ({v.scenario}, W={v.world_size}, {v.precision}): {_cell(v):24s} "
-                     f"{what}{read}")
-    return "\n".join(lines)
+    """One line per control and world size: its target, the verdict there, whether it was rejected, and what the
+    diagnosis reads in its gradient."""
+    rows = [(r.control, f"{r.verdict.check} ({r.verdict.scenario}, W={r.verdict.world_size}, {r.verdict.precision}):",
+             _cell(r.verdict), "rejected" if r.rejected else "NOT REJECTED",
+             f"diagnosis: {r.signature}" if r.signature else "no gradient to read") for r in results]
+    if not rows:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
 
 
 def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: int, exit_status: int,

@@ -79,7 +79,8 @@ def cmd_battery(args: argparse.Namespace) -> int:
     if verdicts:
         print(format_table(verdicts))
     if results:
-        print(("\n" if verdicts else "") + "negative controls, each on its target:\n" + format_controls(results))
+        head = "negative controls, each on its target, and what the diagnosis reads in their gradients:"
+        print(("\n" if verdicts else "") + head + "\n" + format_controls(results))
     failed = [v for v in verdicts if not v.passed]
     unrejected = [c for c in results if not c.rejected]
     status = 1 if failed or unrejected else 0
