@@ -80,6 +80,31 @@ class ModelSpec:
         return loss_sum(logits_of(model(mb.inputs)), mb.labels)
 
 
+def probe(path: str, batch_format: str = HARNESS) -> None:
+    """Build ``--model`` once and run one battery microbatch through it under ``batch_format``, so that a factory
+    that cannot be built, an output the harness cannot read logits from, or logits of the wrong shape are a usage
+    error before any rank starts (:class:`harness.model.ModelError`, naming the path and the fix)."""
+    from harness.model import ModelError
+
+    spec = ModelSpec(path, batch_format)
+    model = spec.build()
+    mb = scenarios.build("single", 1)[0][0][0]
+    row = Microbatch(mb.inputs[:1], mb.labels[:1])
+    try:
+        with torch.no_grad():
+            total = spec.loss_sum(model, row)
+    except Exception as exc:
+        call = ("model(input_ids=..., attention_mask=...)" if batch_format == HF else "model(inputs)")
+        msg = (f"model={path!r}: {call} on one battery microbatch (batch format {batch_format!r}) failed: "
+               f"{type(exc).__name__}: {exc}. The model must take token ids [B, T] of the battery's vocabulary "
+               f"({scenarios.BATTERY_CONFIG.vocab_size}) and return logits [B, T, V] as a tensor, an object with "
+               ".logits, or a tuple whose first element is the logits")
+        raise ModelError(msg) from exc
+    if total.dim() != 0 or not bool(torch.isfinite(total)):
+        msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
+        raise ModelError(msg)
+
+
 def weights_digest(model: nn.Module) -> str:
     """A fingerprint of the weights (bitwise): equal digests, equal initial weights."""
     return hashlib.sha256(flat_params(model).detach().cpu().numpy().tobytes()).hexdigest()
@@ -93,4 +118,4 @@ def model_module(path: str | None) -> str | None:
     return path.split(":")[0]
 
 
-__all__ = ["ModelSpec", "model_module", "weights_digest"]
+__all__ = ["ModelSpec", "model_module", "probe", "weights_digest"]

@@ -84,10 +84,11 @@ def pytest_configure(config: pytest.Config) -> None:
         except RecipeError as exc:
             raise pytest.UsageError(f"--recipe: {exc}") from None
     if config.getoption("model") is not None:
-        from harness.model import ModelError, build_user_model
+        from harness.battery.spec import probe
+        from harness.model import ModelError
 
         try:
-            build_user_model(config.getoption("model"), 0)
+            probe(config.getoption("model"), config.getoption("batch_format"))
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}") from None
     _check_required_gpus()

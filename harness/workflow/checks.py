@@ -17,13 +17,15 @@ from harness.workflow.commands import config_from, config_path_of, err, outputs_
 from harness.workflow.outputs import BadInput, leftover_in_use
 
 
-def check_model_option(model: str | None) -> str | None:
-    """``--model`` built once in this process before any rank starts: a bad path or factory is bad input (exit 2)."""
+def check_model_option(model: str | None, batch_format: str = "harness") -> str | None:
+    """``--model`` built once in this process and run on one microbatch before any rank starts: a bad path, factory
+    or output is bad input (exit 2)."""
     if model is not None:
-        from harness.model import ModelError, build_user_model
+        from harness.battery.spec import probe
+        from harness.model import ModelError
 
         try:
-            build_user_model(model, 0)
+            probe(model, batch_format)
         except ModelError as exc:
             raise BadInput(f"--model: {exc}") from None
     return model
@@ -58,8 +60,8 @@ def cmd_battery(args: argparse.Namespace) -> int:
             load_recipe(r)
         except RecipeError as exc:
             raise BadInput(f"--recipe: {exc}") from None
-    model = check_model_option(getattr(args, "model", None))
     batch_format = getattr(args, "batch_format", "harness")
+    model = check_model_option(getattr(args, "model", None), batch_format)
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     if args.examples < 0:

@@ -100,7 +100,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         load_recipe(args.recipe)
     except RecipeError as exc:
         raise BadInput(f"--recipe: {exc}") from None
-    model = check_model_option(args.model)
+    model = check_model_option(args.model, args.batch_format)
     start = time.monotonic()
     run = runner.run(args.recipe, args.scenario, args.world_size, args.precision, model=model,
                      batch_format=args.batch_format, deadline=args.deadline)

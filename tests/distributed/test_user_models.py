@@ -107,6 +107,24 @@ def test_a_bad_model_option_is_a_usage_error_naming_it() -> None:
     assert "--model: model='user_recipes.models:returns_a_string' returned a str" in done.stderr
 
 
+def test_a_model_without_logits_is_refused_before_any_rank_starts() -> None:
+    """A forward pass on one battery microbatch, in the parent: an output without logits is a usage error naming
+    --model and what the harness reads logits from, in both lanes and both batch formats."""
+    from harness.battery.spec import probe
+    from harness.model import ModelError
+
+    for fmt in ("harness", "hf"):
+        with pytest.raises(ModelError, match=r"model='user_recipes.models:HiddenStatesOnly': .* returned dict"):
+            probe("user_recipes.models:HiddenStatesOnly", fmt)
+    probe(MODEL, "hf")  # a model the harness can read passes
+    done = _run("-m", "harness", "explain", "--recipe", "harness.recipes:global_token_mean", "--model",
+                "user_recipes.models:HiddenStatesOnly", "--batch-format", "hf")
+    assert 2 == done.returncode, done.stdout + done.stderr
+    assert "--model: model='user_recipes.models:HiddenStatesOnly': model(input_ids=..., attention_mask=...)" in (
+        done.stderr)
+    assert "an object with .logits" in done.stderr
+
+
 @pytest.mark.slow
 def test_both_lanes_take_the_model_and_the_batch_format(tmp_path: Path) -> None:
     """pytest and the command line judge the hf recipe on the user's model (W=2, float32, the uneven scenario) with

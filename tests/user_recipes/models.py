@@ -99,3 +99,15 @@ def hides_a_parameter_from_ddp() -> ConvLM:
     model = ConvLM()
     model._ddp_params_and_buffers_to_ignore = ["conv2.weight"]  # type: ignore[assignment]
     return model
+
+
+class HiddenStatesOnly(nn.Module):
+    """Returns a dict of hidden states and no logits (a base model without its LM head): ``--model`` must refuse it
+    before any rank starts, saying what the harness reads logits from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {"last_hidden_state": self.embed(input_ids)}
