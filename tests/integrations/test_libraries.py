@@ -89,3 +89,16 @@ def test_the_trainer_step_on_a_transformers_model_gives_the_global_token_mean(
                      model="integrations.hf_models:tiny_llama", batch_format="hf")
     verdicts = [checks.CHECKS[c](run) for c in ("parity", "one_sync", "logged_loss", "hygiene")]
     assert [] == [v.message for v in verdicts if v.status != "pass"]
+
+
+def test_accelerate_prepare_wraps_an_already_wrapped_model_in_a_second_ddp() -> None:
+    """Why the accelerate recipes hand the harness's DDP model to ``accumulate``/``no_sync`` without ``prepare``:
+    on two gloo ranks, ``prepare`` wraps a DDP model in another DDP (two reductions per backward)."""
+    pytest.importorskip("accelerate", reason=EXTRA_HINT)
+    from integrations.bodies import prepare_wrapped_model
+
+    from harness.dist.launcher import launch
+
+    chains = launch(prepare_wrapped_model, 2, deadline=120)
+    for chain in chains:
+        assert ["DistributedDataParallel", "DistributedDataParallel", "TinyCausalLM"] == chain
