@@ -10,6 +10,7 @@ right, 1 when it is not (or the run left no gradient to read), 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import math
 import re
@@ -138,8 +139,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
                "precision": args.precision, "model": model, "batch_format": args.batch_format,
                "run_seconds": ran, "diagnosis_seconds": took, **found.to_dict()}
     write_json(out / f"{stem}.json", payload)
-    figure = write_weight_figure(out / f"{stem}.png", found)
-    print(f"\nwritten: {out / f'{stem}.json'} and {figure}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"\nwritten: {out / f'{stem}.json'} (no figure: matplotlib is not installed; pip install matplotlib)")
+    else:
+        figure = write_weight_figure(out / f"{stem}.png", found)
+        print(f"\nwritten: {out / f'{stem}.json'} and {figure}")
     if found.right:
         print("the weighting is right: this step optimizes the global token mean")
         return 0
