@@ -49,6 +49,10 @@ EXACT_TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9}
 EXPLAINED_RESIDUAL = 1e-4
 """Largest relative residual ``|G w - g| / |g|`` of a fit that explains ``g`` as a re-weighting."""
 
+MAX_CONDITION = 1e6
+"""Largest condition number of the block gradients for which the fitted weights are read at all: past it, float32
+rounding of ``g`` alone moves the weights by more than :data:`MATCH_TOLERANCE`."""
+
 FLOAT64_RESIDUAL = 1e-10
 """A float64 gradient's residual above this, with the right weights, is float32 rounding somewhere."""
 
@@ -233,7 +237,8 @@ def name_factor(c: float, blocks: Sequence[Block], world_size: int,
     if matches:
         return " or ".join(matches) + f" (every weight is {c:.4g}x; these counts cannot tell them apart)"
     return (f"every weight is {c:.6g} times the right one: the loss was normalized by {n / c:.6g} tokens where the "
-            f"window holds N={n} (a count of other tokens: another window's, one microbatch's, a local one)")
+            f"window holds N={n} (a count of other tokens: another window's, one microbatch's, a local one), or the "
+            "gradient was scaled after backward (clipping, a loss scale not undone)")
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -273,6 +278,10 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
     """
     n = sum(b.tokens for b in blocks)
     q = [float(w) * n for w in fit.weights]
+    if not fit.condition <= MAX_CONDITION:
+        return Signature("unexplained", f"the blocks' gradients are too alike to weigh them apart (condition number "
+                         f"{fit.condition:.3g}; more blocks than gradient components, or microbatches that give the "
+                         "same gradient): read the per-parameter table")
     if fit.residual > EXPLAINED_RESIDUAL:
         return Signature("unexplained", f"not a re-weighting of the microbatches' losses (the best weights leave "
                          f"{fit.residual:.2e} of the gradient unexplained)")

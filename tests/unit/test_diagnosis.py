@@ -197,3 +197,13 @@ def test_a_block_without_a_token_gets_no_weight() -> None:
 def test_shapes_that_do_not_match_are_refused_with_both_shapes() -> None:
     with pytest.raises(ValueError, match=r"columns \(3, 2\) and g \(4,\)"):
         dx.fit_weights(torch.zeros(3, 2), torch.zeros(4))
+
+
+def test_blocks_too_alike_to_weigh_apart_are_not_given_a_signature() -> None:
+    """Two blocks with the same gradient: any split of their weight fits, so no reading of the weights is offered."""
+    col = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    fit = dx.fit_weights(torch.stack([col, col], dim=1), col * 0.5)
+    assert fit.condition > dx.MAX_CONDITION
+    blocks = [dx.Block(0, 0, 10), dx.Block(1, 0, 10)]
+    sig = dx.classify(blocks, fit, 2, "fp32", rank=0)
+    assert "unexplained" == sig.name and "too alike" in sig.sentence
