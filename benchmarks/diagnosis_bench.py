@@ -25,6 +25,7 @@ CASES = (
     ("harness.recipes:per_microbatch_mean", "uneven", 4),
     ("harness.recipes:extra_microbatch_division", "long", 3),
     ("harness.recipes:global_token_mean", "varying", 2),
+    ("harness.recipes:global_token_mean", "long", 3),
 )
 
 
@@ -55,7 +56,9 @@ def main() -> None:
             "recipe": recipe, "scenario": scenario, "world_size": world,
             "microbatches": sum(len(mbs) for mbs in windows[found.window]),
             "signature": found.signature.name, "condition": round(found.condition, 3),
-            "residual": float(f"{found.residual:.3g}"), "parity_run": r, "diagnosis": d,
+            "residual": float(f"{found.residual:.3g}"),
+            "max_ratio_error": float(f"{max(abs(q - 1) for q in found.ratios() if q == q):.3g}"),
+            "parity_run": r, "diagnosis": d,
             "ratio": round(d["median_s"] / r["median_s"], 3),
         })
         print(f"{recipe.split(':')[-1]:28s} {scenario:8s} W={world}: run {r['median_s']:.3f} s, diagnosis "

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from harness.battery.diagnose import diagnose
+from harness.battery.diagnose import diagnose, worst
 from harness.battery.runner import Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
 
@@ -126,23 +126,18 @@ def parity(run: Run) -> Verdict:
     if bad:
         return bad
     assert run.records is not None
-    worst = None
-    for k, ref in enumerate(run.references):
-        assert ref is not None
-        for rank in range(run.world_size):
-            c = compare(run.records[rank][k].grad, ref.gradient)  # type: ignore[arg-type]
-            if worst is None or not c.worst_ratio <= worst[0].worst_ratio:
-                worst = (c, k, rank)
-    assert worst is not None
-    c, k, rank = worst
+    picked = worst(run)
+    assert picked is not None
+    k, rank = picked
+    ref = run.references[k]
+    assert ref is not None
+    c = compare(run.records[rank][k].grad, ref.gradient)  # type: ignore[arg-type]
     numbers = {"max_error": c.max_abs_error, "worst_ratio": c.worst_ratio, "over_tolerance": c.over_tolerance}
     detail = f"worst on rank {rank}: {c.summary()}"
     if c.passed:
         return _passed("parity", run, detail, window=k, **numbers)
     finding = None
     if run.precision == "fp64":
-        ref = run.references[k]
-        assert ref is not None
         atol, rtol = tolerances(torch.float32)
         if compare(run.records[rank][k].grad, ref.gradient, atol=atol, rtol=rtol).passed:  # type: ignore[arg-type]
             finding = "float32_computation"

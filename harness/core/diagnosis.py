@@ -39,9 +39,9 @@ SIGNATURES: dict[str, str] = {
 """The catalog: each signature's name and what its weights look like (``ratio = weight / (1/N)``)."""
 
 MATCH_TOLERANCE = 1e-3
-"""Largest relative deviation between fitted ratios and a signature's pattern for the signature to match. The fit
-itself is good to about 1e-6 on float32 gradients (condition numbers 4-6 on the battery's windows); distinct
-signatures on real counts differ by percents."""
+"""Largest relative deviation between fitted ratios and a signature's pattern for the signature to match. Fitted from
+float32 gradients, the right recipe's ratios sit within 1e-7 of 1 (``max_ratio_error`` in
+``benchmarks/results/diagnosis.json``); distinct signatures on real counts differ by percents."""
 
 EXACT_TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9}
 """Largest ``|ratio - 1|`` still called right, by the precision of the gradient that was fitted."""

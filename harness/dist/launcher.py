@@ -33,7 +33,8 @@ Why it looks the way it does:
   started; each rank replaces it with the caller's ``os.environ`` as of the launch (then ``env=``), before it imports
   the module of its function.
 * **Start-up has its own timeout.** The rendezvous and the first barrier may take as long as the deadline (a late rank
-  on a loaded machine); the shorter process-group timeout applies from the first barrier on.
+  on a loaded machine); from the first barrier on, the process-group timeout is the shorter one, cut further to what
+  start-up left of the deadline (less the margin), so a stuck collective still raises before the deadline fires.
 
 The parts: this module (the public :func:`launch` and :func:`progress`, argument checks), :mod:`.forkserver` (the
 server, its preload and restart), :mod:`.rank` (what runs in a rank), :mod:`.watch` (the parent's watch loop: results,
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -122,11 +124,12 @@ def launch(
     _check_launch_args(fn, world_size, deadline, backend, device, expect, threads, env, lockstep_grace, preload)
     # The process group must give up before the launcher does, so that a stuck collective surfaces as an error
     # with a traceback rather than as a kill at the deadline.
-    pg_timeout = max(1.0, min(deadline - 1.0, deadline * 0.75))
+    pg_timeout = rank.collective_timeout(deadline)
     # Start-up (rendezvous and first barrier) may use the whole deadline where the process-group timeout can be
     # changed afterwards; a late rank on a loaded machine is not a stuck collective.
     startup_timeout = max(pg_timeout, float(deadline)) if rank.set_pg_timeout_fn() is not None else pg_timeout
     with forkserver.running(tuple(preload)) as ctx:
+        ends_at = time.time() + deadline
         environ = dict(os.environ)
         environ.update(env or {})
         tmp = scratch.make()
@@ -140,7 +143,7 @@ def launch(
                     "LOCAL_WORLD_SIZE": str(world_size),
                 }
                 spec = rank.RankSpec(r, world_size, backend, device, pg_timeout, startup_timeout, tmp, rank_env,
-                                 expect, threads)
+                                     expect, threads, ends_at)
                 p = ctx.Process(target=rank.rank_main, args=(spec, fn, args, writer), name=f"harness-rank{r}",
                                 daemon=True)
                 p.start()

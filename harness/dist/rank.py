@@ -48,6 +48,12 @@ def _spec_in_rank(fields: dict[str, Any]) -> RankSpec:
     return RankSpec(**fields)
 
 
+def collective_timeout(seconds_left: float, floor: float = 1.0) -> float:
+    """The process-group timeout for a run with ``seconds_left`` before its deadline: below it by a quarter or a
+    second, whichever is less, so that a stuck collective raises (with a traceback) before the launcher must kill."""
+    return max(floor, min(seconds_left - 1.0, seconds_left * 0.75))
+
+
 @dataclass(frozen=True)
 class RankSpec:
     rank: int
@@ -60,6 +66,8 @@ class RankSpec:
     environ: dict[str, str]
     expect: tuple[type[BaseException], ...]
     threads: int
+    ends_at: float = float("inf")
+    """Wall-clock time (``time.time()``) at which the launcher's deadline passes."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_spec_in_rank, (dict(self.__dict__),))
@@ -171,8 +179,12 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple[Any, ...], con
         # init_process_group breaks the peer's connection ("Connection closed by peer").
         dist.barrier()
         set_timeout = set_pg_timeout_fn()
-        if spec.startup_timeout != spec.pg_timeout and set_timeout is not None:
-            set_timeout(datetime.timedelta(seconds=spec.pg_timeout))
+        if set_timeout is not None:
+            # Start-up took part of the deadline: the collectives get what is left of it, less the margin, so that
+            # a slow start on a loaded machine does not let the deadline fire before a stuck collective raises.
+            timeout = min(spec.pg_timeout, collective_timeout(spec.ends_at - time.time(), floor=0.5))
+            if timeout != spec.startup_timeout:
+                set_timeout(datetime.timedelta(seconds=timeout))
         try:
             message = ("ok", fn(*args))
             ended = "returned"

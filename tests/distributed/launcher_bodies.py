@@ -75,3 +75,8 @@ class LateArrival:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_arrive, (self.rank, self.delay))
+
+
+def late_then_refuse(late: str, rank: int, at: int, steps: int) -> str:
+    """:func:`refuse_on` after a start delayed by ``late`` (a :class:`LateArrival`, applied at unpickling)."""
+    return refuse_on(rank, at, steps)

@@ -321,6 +321,16 @@ def test_a_rank_late_to_start_is_not_failed_by_the_process_group_timeout(bodies:
     assert ["on time", "late"] == [r["value"] for r in results]
 
 
+def test_a_slow_start_leaves_the_collectives_less_time_not_the_deadline(bodies: ModuleType) -> None:
+    """Rank 1 starts 2 s late, then rank 0 waits alone in an all-reduce. For deadline=5 the process-group timeout is
+    3.75 s, which from a start at 2 s would end past the deadline (a kill, without a traceback); each rank cuts it to
+    what start-up left (about 1.9 s), so the stuck collective raises in time and the run says where it was."""
+    late = bodies.LateArrival(1, 2.0)
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.late_then_refuse, 2, late, 1, 0, 1, deadline=5)
+    assert "raised" == info.value.kind, str(info.value)
+
+
 # --- the caller's environment ----------------------------------------------------------------------------------------
 
 

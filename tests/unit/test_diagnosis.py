@@ -65,7 +65,7 @@ def win(request: pytest.FixtureRequest) -> Window:
 
 
 def test_the_right_weights_are_recovered_within_1e_5_from_a_float32_gradient(win: Window) -> None:
-    """The bound the catalog calls right in float32 (EXACT_TOLERANCE); the fit is good to about 1e-7 here."""
+    """The bound the catalog calls right in float32 (EXACT_TOLERANCE), on a gradient rounded to float32."""
     fit = dx.fit_weights(win.columns, win.gradient([1.0] * len(win.blocks)))
     assert max(abs(float(w) * win.n - 1) for w in fit.weights) <= dx.EXACT_TOLERANCE["fp32"]
     assert fit.residual < 1e-6
