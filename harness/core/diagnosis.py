@@ -38,10 +38,12 @@ SIGNATURES: dict[str, str] = {
 }
 """The catalog: each signature's name and what its weights look like (``ratio = weight / (1/N)``)."""
 
-MATCH_TOLERANCE = 1e-3
-"""Largest relative deviation between fitted ratios and a signature's pattern for the signature to match. Fitted from
-float32 gradients, the right recipe's ratios sit within 1e-7 of 1 (``max_ratio_error`` in
-``benchmarks/results/diagnosis.json``); distinct signatures on real counts differ by percents."""
+MATCH_TOLERANCE = 1e-4
+"""Largest relative deviation between fitted ratios and a signature's pattern (or a named factor) for it to match.
+Fitted from float32 gradients, the right recipe's ratios sit within 1e-7 of 1 (``max_ratio_error`` in
+``benchmarks/results/diagnosis.json``); distinct signatures on real counts differ by percents, but a count can come
+within a tenth of a percent of a named factor by chance (N / (W * max count) = 0.4996 on one battery window), so
+the bound stays near the fit's accuracy, not near the signatures' spacing."""
 
 EXACT_TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9}
 """Largest ``|ratio - 1|`` still called right, by the precision of the gradient that was fitted."""
