@@ -44,8 +44,9 @@ def _cell(status: str, cause: str | None, finding: str | None, max_error: float 
         text += f" ({syncs.group(1)} syncs)"
     elif status == "fail" and max_error is not None:
         text += f" {max_error:.1e}"
-    elif status == "fail" and "did not raise" in message:
-        text += " (NaN, no error)"
+    elif status == "fail" and (returned := re.search(r"returned (\S+) instead of raising", message)):
+        # What came back instead of the ValueError: the logged loss, and NaN gradients where they were left.
+        text += f" (returned {returned.group(1)}{', NaN grads' if 'NaN/inf in .grad' in message else ''}, no error)"
     return text
 
 

@@ -9,14 +9,17 @@ control's mistake produces; the command line prints verdicts as a table.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from harness.battery.diagnose import diagnose, worst
 from harness.battery.runner import Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
+from harness.dist.errors import LaunchError
 
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
 _KIND_CAUSE = {"raised": "crash", "died": "died", "deadline": "deadline", "desync": "desync"}
@@ -44,6 +47,9 @@ class Verdict:
     diagnosis: dict[str, object] | None = None
     """A failing parity verdict's diagnosis (:meth:`harness.battery.diagnose.Diagnosis.to_dict`): the effective
     weights, the signature they match and the per-parameter table."""
+    label: str | None = None
+    """The battery table's row for a verdict that is not one (scenario, world size, precision) case: the drawn
+    lane's ``"drawn (12 layouts, W in 1,2,3,4, fp32)"`` (its ``world_size`` is 0: several). None: the case's row."""
 
     @property
     def passed(self) -> bool:
@@ -71,14 +77,82 @@ def _failed(check: str, run: Run, detail: str, window: int | None = None, **fiel
     return _verdict(check, run, FAIL, detail, window, **fields)
 
 
-def crash_summary(text: str) -> list[str]:
-    """The lines of a rank's report a reader needs: the innermost frame and the exception line, never the caret
-    underline that Python 3.11 puts between them."""
-    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("^~ ")]
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = ("The above exception was the direct cause of the following exception:",
+            "During handling of the above exception, another exception occurred:")
+SHORT_BLOCK = 12
+"""An exception block (its ``Type: message`` line and continuation lines) of at most this many lines is kept whole."""
+_REMEDY = re.compile(
+    r"find_unused_parameters|static_graph|use_reentrant|collective mismatch|connection closed|environment variable"
+    r"|\b(?:TORCH|NCCL|GLOO|CUDA|OMP|MASTER)_[A-Z0-9_]+|parameter (?:indices|index|at index|names?)|\bwith name\b"
+    r"|(?:did not|didn't|does not) receive grad|marked as ready|\bparameters? .*\bnames?\b|\bworkaround\b",
+    re.IGNORECASE,
+)
+"""A line of a long exception block worth keeping: a remedy DDP, gloo or torch names (an option, a method, an
+environment variable) or the culprit (parameter indices or names, a collective mismatch)."""
+
+
+def _meaningful(text: str) -> list[str]:
+    """Non-empty lines, right-stripped, without the caret underlines Python 3.11 puts under a frame's code."""
+    return [ln.rstrip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("^~ ")]
+
+
+def _exception_block(segment: list[str]) -> tuple[str | None, list[str]]:
+    """A traceback segment's innermost frame and its exception block (``Type: message`` and every line after it)."""
+    last = max((i for i, ln in enumerate(segment) if ln.lstrip().startswith('File "')), default=None)
+    if last is None:
+        return None, segment
+    start = last + 1
+    while start < len(segment) and segment[start].startswith("    "):
+        start += 1  # the frame's code line
+    return segment[last].strip(), segment[start:]
+
+
+def _cut(block: list[str], limit: int) -> list[str]:
+    """A short block whole; a long one as its first line, every line naming a remedy or a culprit, and its last
+    line, with ``...`` where lines were left out."""
+    if len(block) <= limit:
+        return block
+    keep = [0, *(i for i in range(1, len(block) - 1) if _REMEDY.search(block[i])), len(block) - 1]
+    out: list[str] = []
+    for prev, i in zip([-1, *keep], keep):
+        if i - prev > 1:
+            out.append(f"... ({i - prev - 1} line{'s' if i - prev > 2 else ''} left out)")
+        out.append(block[i])
+    return out
+
+
+def crash_summary(text: str, limit: int = SHORT_BLOCK) -> list[str]:
+    """The lines of a rank's report a reader needs, never the caret underlines of Python 3.11.
+
+    For a traceback: what the launcher said before it (``died from SIGABRT``, the dead rank's last output, ``(rank 1
+    then raised:)``), the innermost frame, and the exception's type and message: the whole block when it has at most
+    ``limit`` lines (DDP's errors put the parameter indices and ``find_unused_parameters=True`` before a last line
+    about ``TORCH_DISTRIBUTED_DEBUG``), else its first line, every line naming a remedy or a culprit, and its last
+    line.
+    A chained exception adds its innermost cause (``caused by: Type: message``). A stack (faulthandler's, newest
+    frame first) gives its header and newest frames; any other text its first lines.
+    """
+    lines = _meaningful(text)
     if not lines:
         return ["(nothing reported)"]
-    frames = [ln.strip() for ln in lines if ln.lstrip().startswith('File "')]
-    return [*frames[-1:], lines[-1].strip()]
+    starts = [i for i, ln in enumerate(lines) if ln.strip() == _TRACEBACK]
+    if not starts:
+        frames = [i for i, ln in enumerate(lines) if ln.lstrip().startswith('File "')]
+        if frames and any("most recent call first" in ln for ln in lines):
+            return [ln.strip() for ln in lines[: frames[0]] + lines[frames[0] : frames[0] + 2]]
+        return _cut([ln.strip() for ln in lines], limit)
+    preamble = [ln.strip() for ln in lines[: starts[0]]]
+    segments = [lines[a + 1 : b] for a, b in zip(starts, [*starts[1:], len(lines)])]
+    segments = [[ln for ln in seg if ln.strip() not in _CHAINED] for seg in segments]
+    frame, block = _exception_block(segments[-1])
+    out = [*_cut(preamble, limit), *([frame] if frame else []), *_cut([ln.strip() for ln in block], limit)]
+    if len(segments) > 1:
+        _, cause = _exception_block(segments[0])
+        if cause:
+            out.append(f"caused by: {cause[0].strip()}")
+            out += [ln.strip() for ln in cause[1:] if _REMEDY.search(ln)][: limit]
+    return out
 
 
 def _failed_run(check: str, run: Run) -> Verdict | None:
@@ -92,12 +166,45 @@ def _failed_run(check: str, run: Run) -> Verdict | None:
         detail = err.details.get(rank, "")
         if i == 0:
             lines += [f"  rank {rank}: {ln}" for ln in crash_summary(detail)]
+        elif _TRACEBACK in detail:
+            # A peer that failed too: what the launcher said of it, and its exception's first line.
+            shown = [ln for ln in crash_summary(detail) if not ln.startswith('File "')][:2]
+            if len(shown) == 2 and any(ln.endswith(f": {shown[1]}") for ln in lines):
+                shown = [f"{shown[0]}: the same {shown[1].split(':', 1)[0]}"]
+            lines += [f"  rank {rank}: {ln}" for ln in shown]
         else:
             # A peer's faulthandler stack starts with its newest frame: where it was stuck.
             stack = [ln.strip() for ln in detail.splitlines() if ln.strip()]
             lines += [f"  rank {rank}: {ln}" for ln in stack[:3]]
+    if err.kind == "deadline":
+        lines.insert(1, f"  the time ran out {deadline_phase(err, len(run.windows))}")
+        lines.append(f"  raise it with --deadline SECONDS (command line) or --battery-deadline SECONDS (pytest); "
+                     f"this run had {'?' if err.deadline is None else f'{err.deadline:g}'} s")
     return _failed(check, run, f"the run {what}: " + "\n".join(lines), cause=_KIND_CAUSE.get(err.kind, err.kind),
                    details=str(err))
+
+
+def deadline_phase(err: LaunchError, windows: int) -> str:
+    """Where the ranks still running at the deadline were, from the launcher's record of each rank (its function
+    started or not, the last window it reported through ``progress``): ``"during start-up ..."``, ``"in window k of
+    n ..."`` or ``"after the last window ..."``, with the ranks when they were in different places."""
+    where: dict[str, list[int]] = {}
+    for rank in err.ranks:
+        step = err.progress.get(rank)
+        k = 0 if step is None else step + 1
+        if rank not in err.started and step is None:
+            phase = "during start-up (the process group's rendezvous, before the first window)"
+        elif k == 0:
+            phase = f"in window 0 of {windows} (no window finished: the model's build, the recipe's setup() or its " \
+                    "first backward_window)"
+        elif k < windows:
+            phase = f"in window {k} of {windows} (window {k - 1} finished)"
+        else:
+            phase = f"after the last window (all {windows} finished; the run's end)"
+        where.setdefault(phase, []).append(rank)
+    if len(where) == 1:
+        return next(iter(where))
+    return "; ".join(f"{phase} on rank(s) {ranks}" for phase, ranks in where.items())
 
 
 def _unexpected_error(check: str, run: Run) -> Verdict | None:
@@ -110,6 +217,49 @@ def _unexpected_error(check: str, run: Run) -> Verdict | None:
     return None
 
 
+BF16_RELATIVE_L2 = 2e-2
+"""A float32-lane error this small in relative L2 (``|g - ref| / |ref|``) sits at bfloat16 rounding scale: the correct
+recipe under bf16 autocast misses the reference by 4.1e-3 to 4.6e-3, a mean of local means by 0.51 to 0.61, and 23 vs
+25 tokens by at least 3.75e-2 (FACTS, measured on these machines)."""
+
+
+def _usage_error(check: str, run: Run) -> Verdict | None:
+    """A rank that raised :class:`~harness.recipes.contract.ContractViolation`: a usage error, not a verdict on the
+    numbers."""
+    if run.failure is None:
+        return None
+    for rank, text in run.failure.details.items():
+        for line in text.splitlines():
+            if "ContractViolation:" in line:
+                why = line.split("ContractViolation:", 1)[1].strip()
+                return _failed(check, run, f"usage error on rank {rank}: {why}", cause="usage",
+                               details=str(run.failure))
+    return None
+
+
+def _check(fn: Callable[[Run], Verdict]) -> Callable[[Run], Verdict]:
+    """What every check does before and after its own comparison: a case the model cannot run is n/a with the model's
+    own error; a recipe that broke the contract so that nothing can be judged is a usage error; what the harness
+    found about the model (:attr:`Run.notes`) travels with the verdict, and a failure's message ends with it."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def judged(run: Run) -> Verdict:
+        if run.model_error is not None:
+            return _verdict(name, run, NOT_APPLICABLE, f"{run.model_error}. A property of the model, not of the "
+                            "recipe: this case is not judged on this model (the README's 'Your model' says what a "
+                            "model must allow)", notes=run.notes)
+        verdict = _usage_error(name, run) or fn(run)
+        if not run.notes:
+            return verdict
+        message = verdict.message
+        if verdict.status == FAIL:
+            message += "".join(f"\n  model: {n}" for n in run.notes)
+        return replace(verdict, message=message, notes=verdict.notes + run.notes)
+
+    return judged
+
+
 def _broken(check: str, run: Run) -> Verdict | None:
     return _failed_run(check, run) or _unexpected_error(check, run)
 
@@ -120,37 +270,90 @@ def _single_rank(check: str, run: Run, why: str) -> Verdict | None:
     return None
 
 
+def _autocast(run: Run) -> str | None:
+    for records in run.records or ():
+        for rec in records:
+            if rec.autocast:
+                return rec.autocast
+    return None
+
+
+def _edited_before(run: Run, rank: int, window: int) -> str | None:
+    """Where the recipe changed weights up to ``window`` on ``rank`` (its gradient is then taken elsewhere than the
+    reference's chain), else None."""
+    assert run.records is not None
+    for j, rec in enumerate(run.records[rank][: window + 1]):
+        if rec.weights_changed:
+            names = ", ".join(rec.weights_changed[:4]) + (" ..." if len(rec.weights_changed) > 4 else "")
+            when = "in this window" if j == window else f"in window {j}"
+            return (f"the recipe itself changed weights {when} ({names}, by up to {rec.weights_touched:.3e}; see "
+                    "weights_unchanged), so this gradient is not taken at the reference's weights")
+    return None
+
+
+def _relative_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    norm = float(ref.double().norm())
+    return float((got.double() - ref.double()).norm()) / norm if norm > 0 else float("inf")
+
+
+@_check
 def parity(run: Run) -> Verdict:
     """Every rank's synchronized gradient equals the single-device reference, window by window."""
     bad = _broken("parity", run)
     if bad:
         return bad
     assert run.records is not None
+    autocast = _autocast(run)
+    if autocast is not None and run.precision == "fp64":
+        return _verdict("parity", run, NOT_APPLICABLE, f"the recipe's forward runs under autocast ({autocast}); "
+                        "autocast leaves float64 alone on the CPU, so this lane would judge a float64 computation "
+                        "the recipe never runs in training: the float32 lane judges it (--precision fp32)")
     picked = worst(run)
     assert picked is not None
     k, rank = picked
     ref = run.references[k]
     assert ref is not None
-    c = compare(run.records[rank][k].grad, ref.gradient)  # type: ignore[arg-type]
+    lowered = run.computes_in == "torch.float32" and run.precision == "fp64"
+    # The model's own float32 arithmetic rounds differently under the ranks' W/N and the reference's 1/N (exactly
+    # alike only when W is a power of two): float64 tolerances would judge the world size, not the recipe.
+    atol, rtol = tolerances(torch.float32) if lowered else tolerances(ref.gradient.dtype)
+    c = compare(run.records[rank][k].grad, ref.gradient, atol=atol, rtol=rtol)  # type: ignore[arg-type]
     numbers = {"max_error": c.max_abs_error, "worst_ratio": c.worst_ratio, "over_tolerance": c.over_tolerance}
     detail = f"worst on rank {rank}: {c.summary()}"
+    if lowered:
+        detail += " (float32 tolerances: the model computes part of its forward in float32)"
     if c.passed:
         return _passed("parity", run, detail, window=k, **numbers)
     finding = None
-    if run.precision == "fp64":
+    if run.precision == "fp64" and not lowered:
         atol, rtol = tolerances(torch.float32)
         if compare(run.records[rank][k].grad, ref.gradient, atol=atol, rtol=rtol).passed:  # type: ignore[arg-type]
             finding = "float32_computation"
             detail += ("; the error is at float32 rounding scale (within float32's tolerances): part of the loss or "
                        "gradient was computed in float32 (a .float() on the logits, an autocast region). If that is "
                        "intended, run the float32 lane alone (--precision fp32)")
+    edited = _edited_before(run, rank, k)
+    if edited:
+        detail += f"; {edited}"
     found = diagnose(run, k, rank)
+    rel = _relative_l2(run.records[rank][k].grad, ref.gradient)  # type: ignore[arg-type]
+    # bf16 rounding is named where it is the likely cause: autocast was seen, or no re-weighting explains the error
+    # (a count one token off also misses by a small relative error, and the diagnosis names that one).
+    if (finding is None and run.precision == "fp32" and rel <= BF16_RELATIVE_L2
+            and (autocast or (found is not None and found.signature.name == "unexplained"))):
+        finding = "bf16_computation"
+        how = (f"the forward ran under autocast ({autocast})" if autocast else
+               "part of the computation ran in bfloat16 or float16 (an autocast region, a .to(torch.bfloat16))")
+        detail += (f"; the error is at bfloat16 rounding scale (relative L2 {rel:.2e}, under {BF16_RELATIVE_L2:g}): "
+                   f"{how}. The float32 lane's tolerances judge float32 arithmetic; a weighting mistake is far "
+                   "larger (a mean of local means misses by a relative L2 of about 0.5)")
     if found is not None:
         detail += "\n  " + found.line()
     return _failed("parity", run, detail, k, finding=finding, diagnosis=None if found is None else found.to_dict(),
                    **numbers)
 
 
+@_check
 def ranks_agree(run: Run) -> Verdict:
     """After each optimizer step the parameters are bitwise identical on every rank."""
     bad = _single_rank("ranks_agree", run, "one rank has no peer to agree with") or _broken("ranks_agree", run)
@@ -166,6 +369,7 @@ def ranks_agree(run: Run) -> Verdict:
     return _passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
 
 
+@_check
 def one_sync(run: Run) -> Verdict:
     """Exactly one gradient synchronization per window: the earlier microbatches ran inside ``no_sync()``."""
     bad = _single_rank("one_sync", run, "one rank has nothing to synchronize (skipping no_sync() is right here)")
@@ -183,6 +387,7 @@ def one_sync(run: Run) -> Verdict:
     return _passed("one_sync", run, "one synchronization per window on every rank")
 
 
+@_check
 def logged_loss(run: Run) -> Verdict:
     """When the recipe returns a loss, it is the global token mean at the weights the recipe started the window
     from (its own, right or wrong), the same on every rank."""
@@ -217,6 +422,7 @@ def logged_loss(run: Run) -> Verdict:
     return _passed("logged_loss", run, "the logged loss is the global token mean on every rank", max_error=worst)
 
 
+@_check
 def hygiene(run: Run) -> Verdict:
     """The recipe leaves the model's mode and the global random generators (Python's ``random``, numpy, torch CPU and
     CUDA) alone, and keeps gradients in the model's dtype. Thread count and environment changes are notes: they
@@ -242,6 +448,7 @@ def hygiene(run: Run) -> Verdict:
     return _passed("hygiene", run, detail, notes=tuple(notes))
 
 
+@_check
 def empty_window(run: Run) -> Verdict:
     """A window without any supervised token: every rank raises ValueError, none hangs, and the recipe leaves no
     gradient other than zero and no weight changed (what a training loop would otherwise step on)."""
@@ -249,18 +456,58 @@ def empty_window(run: Run) -> Verdict:
     if bad:
         return bad
     assert run.records is not None
+    # What a rank left in .grad, and what a training loop that went on would do with it.
+    left = {
+        "nonfinite": ("NaN/inf in .grad", "a training loop would step its optimizer on it"),
+        "nonzero": ("nonzero gradients in .grad", "a training loop would step its optimizer on gradients of no token"),
+        "zero": ("zero gradients in .grad", "a training loop would step its optimizer on nothing: momentum, weight "
+                 "decay and the schedule still move"),
+        "none": ("no gradient in .grad", "a training loop would step its optimizer and schedule on nothing"),
+    }
+    returned = [rank for rank, records in enumerate(run.records)
+                if records[0].error is None or not records[0].error.startswith("ValueError")]
+    if returned:
+        rank, rec = returned[0], run.records[returned[0]][0]
+        # The value that came back: the logged loss (nan from a 0/0 mean, 0.0 from a zero sum) or None.
+        value = "None" if rec.logged is None else str(float(f"{rec.logged:.6g}"))
+        grads, consequence = left.get(rec.grads_left, (f"{rec.grads_left} gradients in .grad",
+                                                       "a training loop would step its optimizer on them"))
+        touched = (f", and changed weights by up to {rec.weights_touched:.3e}" if rec.weights_touched != 0.0 else "")
+        others = (f"; so did rank(s) {', '.join(str(r) for r in returned[1:])}" if len(returned) > 1 else "")
+        return _failed("empty_window", run, f"rank {rank} returned {value} instead of raising ValueError on a window "
+                       f"without any supervised token, leaving {grads}{touched} ({consequence}){others}", 0)
     for rank, records in enumerate(run.records):
         rec = records[0]
-        if rec.error is None or not rec.error.startswith("ValueError"):
-            return _failed("empty_window", run, f"rank {rank} did not raise ValueError on a window without any "
-                           "supervised token (a training loop would step its optimizer on nothing)", 0)
         if rec.grads_left not in ("none", "zero"):
-            return _failed("empty_window", run, f"rank {rank} raised, but left {rec.grads_left} gradients in .grad "
-                           "for the next window to add to", 0)
+            grads = left.get(rec.grads_left, (f"{rec.grads_left} gradients in .grad", ""))[0]
+            return _failed("empty_window", run, f"rank {rank} raised ValueError, but left {grads} for the next "
+                           "window to add to", 0)
         if rec.weights_touched != 0.0:
             return _failed("empty_window", run, f"rank {rank} changed weights by up to {rec.weights_touched:.3e} "
                            "before raising", 0, max_error=rec.weights_touched)
     return _passed("empty_window", run, "every rank raised ValueError and left no gradient and no weight changed")
+
+
+@_check
+def weights_unchanged(run: Run) -> Verdict:
+    """``backward_window`` leaves every weight bitwise as it found it: stepping, weight decay and any other edit of
+    the weights belong to the training loop, after the gradient the battery checks."""
+    bad = _failed_run("weights_unchanged", run)
+    if bad:
+        return bad
+    assert run.records is not None
+    for rank, records in enumerate(run.records):
+        for k, rec in enumerate(records):
+            if rec.weights_changed:
+                names = ", ".join(rec.weights_changed[:6]) + (
+                    f" and {len(rec.weights_changed) - 6} more" if len(rec.weights_changed) > 6 else "")
+                return _failed("weights_unchanged", run, f"rank {rank}: backward_window changed "
+                               f"{len(rec.weights_changed)} weight tensor(s) in place ({names}) by up to "
+                               f"{rec.weights_touched:.3e}; a recipe must leave the weights alone (an in-place weight "
+                               "decay, an optimizer step or a weight clamp belongs to the training loop, after "
+                               "backward_window returns)", k, max_error=rec.weights_touched)
+    return _passed("weights_unchanged", run, "every call left every weight bitwise unchanged on every rank",
+                   max_error=0.0)
 
 
 CHECKS: dict[str, Callable[[Run], Verdict]] = {
@@ -270,5 +517,6 @@ CHECKS: dict[str, Callable[[Run], Verdict]] = {
     "logged_loss": logged_loss,
     "hygiene": hygiene,
     "empty_window": empty_window,
+    "weights_unchanged": weights_unchanged,
 }
 """Every check by name (the battery plan, the command line and the controls' targets name them)."""

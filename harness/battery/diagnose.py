@@ -165,6 +165,30 @@ def diagnose(run: Run, window: int | None = None, rank: int | None = None,
     rec = run.records[rank][window]
     if rec.grad is None:
         return None
+    from harness.battery.facts import rank_threads
+
+    with rank_threads():
+        return _diagnose(run, window, rank, per_sequence)
+
+
+def _weights_edited(run: Run, window: int, rank: int) -> dx.Signature | None:
+    """The recipe changed weights up to this window: its gradient is then not a weighting of the reference's blocks at
+    the weights the step started from, whatever the fit reads."""
+    assert run.records is not None
+    for j, rec in enumerate(run.records[rank][: window + 1]):
+        if rec.weights_changed:
+            when = "during this window" if j == window else f"in window {j}"
+            names = ", ".join(rec.weights_changed[:4]) + (" ..." if len(rec.weights_changed) > 4 else "")
+            return dx.Signature("weights_edited", f"the recipe changed the weights itself {when} ({names}, by up to "
+                                f"{rec.weights_touched:.3e}): an in-place weight decay or step inside backward_window; "
+                                "the gradient is not read as a weighting (weights_unchanged names the change)")
+    return None
+
+
+def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis | None:
+    assert run.records is not None
+    rec = run.records[rank][window]
+    assert rec.grad is not None
     g = rec.grad.double()
     model = run.model_at(rec.params_before, torch.float64)
     model.train()
@@ -195,6 +219,9 @@ def diagnose(run: Run, window: int | None = None, rank: int | None = None,
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)
               for j, w in enumerate(run.windows) if j != window}
     sig = dx.classify(blocks, fit, run.world_size, run.precision, rank=rank, other_counts=others)
+    edited = _weights_edited(run, window, rank)
+    if edited is not None:
+        sig = edited
     seq_sig, seq_resid = None, None
     if per_sequence or sig.name == "unexplained":
         rows, cols = [], []

@@ -9,14 +9,15 @@ bounded number of launches, because every example costs a multi-rank run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.battery import checks, runner
+from harness.battery import checks, plan, runner
 from harness.battery.checks import FAIL, PASS, Verdict
+from harness.battery.facts import ModelFacts
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
@@ -79,18 +80,44 @@ def _with_tokens(window: list[list[list[RowShape]]]) -> list[list[list[RowShape]
     return window
 
 
+def fits(layout: Layout, facts: ModelFacts | None) -> bool:
+    """Whether every microbatch of ``layout`` is a shape the model runs (:meth:`ModelFacts.allows`; rows of ``n``
+    tokens feed ``n - 1`` positions, the microbatch pads to its longest row)."""
+    if facts is None:
+        return True
+    return all(facts.allows(len(rows), max(n for n, _ in rows) - 1)
+               for window in layout.windows for rank in window for rows in rank)
+
+
+def _fit_rows(rows: list[RowShape], facts: ModelFacts | None) -> list[RowShape]:
+    """The drawn rows, made into a shape the model runs: no row longer than it takes, and the first row long
+    enough that ``rows x positions`` reaches its minimum (a one-row, one-token microbatch under BatchNorm)."""
+    if facts is None:
+        return rows
+    if facts.max_len is not None:
+        rows = [(min(n, facts.max_len + 1), min(p, facts.max_len + 1)) for n, p in rows]
+    need = -(-facts.min_positions // len(rows)) + 1  # ceil(min / rows) positions, + 1 token
+    longest = max(n for n, _ in rows)
+    if longest < need:
+        n, p = rows[0]
+        rows[0] = (need, p if p < n else need)  # a row without a target stays without one
+    return rows
+
+
 def layouts(max_world_size: int = MAX_WORLD_SIZE, max_microbatches: int = MAX_MICROBATCHES,
-            max_windows: int = MAX_WINDOWS) -> Any:
-    """A Hypothesis strategy of layouts: world size 1..4, 1..6 microbatches per window (the same on every rank, as the
-    contract says), 1..3 rows of 2..max_len tokens with prompt prefixes, microbatches and whole ranks without any
-    supervised token, and the seeds of tokens and initial weights."""
+            max_windows: int = MAX_WINDOWS, facts: ModelFacts | None = None,
+            world_sizes: Sequence[int] | None = None) -> Any:
+    """A Hypothesis strategy of layouts: world size 1..4 (drawn from ``world_sizes`` when given: the battery's
+    ``--world-sizes``), 1..6 microbatches per window (the same on every rank, as the contract says), 1..3 rows of
+    2..max_len tokens with prompt prefixes, microbatches and whole ranks without any supervised token, and the seeds of
+    tokens and initial weights."""
     from hypothesis import strategies as st
 
     max_len, prompt_max = BATTERY_CONFIG.max_len, BATTERY_CONFIG.prompt_max
 
     @st.composite
     def draw_layout(draw: Callable[[Any], Any]) -> Layout:
-        world = draw(st.integers(1, max_world_size))
+        world = draw(st.sampled_from(sorted(set(world_sizes))) if world_sizes else st.integers(1, max_world_size))
         windows = []
         for _ in range(draw(st.integers(1, max_windows))):
             n_mb = draw(st.integers(1, max_microbatches))
@@ -102,7 +129,7 @@ def layouts(max_world_size: int = MAX_WORLD_SIZE, max_microbatches: int = MAX_MI
                     empty = rank == empty_rank or draw(st.integers(0, 5)) == 0
                     rows = draw(st.lists(st.tuples(st.integers(2, max_len), st.integers(0, prompt_max)),
                                          min_size=1, max_size=MAX_ROWS))
-                    mbs.append([(n, n if empty else min(p, n - 1)) for n, p in rows])
+                    mbs.append(_fit_rows([(n, n if empty else min(p, n - 1)) for n, p in rows], facts))
                 window.append(mbs)
             windows.append(_with_tokens(window))
         frozen = tuple(tuple(tuple(tuple(rows) for rows in rank) for rank in w) for w in windows)
@@ -138,14 +165,17 @@ def _candidates(layout: Layout) -> list[Layout]:
     return out
 
 
-def shrink(layout: Layout, fails: Callable[[Layout], bool], budget: int = 10) -> tuple[Layout, int]:
+def shrink(layout: Layout, fails: Callable[[Layout], bool], budget: int = 10,
+           facts: ModelFacts | None = None, world_sizes: Sequence[int] | None = None) -> tuple[Layout, int]:
     """Greedily replace ``layout`` by a smaller one that still ``fails``, trying at most ``budget`` candidates
-    (each is a launch); returns the smallest found and the number of launches spent."""
+    (each is a launch) among the shapes the model runs (``facts``) and the ``world_sizes`` allowed; returns the
+    smallest found and the number of launches spent."""
     spent = 0
     improved = True
     while improved and spent < budget:
         improved = False
-        for candidate in _candidates(layout):
+        for candidate in (c for c in _candidates(layout)
+                          if fits(c, facts) and (not world_sizes or c.world_size in world_sizes)):
             if spent >= budget:
                 break
             spent += 1
@@ -170,46 +200,68 @@ class _LayoutFailed(AssertionError):
 
 
 def judge_layout(recipe: str, layout: Layout, *, model: str | None = None,
-                 batch_format: str = "harness") -> list[Verdict]:
+                 batch_format: str = "harness", deadline: float = runner.DEADLINE) -> list[Verdict]:
     """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), on ``model`` (None: the
-    built-in one) with ``batch_format``."""
+    built-in one) with ``batch_format``, each launch within ``deadline`` seconds."""
     run = runner.run_windows(recipe, layout.build(), "fp32", scenario="drawn", init_seed=layout.init_seed,
-                             model=model, batch_format=batch_format)
+                             model=model, batch_format=batch_format, deadline=deadline)
     return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
 
 
 def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bool = False, *,
-                  model: str | None = None, batch_format: str = "harness") -> Verdict:
+                  model: str | None = None, batch_format: str = "harness", deadline: float = runner.DEADLINE,
+                  world_sizes: Sequence[int] | None = None) -> Verdict:
     """Check ``recipe`` on ``examples`` drawn layouts; one verdict, whose failure message shows the drawn layout, a
-    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model`` and ``batch_format``
-    as in :func:`harness.battery.runner.run_windows`."""
+    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model``, ``batch_format`` and
+    ``deadline`` (seconds per launch) as in :func:`harness.battery.runner.run_windows`; ``world_sizes`` (default 1 to
+    4) are the world sizes drawn from, the shrunk layout's included.
+
+    The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
+    ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32)"; a failure's message names the failing layout's world size."""
     import hypothesis
 
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
         msg = f"examples={examples!r} must be a positive number of drawn layouts"
         raise ValueError(msg)
+    worlds = plan.check_world_sizes(list(world_sizes or range(1, MAX_WORLD_SIZE + 1)), "world_sizes")
+    label = f"drawn ({examples} layouts, W in {','.join(map(str, sorted(worlds)))}, fp32)"
+
+    facts: ModelFacts | None = None
+    if model is not None:
+        from harness.battery.facts import probe_model
+        from harness.battery.spec import ModelSpec
+
+        facts = probe_model(ModelSpec(model, batch_format))
 
     @hypothesis.settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
                          print_blob=True, phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate),
                          suppress_health_check=list(hypothesis.HealthCheck))
-    @hypothesis.given(layout=layouts())
+    @hypothesis.given(layout=layouts(facts=facts, world_sizes=worlds))
     def every_layout(layout: Layout) -> None:
-        failed = judge_layout(recipe, layout, model=model, batch_format=batch_format)
+        failed = judge_layout(recipe, layout, model=model, batch_format=batch_format, deadline=deadline)
         if failed:
             raise _LayoutFailed(layout, failed)
 
     try:
         every_layout()
     except _LayoutFailed as exc:
-        small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(recipe, lay, model=model,
-                                                                        batch_format=batch_format)))
-        shown = judge_layout(recipe, small, model=model, batch_format=batch_format) or exc.verdicts
-        message = (f"check drawn FAILED: recipe {recipe}: a drawn layout fails "
-                   f"{', '.join(sorted({v.check for v in exc.verdicts}))}:\n{exc.layout.describe()}\n"
-                   f"shrunk ({spent} launches) to:\n{small.describe()}\n" + "\n".join(v.message for v in shown))
-        return Verdict("drawn", recipe, "drawn", small.world_size, "fp32", FAIL, message, cause=shown[0].cause,
-                       details=shown[0].details)
+        head = (f"check drawn FAILED: recipe {recipe}: a drawn layout at W={exc.layout.world_size} fails "
+                f"{', '.join(sorted({v.check for v in exc.verdicts}))}:\n{exc.layout.describe()}\n")
+        if all(v.cause == "deadline" for v in exc.verdicts):
+            # Every smaller layout would cost a whole deadline too, and the size of a layout is rarely the reason.
+            shown, message = exc.verdicts, head + "not shrunk (the run hit its deadline)\n"
+        else:
+            small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(
+                recipe, lay, model=model, batch_format=batch_format, deadline=deadline)), facts=facts,
+                world_sizes=worlds)
+            shown = judge_layout(recipe, small, model=model, batch_format=batch_format,
+                                 deadline=deadline) or exc.verdicts
+            message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n"
+        message += "\n".join(v.message for v in shown)
+        return Verdict("drawn", recipe, "drawn", 0, "fp32", FAIL, message, cause=shown[0].cause,
+                       details=shown[0].details, label=label)
     how = "derandomized" if derandomize else "random"
     return Verdict("drawn", recipe, "drawn", 0, "fp32", PASS,
-                   f"check drawn passed: recipe {recipe}: {examples} drawn layouts ({how}) keep parity, one "
-                   "synchronization per window and the logged loss")
+                   f"check drawn passed: recipe {recipe}: {examples} drawn layouts ({how}, W in "
+                   f"{','.join(map(str, sorted(worlds)))}) keep parity, one synchronization per window and the logged "
+                   "loss", label=label)

@@ -20,7 +20,7 @@ PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "both": ("fp32", "fp6
 NUMERIC_CHECKS = ("parity", "hygiene")
 """Checks that run in every selected precision (the gradient and its dtype depend on it)."""
 
-ONCE_CHECKS = ("one_sync", "ranks_agree", "logged_loss")
+ONCE_CHECKS = ("one_sync", "ranks_agree", "logged_loss", "weights_unchanged")
 """Checks that run in the first selected precision only (a synchronization count does not depend on it)."""
 
 
@@ -81,9 +81,10 @@ def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
                 continue  # one rank of one is every rank: that is the all_empty scenario
             if scenario == "all_empty":
                 out.append(Case("empty_window", scenario, world, lanes[0]))
+                out.append(Case("weights_unchanged", scenario, world, lanes[0]))
                 continue
             out += [Case(c, scenario, world, p) for c in NUMERIC_CHECKS for p in lanes]
             out += [Case(c, scenario, world, lanes[0]) for c in ONCE_CHECKS]
-    order = ("parity", "one_sync", "ranks_agree", "logged_loss", "hygiene", "empty_window")
+    order = ("parity", "one_sync", "ranks_agree", "logged_loss", "hygiene", "empty_window", "weights_unchanged")
     out.sort(key=lambda c: order.index(c.check))
     return [c for c in out if checks is None or c.check in checks]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from harness.battery import scenarios
-from harness.battery.spec import ModelSpec, model_module, weights_digest
+from harness.battery.spec import ModelSpec, model_modules, weights_digest
 from harness.core.compare import PRECISIONS, flat_grad, flat_params
 from harness.core.formats import HARNESS, check_batch_format
 from harness.core.microbatch import Microbatch
@@ -64,6 +65,10 @@ class WindowRecord:
     """Largest change the recipe itself made to a weight during the call (the harness steps only after it)."""
     notes: tuple[str, ...] = ()
     """Global settings the recipe changed that cannot change a gradient (thread count, environment variables)."""
+    weights_changed: tuple[str, ...] = ()
+    """The parameter tensors the recipe itself changed during the call (bitwise; the harness steps only after it)."""
+    autocast: str | None = None
+    """``"cpu torch.bfloat16"`` when a forward of the model ran under autocast (device and dtype), else None."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,20 @@ class Run:
     """The user's model factory (``--model``); None: the built-in model."""
     batch_format: str = HARNESS
     """``"harness"`` (aligned Microbatch) or ``"hf"`` (the dict a Hugging Face loop sees; ``--batch-format``)."""
+    model_error: str | None = None
+    """The model's own error when it cannot run a microbatch of this case (found by the reference, before any rank
+    started; every check is then n/a with it)."""
+    notes: tuple[str, ...] = ()
+    """What the harness found about the model for this run (parameters without a gradient, buffers its forward
+    changes, find_unused_parameters turned on): properties of the model, never a recipe's mistake."""
+    find_unused: bool = False
+    """Whether the ranks' DDP ran with ``find_unused_parameters=True``."""
+    reference_starts: list[torch.Tensor] = field(default_factory=list)
+    """The flat weights each window's reference was taken at: where a rank started from the same weights, the
+    reference's own loss is the logged loss's truth."""
+    computes_in: str | None = None
+    """``"torch.float32"`` when the user's model computes part of its forward below the run's precision (found by
+    :func:`harness.battery.facts.probe_model`): parity then judges at that dtype's tolerances."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
@@ -166,15 +185,48 @@ def _grads_left(model: torch.nn.Module) -> str:
     return "nonzero" if any(bool(g.any()) for g in grads) else "zero"
 
 
+def _changed(before: list[torch.Tensor], model: torch.nn.Module) -> tuple[str, ...]:
+    return tuple(n for (n, p), b in zip(model.named_parameters(), before) if not torch.equal(p.detach(), b))
+
+
+class _AutocastSeen:
+    """A forward pre-hook that records whether the model's forward runs under autocast, and in which dtype."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.seen: str | None = None
+
+    def __call__(self, module: torch.nn.Module, args: object) -> None:
+        if self.seen is None and _autocast_enabled(self.device_type):
+            self.seen = f"{self.device_type} {_autocast_dtype(self.device_type)}"
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch before 2.4: no device argument
+        return bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype:
+    try:
+        return torch.get_autocast_dtype(device_type)
+    except (AttributeError, TypeError):
+        return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
+
+
 def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean",
-              init_seed: int | None = None, spec: ModelSpec | None = None) -> list[WindowRecord]:
+              init_seed: int | None = None, spec: ModelSpec | None = None,
+              find_unused: bool = False) -> list[WindowRecord]:
     """Runs on every rank: the recipe under DDP with the counting hook, window after window (``spec``: the model and
-    batch convention; None: the built-in model with harness batches)."""
+    batch convention; None: the built-in model with harness batches; ``find_unused``: DDP's
+    ``find_unused_parameters``)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from harness.dist.hooks import attach
     from harness.recipes import load_recipe
+    from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation
 
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -183,8 +235,15 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     model = spec.build()
     spec.check_weights(model, f"rank {rank}")
     model = model.to(dev)
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, find_unused_parameters=find_unused)
     counter = attach(ddp, reduction)
+
+    def refuse_comm_hook(*args: object, **kwargs: object) -> None:
+        raise ContractViolation(COMM_HOOK_OWNED)
+
+    ddp.register_comm_hook = refuse_comm_hook  # type: ignore[method-assign]
+    autocast = _AutocastSeen(dev.type)
+    model.register_forward_pre_hook(autocast)
     ddp.train()
     setup = getattr(recipe, "setup", None)
     if setup is not None:
@@ -195,6 +254,8 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         for p in model.parameters():
             p.grad = None
         before = flat_params(model)
+        tensors = [p.detach().clone() for p in model.parameters()]
+        autocast.seen = None
         rngs, threads, env = _rng_states(), torch.get_num_threads(), dict(os.environ)
         counter.syncs = 0
         error = None
@@ -209,6 +270,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
         left = _grads_left(model)
         touched = float((flat_params(model) - before).abs().max()) if before.numel() else 0.0
+        edited = _changed(tensors, model)
         grad = flat_grad(model) if error is None else None
         if error is None:
             with torch.no_grad():
@@ -219,7 +281,8 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
             WindowRecord(
                 grad=grad, params_before=before, params_after=flat_params(model), syncs=counter.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
-                rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes,
+                rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
+                autocast=autocast.seen,
             )
         )
         if error is not None:
@@ -228,34 +291,144 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     return records
 
 
+@dataclass(frozen=True)
+class Chain:
+    """The reference chain of a run, and what computing it found about the model."""
+
+    references: list[Reference | None]
+    used: list[list[list[frozenset[str]]]]
+    """``used[k][rank][microbatch]``: the parameters that received a gradient in that microbatch's backward (empty
+    lists for a window without any token, which has no reference)."""
+    trainable: tuple[str, ...]
+    """The parameters that require grad."""
+    model_error: str | None = None
+    """The model's own error on the first microbatch it could not run (the chain stops there)."""
+    starts: list[torch.Tensor] = field(default_factory=list)
+    """The flat weights each window's reference was taken at (model order)."""
+
+
 def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
                     spec: ModelSpec | None = None) -> list[Reference | None]:
     """The single-device gradient of each window, stepping the same SGD between windows (None: no token at all);
     ``spec`` gives the model and batch convention (None: the built-in model, harness batches)."""
+    chain = compute_chain(windows, precision, init_seed, spec)
+    if chain.model_error is not None:
+        raise RuntimeError(chain.model_error)
+    return chain.references
+
+
+def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
+                  spec: ModelSpec | None = None) -> Chain:
+    """:func:`reference_chain` with what it saw: the parameters each microbatch reached, and, for a user's model, the
+    model's own error on a microbatch it cannot run (the harness's built-in model raises instead: that is a bug)."""
+    from harness.battery.facts import rank_threads
+
     spec = spec or ModelSpec(None, HARNESS, init_seed, precision)
-    model = spec.build()
-    refs: list[Reference | None] = []
-    for window in windows:
-        if sum(mb.supervised for rank in window for mb in rank) == 0:
-            refs.append(None)
-            continue
-        default = spec.path is None and spec.batch_format == HARNESS
-        ref = reference_gradient(model, window, None if default else spec.loss_sum)
-        refs.append(ref)
-        with torch.no_grad():
-            offset = 0
-            for p in model.parameters():
-                n = p.numel()
-                p.add_(ref.gradient[offset : offset + n].view_as(p), alpha=-LR)
-                offset += n
-    return refs
+    with rank_threads():
+        model = spec.build()
+        trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        refs: list[Reference | None] = []
+        used: list[list[list[frozenset[str]]]] = []
+        starts: list[torch.Tensor] = []
+        current: list[Microbatch] = []
+
+        def loss_of(m: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
+            current[:] = [mb]
+            return spec.loss_sum(m, mb)
+
+        for k, window in enumerate(windows):
+            if sum(mb.supervised for rank in window for mb in rank) == 0:
+                refs.append(None)
+                used.append([[] for _ in window])
+                starts.append(flat_params(model))
+                continue
+            seen: list[frozenset[str]] = []
+            starts.append(flat_params(model))
+            try:
+                ref = reference_gradient(model, window, loss_of, used=seen)
+            except Exception as exc:
+                if spec.path is None:
+                    raise
+                mb = current[0] if current else window[0][0]
+                where = next(((r, m) for r, mbs in enumerate(window) for m, x in enumerate(mbs) if x is mb), (0, 0))
+                rows, positions = mb.inputs.shape
+                text = str(exc).strip().splitlines()
+                error = (f"the model cannot run window {k}, rank {where[0]}'s microbatch {where[1]} ({rows} row"
+                         f"{'s' if rows != 1 else ''} x {positions} position{'s' if positions != 1 else ''}): "
+                         f"{type(exc).__name__}: {text[0] if text else ''}")
+                return Chain(refs, used, trainable, model_error=error, starts=starts)
+            refs.append(ref)
+            it = iter(seen)
+            used.append([[next(it) for _ in mbs] for mbs in window])
+            with torch.no_grad():
+                offset = 0
+                for p in model.parameters():
+                    n = p.numel()
+                    p.add_(ref.gradient[offset : offset + n].view_as(p), alpha=-LR)
+                    offset += n
+    return Chain(refs, used, trainable, starts=starts)
+
+
+_DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+
+
+def _named_indices(exc: LaunchError, trainable: tuple[str, ...]) -> tuple[str, ...]:
+    """DDP names the parameters that got no gradient by index only (its names need TORCH_DISTRIBUTED_DEBUG, whose
+    DETAIL level crashes forkserver ranks): the names, in the order DDP counts them (the parameters that require
+    grad)."""
+    out = []
+    for rank, indices in sorted(set(_DDP_INDICES.findall("\n".join(exc.details.values())))):
+        names = [trainable[int(i)] for i in indices.split() if int(i) < len(trainable)]
+        if names:
+            out.append(f"DDP's parameter indices {', '.join(indices.split())} without a gradient on rank {rank} are "
+                       f"the model's {', '.join(names)}")
+    return tuple(out)
+
+
+def unused_notes(chain: Chain) -> tuple[bool, tuple[str, ...]]:
+    """Whether some parameter misses a gradient in some microbatch's backward (DDP then needs
+    ``find_unused_parameters=True``), and the sentences that say which, where."""
+    trainable = set(chain.trainable)
+    reached: set[str] = set()
+    missing: dict[str, list[str]] = {}
+    for k, window in enumerate(chain.used):
+        for r, mbs in enumerate(window):
+            for m, names in enumerate(mbs):
+                reached |= names
+                for name in trainable - names:
+                    missing.setdefault(name, []).append(f"window {k}, rank {r}, microbatch {m}")
+    if not missing:
+        return False, ()
+    order = [n for n in chain.trainable if n in missing]
+    never = [n for n in order if n not in reached]
+    sometimes = [n for n in order if n in reached]
+    notes = []
+    if never:
+        notes.append(f"the model's parameter{'s' if len(never) > 1 else ''} {', '.join(never[:6])}"
+                     f"{f' and {len(never) - 6} more' if len(never) > 6 else ''} get{'s' if len(never) == 1 else ''} "
+                     "no gradient in the single-device reference (requires grad, but no forward reaches it)")
+    for name in sometimes[:6]:
+        where = missing[name]
+        ranks = sorted({w.split(", ")[1] for w in where})
+        notes.append(f"the model's parameter {name} gets no gradient in {where[0]}"
+                     f"{f' and {len(where) - 1} other microbatch(es)' if len(where) > 1 else ''} but does elsewhere "
+                     f"(a branch the data decides, e.g. an expert no token routes to; missing on {', '.join(ranks)})")
+    if len(sometimes) > 6:
+        notes.append(f"and {len(sometimes) - 6} more parameters miss a gradient in some microbatches only")
+    return True, tuple(notes)
 
 
 def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     """The global token mean of ``window`` at the weights ``params`` (flat, model order): what a logged loss must be
-    when the recipe started the window from those weights, right or wrong."""
+    when the recipe started the window from those weights, right or wrong. At the weights the reference was taken
+    at, it is the reference's own loss (the same forward passes, in the same order)."""
+    ref = run.references[window] if window < len(run.references) else None
+    if ref is not None and window < len(run.reference_starts) and torch.equal(run.reference_starts[window], params):
+        return ref.loss
+    from harness.battery.facts import rank_threads
+
     model = run.model_at(params)
-    with torch.no_grad():
+    with torch.no_grad(), rank_threads():
         total, count = 0.0, 0
         for rank in run.windows[window]:
             for mb in rank:
@@ -266,31 +439,45 @@ def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
 
 _CACHE: dict[tuple[object, ...], Run] = {}
 
+FIND_UNUSED = ("auto", "on", "off")
+"""``--find-unused-parameters``: ``auto`` (the default) wraps the ranks' DDP with ``find_unused_parameters=True`` when
+the reference finds a parameter without a gradient in some microbatch, and says so; ``on`` always; ``off`` never (a
+model that needs it then fails with DDP's own error and the parameters named)."""
+
+
+def check_find_unused(value: str, option: str = "find_unused") -> str:
+    if value not in FIND_UNUSED:
+        msg = f"{option}={value!r} must be one of {', '.join(FIND_UNUSED)} (auto: on when a parameter gets no gradient)"
+        raise ValueError(msg)
+    return value
 
 
 def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, model: str | None = None,
         batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
-        reduction: str = "mean") -> Run:
+        reduction: str = "mean", find_unused: str = "auto") -> Run:
     """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
-    key = (recipe, scenario, world_size, precision, model, batch_format, device, backend, deadline, reduction)
+    key = (recipe, scenario, world_size, precision, model, batch_format, device, backend, deadline, reduction,
+           find_unused)
     if key not in _CACHE:
         windows = scenarios.build(scenario, world_size)
         _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, model=model,
                                   batch_format=batch_format, device=device, backend=backend, deadline=deadline,
-                                  reduction=reduction)
+                                  reduction=reduction, find_unused=find_unused)
     return _CACHE[key]
 
 
 def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32", *, scenario: str = "custom",
                 model: str | None = None, batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo",
                 deadline: float = DEADLINE, reduction: str = "mean", init_seed: int | None = None,
-                env: dict[str, str] | None = None) -> Run:
+                env: dict[str, str] | None = None, find_unused: str = "auto") -> Run:
     """Launch ``recipe`` on explicit ``windows[k][rank][microbatch]`` (world size = ranks per window); not cached.
 
     ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
     ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
     (``"pkg.mod:factory"``) builds the user's model on every rank and for the reference, from the same seed;
-    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`.
+    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`. ``find_unused``: see
+    :data:`FIND_UNUSED`. A user's model that cannot run one of the microbatches gives a run with ``model_error`` set
+    and no launch.
     """
     if precision not in PRECISIONS:
         msg = f"precision={precision!r} must be one of {sorted(PRECISIONS)}"
@@ -299,23 +486,45 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
         msg = "windows must be a non-empty list of windows with the same number of ranks each"
         raise ValueError(msg)
     check_batch_format(batch_format)
+    check_find_unused(find_unused)
     world_size = len(windows[0])
     spec = ModelSpec(model, batch_format, init_seed, precision)
+    notes: tuple[str, ...] = ()
+    computes_in = None
     if model is not None:  # every rank must rebuild the weights the reference starts from
+        from harness.battery.facts import probe_model
+
         spec = ModelSpec(model, batch_format, init_seed, precision, digest=weights_digest(spec.build()))
-    references = reference_chain(windows, precision, init_seed, spec)
-    preload = tuple(m for m in (recipe_module(recipe), model_module(model)) if m)
-    args: tuple[object, ...] = (recipe, windows, precision, device, reduction, init_seed)
-    if model is not None or batch_format != HARNESS:
-        args += (spec,)
+        found = probe_model(ModelSpec(model, batch_format, init_seed, precision))
+        computes_in = found.computes_in
+        notes = tuple(n for n in found.notes()
+                      if "no gradient from a battery microbatch" not in n)  # the chain below says it per window
+    chain = compute_chain(windows, precision, init_seed, spec)
+    common = dict(init_seed=init_seed, model_path=model, batch_format=batch_format, computes_in=computes_in,
+                  reference_starts=chain.starts)
+    if chain.model_error is not None:
+        return Run(recipe, scenario, world_size, precision, windows, None, chain.references,
+                   model_error=chain.model_error, notes=notes, **common)  # type: ignore[arg-type]
+    needs, unused = unused_notes(chain)
+    wrap = find_unused == "on" or (find_unused == "auto" and needs)
+    if needs:
+        how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs it "
+               "too, or every parameter a gradient" if wrap else
+               "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
+               "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
+        notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
+    preload = tuple(m for m in (recipe_module(recipe), *model_modules(model)) if m)
+    args: tuple[object, ...] = (recipe, windows, precision, device, reduction, init_seed, spec, wrap)
     try:
         records = launch(rank_body, world_size, *args, deadline=deadline, backend=backend, device=device, env=env,
                          preload=preload, lockstep_grace=LOCKSTEP_GRACE)
-        return Run(recipe, scenario, world_size, precision, windows, records, references, init_seed=init_seed,
-                   model_path=model, batch_format=batch_format)
+        return Run(recipe, scenario, world_size, precision, windows, records, chain.references, notes=notes,
+                   find_unused=wrap, **common)  # type: ignore[arg-type]
     except LaunchError as exc:
-        return Run(recipe, scenario, world_size, precision, windows, None, references, failure=exc,
-                   init_seed=init_seed, model_path=model, batch_format=batch_format)
+        return Run(recipe, scenario, world_size, precision, windows, None, chain.references, failure=exc,
+                   notes=notes + _named_indices(exc, chain.trainable), find_unused=wrap,
+                   **common)  # type: ignore[arg-type]
 
 
-__all__ = ["Run", "WindowRecord", "rank_body", "reference_chain", "run", "run_windows", "token_mean_at"]
+__all__ = ["FIND_UNUSED", "Chain", "Run", "WindowRecord", "compute_chain", "rank_body", "reference_chain", "run",
+           "run_windows", "token_mean_at", "unused_notes"]

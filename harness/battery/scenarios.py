@@ -37,18 +37,48 @@ def _corpus(config: Config) -> tuple[Row, ...]:
     return tuple(make_corpus(config))
 
 
+def _prompt_one_longer(mb: list[Row]) -> None:
+    """Give the row of ``mb`` with the most supervised targets a prompt one token longer (no prompt: a prompt of 2,
+    since a prompt of 1 masks nothing): one supervised target fewer, the same tokens and shape."""
+    i = max(range(len(mb)), key=lambda j: mb[j].supervised)
+    if mb[i].supervised > 1:
+        mb[i] = dataclasses.replace(mb[i], prompt_len=max(mb[i].prompt_len, 1) + 1)
+
+
+def _as_real_data_has_them(windows: list[list[list[list[Row]]]]) -> None:
+    """Two deterministic edits where the plan's draw falls on a layout that proves less than it should:
+
+    - every scenario holds rows with a prompt as well as rows without (the hf format labels the two differently):
+      where the draw holds no prompted row, the last microbatch's longest row gets a prompt;
+    - no rank's microbatches all hold one supervised count (a sum of per-microbatch means, or a count taken from one
+      microbatch, would be exact on that rank): where they do, the rank's last microbatch's longest row gets a prompt
+      one token longer.
+    """
+    rows = [r for window in windows for rank in window for mb in rank for r in mb]
+    if rows and not any(r.prompt_len > 0 and r.supervised > 0 for r in rows):
+        _prompt_one_longer(windows[-1][-1][-1])
+    for window in windows:
+        for rank in window:
+            counts = {sum(r.supervised for r in mb) for mb in rank}
+            if len(rank) > 1 and len(counts) == 1:
+                _prompt_one_longer(rank[-1])
+
+
 def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | None = None,
                  seed_offset: int = 0) -> Windows:
     """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
-    the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts."""
+    the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts (made
+    sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario)."""
     config = dataclasses.replace(
         BATTERY_CONFIG, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
         batch_size_per_rank=rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank,
     )
     rows = _corpus(BATTERY_CONFIG)
     plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
-    return [[[collate([rows[i] for i in ids]) for ids in rank_ids[:k]] for rank_ids in step]
-            for step, k in zip(plan, microbatches)]
+    drawn = [[[[rows[i] for i in ids] for ids in rank_ids[:k]] for rank_ids in step]
+             for step, k in zip(plan, microbatches)]
+    _as_real_data_has_them(drawn)
+    return [[[collate(mb) for mb in rank] for rank in window] for window in drawn]
 
 
 def unsupervised(mb: Microbatch) -> Microbatch:
@@ -57,12 +87,14 @@ def unsupervised(mb: Microbatch) -> Microbatch:
 
 
 def uneven(world_size: int) -> Windows:
-    """The base window: two microbatches per rank, rank r in the r-th length band (seed 000's uneven ranks)."""
+    """The base window: two microbatches per rank, rank r in the r-th length band (seed 000's uneven ranks; at W=2
+    and W=4 one row's prompt a token longer, where a rank's two microbatches would hold the same count)."""
     return plan_windows(world_size, [2])
 
 
 def single(world_size: int) -> Windows:
-    """One microbatch per rank: first and last at once (a short final window)."""
+    """One microbatch per rank: first and last at once (a short final window; at W=1 one row given a prompt, which
+    the draw holds none of)."""
     return plan_windows(world_size, [1], seed_offset=1)
 
 

@@ -8,8 +8,12 @@ computes a microbatch's loss sum under that format. Without ``--model`` it is th
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,7 +23,13 @@ from harness.core.compare import PRECISIONS, flat_params
 from harness.core.formats import HARNESS, HF, batch_as, check_batch_format, logits_of, shifted_loss_sum, to_hf
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
+
+if TYPE_CHECKING:
+    from harness.battery.facts import ModelFacts
 from harness.model import build_model, build_user_model, disable_dropout, load_model_factory
+
+_BUILT: dict[tuple[object, ...], nn.Module] = {}
+"""Models this process has built, by (path, seed, precision): :meth:`ModelSpec.build` hands out copies."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,22 @@ class ModelSpec:
     def build(self) -> nn.Module:
         """A fresh single-device model: the initial weights of ``seed``, the precision's dtype, dropout disabled
         (:func:`harness.model.disable_dropout`), train mode."""
+        key = (self.path, self.seed, self.precision)
+        template = _BUILT.get(key)
+        if template is not None:
+            with contextlib.suppress(Exception):  # a model deepcopy cannot copy is built again below
+                return copy.deepcopy(template)
         if self.path is None:
             model: nn.Module = build_model(scenarios.BATTERY_CONFIG, seed=self.init_seed)
         else:
             model = build_user_model(self.path, self.seed)
         model = disable_dropout(model.to(PRECISIONS[self.precision]))
         model.train()
+        if len(_BUILT) < 8:
+            # One process builds the same model for the reference chain, the logged-loss truth and the diagnosis of
+            # every case: a copy of the first costs a fraction of calling a library's constructor again.
+            with contextlib.suppress(Exception):
+                _BUILT[key] = copy.deepcopy(model)
         return model
 
     def check_weights(self, model: nn.Module, where: str) -> None:
@@ -80,19 +100,20 @@ class ModelSpec:
         return loss_sum(logits_of(model(mb.inputs)), mb.labels)
 
 
-def probe(path: str, batch_format: str = HARNESS) -> None:
-    """Build ``--model`` once and run one battery microbatch through it under ``batch_format``, so that a factory
-    that cannot be built, an output the harness cannot read logits from, or logits of the wrong shape are a usage
-    error before any rank starts (:class:`harness.model.ModelError`, naming the path and the fix)."""
+def probe(path: str, batch_format: str = HARNESS) -> ModelFacts:
+    """Build ``--model`` once and run a battery microbatch through it under ``batch_format`` (train mode, gradients
+    on, as the ranks will), so that a factory that cannot be built, an output the harness cannot read logits from, or
+    logits of the wrong shape are a usage error before any rank starts (:class:`harness.model.ModelError`, naming
+    the path and the fix); then what the model allows (:func:`harness.battery.facts.probe_model`)."""
+    from harness.battery.facts import probe_model, rank_threads, small_battery_microbatch
     from harness.model import ModelError
 
     spec = ModelSpec(path, batch_format)
     model = spec.build()
-    mb = scenarios.build("single", 1)[0][0][0]
-    row = Microbatch(mb.inputs[:1], mb.labels[:1])
+    mb = small_battery_microbatch()  # the shapes a model may refuse (one row, long rows) are probe_model's to find
     try:
-        with torch.no_grad():
-            total = spec.loss_sum(model, row)
+        with rank_threads(), torch.random.fork_rng(devices=[]):
+            total = spec.loss_sum(model, mb)
     except Exception as exc:
         call = ("model(input_ids=..., attention_mask=...)" if batch_format == HF else "model(inputs)")
         msg = (f"model={path!r}: {call} on one battery microbatch (batch format {batch_format!r}) failed: "
@@ -103,6 +124,7 @@ def probe(path: str, batch_format: str = HARNESS) -> None:
     if total.dim() != 0 or not bool(torch.isfinite(total)):
         msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
         raise ModelError(msg)
+    return probe_model(spec)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -118,4 +140,20 @@ def model_module(path: str | None) -> str | None:
     return path.split(":")[0]
 
 
-__all__ = ["ModelSpec", "model_module", "probe", "weights_digest"]
+@lru_cache(maxsize=16)
+def model_modules(path: str | None) -> tuple[str, ...]:
+    """Every module the classes of ``--model``'s built model come from (its factory's, each submodule's, its config's),
+    for the launcher to preload: a factory that imports transformers inside its body would otherwise make every rank
+    of every launch import it (seconds per launch), since importing the factory's own module does not."""
+    if path is None:
+        return ()
+    first = model_module(path)
+    model = ModelSpec(path).build()
+    names = [first, *(type(m).__module__ for m in model.modules())]
+    config = getattr(model, "config", None)
+    if config is not None:
+        names.append(type(config).__module__)
+    return tuple(dict.fromkeys(n for n in names if n and n != "__main__" and not n.startswith("torch.")))
+
+
+__all__ = ["ModelSpec", "model_module", "model_modules", "probe", "weights_digest"]

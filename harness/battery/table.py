@@ -19,17 +19,33 @@ SCHEMA = "harness.battery-report/1"
 
 def run_cases(recipe: str, cases: Sequence[plan.Case], deadline: float = runner.DEADLINE,
               progress: Progress | None = None, *, model: str | None = None,
-              batch_format: str = "harness") -> list[Verdict]:
+              batch_format: str = "harness", find_unused: str = "auto") -> list[Verdict]:
     """Every case for one recipe under test (on ``model`` with ``batch_format``); runs shared by several checks
-    launch once."""
+    launch once. Whatever one case does, the others still run: an error of the harness itself on a case becomes
+    that case's failing verdict (cause ``"error"``, the traceback in ``details``), never a lost battery."""
     verdicts = []
     for case in cases:
         if progress:
             progress(f"{recipe.split(':')[-1]}: {case.check} ({case.id})")
-        run = runner.run(recipe, case.scenario, case.world_size, case.precision, model=model,
-                         batch_format=batch_format, deadline=deadline)
-        verdicts.append(checks.CHECKS[case.check](run))
+        try:
+            run = runner.run(recipe, case.scenario, case.world_size, case.precision, model=model,
+                             batch_format=batch_format, deadline=deadline, find_unused=find_unused)
+            verdicts.append(checks.CHECKS[case.check](run))
+        except Exception as exc:
+            verdicts.append(error_verdict(recipe, case, exc))
     return verdicts
+
+
+def error_verdict(recipe: str, case: plan.Case, exc: BaseException) -> Verdict:
+    """A case the harness itself failed on: a failing verdict that says so, with the traceback for ``-v``."""
+    import traceback
+
+    text = str(exc).strip().splitlines()
+    message = (f"check {case.check} FAILED: recipe {recipe}, world {case.world_size}, {case.precision}, scenario "
+               f"{case.scenario}: the harness raised {type(exc).__name__}: {text[0] if text else ''} while running "
+               "this case (not a verdict on the recipe; please report it with the details)")
+    return Verdict(case.check, recipe, case.scenario, case.world_size, case.precision, FAIL, message, cause="error",
+                   details="".join(traceback.format_exception(exc)))
 
 
 @dataclass(frozen=True)
@@ -94,26 +110,53 @@ def _cell(v: Verdict) -> str:
     return text
 
 
+def row_label(v: Verdict) -> str:
+    """A verdict's row in the table: its ``label`` (the drawn lane's one row per run), else its case."""
+    return v.label or f"{v.check} ({v.scenario}, W={v.world_size}, {v.precision})"
+
+
+def recipe_names(recipes: Sequence[str]) -> dict[str, str]:
+    """Each recipe's column title: its ``name`` attribute (:func:`harness.recipes.load_recipe`; the path's attribute
+    when it has none or cannot be loaded); recipes that share a name get their module appended, then their path."""
+    from harness.recipes import load_recipe
+
+    names = {}
+    for r in recipes:
+        try:
+            name = getattr(load_recipe(r), "name", None)
+        except Exception:
+            name = None
+        names[r] = name if isinstance(name, str) and name else r.split(":")[-1]
+    for widen in ("module", "path"):
+        counts: dict[str, int] = {}
+        for n in names.values():
+            counts[n] = counts.get(n, 0) + 1
+        names = {r: (f"{n} ({r.split(':')[0]})" if widen == "module" else r) if counts[n] > 1 else n
+                 for r, n in names.items()}
+    return names
+
+
 def format_table(verdicts: Sequence[Verdict]) -> str:
-    """Rows are cases, columns recipes; a cell is PASS/FAIL with the max error where there is one, or n/a."""
+    """Rows are cases (the drawn lane: one row), columns recipes, titled by their ``name``; a cell is PASS/FAIL with
+    the max error where there is one, or n/a."""
     recipes = list(dict.fromkeys(v.recipe for v in verdicts))
-    keys = list(dict.fromkeys((v.check, v.scenario, v.world_size, v.precision) for v in verdicts))
-    cell = {(v.recipe, (v.check, v.scenario, v.world_size, v.precision)): v for v in verdicts}
-    names = [r.split(":")[-1] for r in recipes]
-    first = max(len(f"{c} ({s}, W={w}, {p})") for c, s, w, p in keys)
+    keys = list(dict.fromkeys(row_label(v) for v in verdicts))
+    cell = {(v.recipe, row_label(v)): v for v in verdicts}
+    titles = recipe_names(recipes)
+    names = [titles[r] for r in recipes]
+    first = max(len(k) for k in keys)
     widths = [max(len(n), 17) for n in names]
     lines = [" | ".join(["check".ljust(first), *(n.ljust(w) for n, w in zip(names, widths))])]
     lines.append("-+-".join(["-" * first, *("-" * w for w in widths)]))
     footnotes = []
     for key in keys:
-        c, s, w, p = key
-        parts = [f"{c} ({s}, W={w}, {p})".ljust(first)]
+        parts = [key.ljust(first)]
         for recipe, width in zip(recipes, widths):
             v = cell.get((recipe, key))
             parts.append(("" if v is None else _cell(v)).ljust(width))
             if v is not None and (v.finding or v.diagnosis):
                 said = str(v.diagnosis["line"]) if v.diagnosis else str(v.finding)
-                footnotes.append(f"{recipe.split(':')[-1]}, {c} ({s}, W={w}, {p}): {said}")
+                footnotes.append(f"{titles[recipe]}, {key}: {said}")
         lines.append(" | ".join(parts))
     return "\n".join(lines + [f"  note: {f}" for f in footnotes])
 
@@ -133,7 +176,7 @@ def format_controls(results: Sequence[ControlResult]) -> str:
 def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: int, exit_status: int,
                 errors: Sequence[str] = (), controls: Sequence[ControlResult] = (),
                 world_sizes: Sequence[int] = (), precision: str = "both", model: str | None = None,
-                batch_format: str = "harness") -> dict[str, object]:
+                batch_format: str = "harness", model_notes: Sequence[str] = ()) -> dict[str, object]:
     """The battery report: what ran against what was expected (on which model, with which batch format), every
     verdict, errors and the exit status."""
     counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "n/a")}
@@ -142,6 +185,7 @@ def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: i
         "recipes": list(recipes),
         "model": model,
         "batch_format": batch_format,
+        "model_notes": list(model_notes),
         "world_sizes": list(world_sizes),
         "precision": precision,
         "expected": expected,

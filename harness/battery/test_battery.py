@@ -44,14 +44,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def judge(recipe_path: str, model_path: str | None, batch_format: str,
+def judge(recipe_path: str, model_path: str | None, batch_format: str, find_unused: str, battery_deadline: float,
           battery_check: Check) -> Callable[[plan.Case], None]:
-    """``judge(case)``: run (or reuse) the case's launch on ``--model`` with ``--batch-format``, apply its check, and
-    pass, fail or skip as n/a."""
+    """``judge(case)``: run (or reuse) the case's launch on ``--model`` with ``--batch-format`` within
+    ``--battery-deadline`` seconds, apply its check, and pass, fail or skip as n/a."""
 
     def apply(case: plan.Case) -> None:
         run = runner.run(recipe_path, case.scenario, case.world_size, case.precision, model=model_path,
-                         batch_format=batch_format)
+                         batch_format=batch_format, find_unused=find_unused, deadline=battery_deadline)
         battery_check(checks.CHECKS[case.check](run))
 
     return apply
@@ -98,4 +98,10 @@ def test_a_window_without_any_supervised_token_is_refused_on_every_rank(
     case: plan.Case, judge: Callable[[plan.Case], None]
 ) -> None:
     """No supervised token anywhere: every rank raises ValueError, none hangs, no gradient or weight is left changed."""
+    judge(case)
+
+
+@for_check("weights_unchanged")
+def test_the_recipe_leaves_every_weight_bitwise_unchanged(case: plan.Case, judge: Callable[[plan.Case], None]) -> None:
+    """backward_window changes no weight: decay, steps and clamps belong to the training loop, after the call."""
     judge(case)

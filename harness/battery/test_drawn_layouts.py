@@ -3,8 +3,9 @@
 Hypothesis draws world sizes 1-4, 1-6 microbatches per window, row lengths and prompt prefixes, microbatches and
 whole ranks without any supervised token, and the model's initial weights (``harness.battery.layouts``); every
 example checks parity, one synchronization per window and the logged loss of ``--recipe``. ``--battery-examples``
-sets the budget; under ``CI=true`` the examples are derandomized (the same on every run). A failure prints the drawn
-layout and a shrunk one that still fails.
+sets the budget (0: none, the test skips), ``--battery-world-sizes`` the world sizes drawn from, and
+``--battery-deadline`` each launch's deadline; under ``CI=true`` the examples are derandomized (the same on every
+run). A failure prints the drawn layout and a shrunk one that still fails.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ pytestmark = pytest.mark.recipe
 
 
 def test_drawn_layouts_keep_parity_one_sync_and_the_logged_loss(
-    recipe_path: str, model_path: str | None, batch_format: str, pytestconfig: pytest.Config,
-    battery_check: Callable[[Verdict], None]
+    recipe_path: str, model_path: str | None, batch_format: str, battery_deadline: float,
+    pytestconfig: pytest.Config, battery_check: Callable[[Verdict], None]
 ) -> None:
     """On every drawn layout the recipe's gradient is the reference's, one sync per window, the right logged loss."""
+    examples = int(pytestconfig.getoption("battery_examples"))
+    if examples == 0:
+        pytest.skip("--battery-examples 0: no drawn layouts")
     pytest.importorskip("hypothesis", reason="the drawn-layout lane needs hypothesis (the harness's [test] extra)")
+    from harness.battery import plan
     from harness.battery.layouts import drawn_verdict
 
+    worlds = plan.parse_world_sizes(pytestconfig.getoption("battery_world_sizes"), "--battery-world-sizes")
     ci = os.environ.get("CI", "").strip().lower() == "true"
-    battery_check(drawn_verdict(recipe_path, int(pytestconfig.getoption("battery_examples")), derandomize=ci,
-                                model=model_path, batch_format=batch_format))
+    battery_check(drawn_verdict(recipe_path, examples, derandomize=ci, model=model_path, batch_format=batch_format,
+                                deadline=battery_deadline, world_sizes=worlds))

@@ -33,6 +33,8 @@ SIGNATURES: dict[str, str] = {
     "not_synchronized": "a rank's gradient holds only its own microbatches (W times the right weight when its loss was "
                         "right): no synchronization",
     "nonfinite": "the gradient holds NaN or inf (a division by a zero count)",
+    "weights_edited": "the recipe changed the weights inside backward_window (an in-place weight decay or step): the "
+                      "gradient is taken at other weights than the reference's and is not read as a weighting",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }

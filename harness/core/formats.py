@@ -13,10 +13,15 @@ shifts, pairing ``logits[:, :-1]`` with ``labels[:, 1:]``. The exact rule (:func
   attention it reaches no logit that predicts one);
 - ``attention_mask = (input_ids != PAD)``: 1 on real tokens, 0 on padding (``PAD`` is never a real token id in the
   harness's data);
-- ``labels[b, 0] = IGNORE_INDEX`` and ``labels[b, t+1] = mb.labels[b, t]`` for every ``t``: the token itself where
-  supervised, ``IGNORE_INDEX`` elsewhere.
+- ``labels[b, t+1] = mb.labels[b, t]`` for every ``t``: the token itself where supervised, ``IGNORE_INDEX``
+  elsewhere; and ``labels[b, 0] = input_ids[b, 0]`` when the row's first target is supervised
+  (``mb.labels[b, 0] != IGNORE_INDEX``: no prompt beyond its first token), ``IGNORE_INDEX`` otherwise (a row with a
+  prompt, or without any supervised token). That is the ``labels = input_ids`` (prompt masked) of a real Hugging
+  Face dataset: position 0 of an unprompted row holds a real token, which no logit predicts.
 
-So the HF shift gives exactly the harness's (position, target) pairs and the same supervised count.
+So the HF shift (``labels[:, 1:]``) gives exactly the harness's (position, target) pairs and the same supervised
+count; a count taken before the shift (``(labels != IGNORE_INDEX).sum()``) is one too many per unprompted row, as it
+is on real data (the ``hf_count_before_shift`` control).
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ def to_hf(mb: Microbatch) -> dict[str, torch.Tensor]:
     input_ids[:, 1:] = torch.where(supervised, mb.labels, input_ids[:, 1:])
     labels = torch.full((b, t + 1), IGNORE_INDEX, dtype=torch.int64, device=mb.labels.device)
     labels[:, 1:] = mb.labels
+    # labels = input_ids, prompt masked: a row whose first target is supervised has no prompt, and its first token
+    # stands as its own label at position 0 (never a target: the shift drops it).
+    if t:
+        labels[:, 0] = torch.where(supervised[:, 0], input_ids[:, 0], labels[:, 0])
     return {"input_ids": input_ids, "attention_mask": (input_ids != PAD).to(torch.int64), "labels": labels}
 
 
@@ -63,7 +72,8 @@ def batch_as(mb: Microbatch, batch_format: str) -> Microbatch | dict[str, torch.
 
 
 def supervised_tokens(batch: Microbatch | Mapping[str, torch.Tensor]) -> int:
-    """Supervised positions of one microbatch in either format (the same number for a microbatch and its hf dict)."""
+    """Supervised positions of one microbatch in either format (the same number for a microbatch and its hf dict):
+    an hf dict is counted after the shift, ``labels[:, 1:]`` (its position 0 is never a target)."""
     if isinstance(batch, Microbatch):
         return batch.supervised
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -33,12 +33,16 @@ def reference_gradient(
     model: nn.Module,
     windows: Sequence[Sequence[Microbatch]],
     loss_sum_of: Callable[[nn.Module, Microbatch], torch.Tensor] | None = None,
+    used: list[frozenset[str]] | None = None,
 ) -> Reference:
     """Gradient of the global token mean over ``windows[rank][microbatch]``, on a private copy of ``model``.
 
     ``model`` itself (its weights, its ``.grad``, its mode) is left untouched. ``loss_sum_of(model, mb)`` is one
     microbatch's loss *sum* (default: ``loss_sum(model(mb.inputs), mb.labels)``; the battery passes its run's batch
     convention, e.g. the hf dict with the shift in the loss, and a user model's logits).
+
+    ``used``, when given, receives one set per microbatch (in ``windows`` order, rank by rank): the names of the
+    parameters that received a gradient in that microbatch's backward (a parameter no forward reaches gets none).
     """
     if not windows or any(len(w) == 0 for w in windows):
         msg = "windows must hold at least one rank, each with at least one Microbatch"
@@ -55,8 +59,15 @@ def reference_gradient(
     local = copy.deepcopy(getattr(model, "module", model))
     local.zero_grad(set_to_none=True)
     device = next(local.parameters()).device
+    reached: set[str] = set()
+    handles = []
+    if used is not None:
+        for name, p in local.named_parameters():
+            if p.requires_grad:
+                handles.append(p.register_hook(lambda g, name=name: reached.add(name)))
     loss = 0.0
     for mb in microbatches:
+        reached.clear()
         # One backward per microbatch keeps memory flat; dividing each sum by the same total is exactly
         # d(sum of sums)/d(theta) / N.
         if loss_sum_of is None:
@@ -65,4 +76,8 @@ def reference_gradient(
             s = loss_sum_of(local, mb.to(device))
         (s / total).backward()
         loss += float(s.detach())
+        if used is not None:
+            used.append(frozenset(reached))
+    for h in handles:
+        h.remove()
     return Reference(gradient=flat_grad(local), loss=loss / total, tokens=total)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,24 +18,66 @@ class Expected:
         return f"{self.type}: {self.message}"
 
 
+DEATHS = ("died from ", "exited with status ", "stopped answering")
+"""How the details of a rank that ended without sending a result begin."""
+
+
 class LaunchError(RuntimeError):
     """A multi-rank run failed: a rank raised, died, fell out of lockstep, or outlived the deadline.
 
     ``kind`` is ``"raised"``, ``"died"``, ``"desync"`` or ``"deadline"``; ``ranks`` names the ranks at fault (for
     ``"desync"``: the ranks left behind); ``details`` maps each of them to its traceback, exit reason or stack. For
     ``"desync"``, ``leader`` is the rank that moved on and ``details[leader]`` says how far, with its note.
+
+    ``output`` maps each rank that printed anything to its whole stdout and stderr (the launcher also relays them to
+    the caller's stderr unless ``relay_output=False``); a rank that died without a traceback has its last lines
+    of output added to its ``details`` (where gloo says "collective mismatch"). ``progress`` maps every rank to the
+    highest step it reported through :func:`~harness.dist.launcher.progress` (None: none), ``started`` names the
+    ranks whose function had started (past the rendezvous), and ``deadline`` is the run's deadline in seconds.
     """
 
     def __init__(self, kind: str, ranks: Sequence[int], details: Mapping[int, str], summary: str,
-                 leader: int | None = None) -> None:
+                 leader: int | None = None, *, progress: Mapping[int, int | None] | None = None,
+                 started: Sequence[int] = (), deadline: float | None = None) -> None:
         self.kind = kind
         self.ranks = tuple(ranks)
         self.details = dict(details)
         self.leader = leader
-        parts = [summary]
+        self.summary = summary
+        self.output: dict[int, str] = {}
+        self.progress: dict[int, int | None] = dict(progress or {})
+        self.started = tuple(started)
+        self.deadline = deadline
+        super().__init__(self._compose())
+
+    def attach_output(self, output: Mapping[int, str], last: Callable[[str], list[str]]) -> None:
+        """Keep every rank's ``output``; a rank that died (its details start with how it ended: it sent no
+        traceback) gets the lines ``last`` picks from its output after that first line, and the message is rebuilt."""
+        self.output = dict(output)
+        for rank in self.ranks:
+            head, _, rest = self.details.get(rank, "").partition("\n")
+            said = last(output.get(rank, ""))
+            if said and head.startswith(DEATHS):
+                self.details[rank] = "\n".join([head, "(its last output:)", *said, *([rest] if rest else [])])
+        self.args = (self._compose(),)
+
+    def _compose(self) -> str:
+        parts = [self.summary]
         for rank in self.ranks:
             parts.append(f"--- rank {rank} ---\n{self.details.get(rank, '(nothing reported)').rstrip()}")
-        if leader is not None and leader not in self.ranks and leader in self.details:
-            parts.append(f"--- rank {leader} (ahead) ---\n{self.details[leader].rstrip()}")
-        super().__init__("\n".join(parts))
+        if self.leader is not None and self.leader not in self.ranks and self.leader in self.details:
+            parts.append(f"--- rank {self.leader} (ahead) ---\n{self.details[self.leader].rstrip()}")
+        return "\n".join(parts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.kind, self.ranks, self.details, self.summary, self.leader, self.progress,
+                           self.started, self.deadline, self.output))
+
+
+def _rebuild(kind: str, ranks: Sequence[int], details: Mapping[int, str], summary: str, leader: int | None,
+             progress: Mapping[int, int | None], started: Sequence[int], deadline: float | None,
+             output: Mapping[int, str]) -> LaunchError:
+    err = LaunchError(kind, ranks, details, summary, leader, progress=progress, started=started, deadline=deadline)
+    err.output = dict(output)
+    return err
 

@@ -36,28 +36,34 @@ Why it looks the way it does:
   on a loaded machine); from the first barrier on, the process-group timeout is the shorter one, cut further to what
   start-up left of the deadline (less the margin), so a stuck collective still raises before the deadline fires.
 
+* **What the ranks print, once.** Each rank's file descriptors 1 and 2 point at a file of its own in the launch's
+  folder (the ones it inherits are the forkserver's, the caller's as of the server's start); when the launch ends the
+  lines are relayed to the caller's stderr once, each prefixed with the ranks that printed it, so W ranks' copies of
+  one warning read as one line (:mod:`.output`). A rank that died without a traceback has its last lines (gloo's
+  "collective mismatch") put into its details.
+
 The parts: this module (the public :func:`launch` and :func:`progress`, argument checks), :mod:`.forkserver` (the
 server, its preload and restart), :mod:`.rank` (what runs in a rank), :mod:`.watch` (the parent's watch loop: results,
 deaths, lockstep, deadline), :mod:`.errors` (:class:`LaunchError`, :class:`Expected`), :mod:`.scratch` (each launch's
-folder).
+folder), :mod:`.output` (the ranks' output: capture, merge, relay).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.core.validate import positive_int
-from harness.dist import forkserver, rank, scratch, watch
+from harness.dist import forkserver, output, rank, scratch, watch
 from harness.dist.errors import Expected, LaunchError
 from harness.dist.forkserver import PRELOAD
 
-__all__ = ["DEFAULT_DEADLINE", "PRELOAD", "Expected", "LaunchError", "launch", "progress"]
+__all__ = ["DEFAULT_DEADLINE", "PRELOAD", "Expected", "LaunchError", "Results", "launch", "progress"]
 
 DEFAULT_DEADLINE = 60.0
 """Seconds a whole run may take by default."""
@@ -96,7 +102,8 @@ def launch(
     threads: int = 1,
     lockstep_grace: float | None = None,
     preload: Sequence[str] = (),
-) -> list[Any]:
+    relay_output: bool = True,
+) -> Results:
     """Call ``fn(*args)`` on ``world_size`` ranks inside an initialized default process group; return each rank's value.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function). An exception of a type in ``expect`` comes
@@ -120,8 +127,18 @@ def launch(
     server lacks makes this launch wait for any other launch of this process to end, then restarts the server with
     every module asked for so far (one cold start). A module that fails to import there is left for each rank to
     import as before.
+
+    What the ranks print (stdout and stderr, Python's and C++'s alike, warnings included) is captured per rank and,
+    with ``relay_output`` (the default), written to the caller's ``sys.stderr`` once when the launch ends, returned
+    or failed: a line several ranks printed once, prefixed with their ranks (``[ranks 0,1] UserWarning: ...``), at
+    most 200 distinct lines (:mod:`harness.dist.output`). Either way each rank's whole text comes back as
+    ``.output`` (rank -> text, ranks that printed nothing left out) of the returned list or of the
+    :class:`LaunchError`.
     """
     _check_launch_args(fn, world_size, deadline, backend, device, expect, threads, env, lockstep_grace, preload)
+    if not isinstance(relay_output, bool):
+        msg = f"relay_output={relay_output!r} must be True (print the ranks' output once) or False (only return it)"
+        raise TypeError(msg)
     # The process group must give up before the launcher does, so that a stuck collective surfaces as an error
     # with a traceback rather than as a kill at the deadline.
     pg_timeout = rank.collective_timeout(deadline)
@@ -133,6 +150,7 @@ def launch(
         environ = dict(os.environ)
         environ.update(env or {})
         tmp = scratch.make()
+        failure: LaunchError | None = None
         procs: list[Any] = []
         conns: dict[Connection, int] = {}
         try:
@@ -143,19 +161,43 @@ def launch(
                     "LOCAL_WORLD_SIZE": str(world_size),
                 }
                 spec = rank.RankSpec(r, world_size, backend, device, pg_timeout, startup_timeout, tmp, rank_env,
-                                     expect, threads, ends_at)
+                                     expect, threads, ends_at, caller=os.getpid())
                 p = ctx.Process(target=rank.rank_main, args=(spec, fn, args, writer), name=f"harness-rank{r}",
                                 daemon=True)
                 p.start()
                 writer.close()
                 procs.append(p)
                 conns[reader] = r
-            return watch.Watch(procs, conns, tmp, deadline, lockstep_grace).run()
+            watcher = watch.Watch(procs, conns, tmp, deadline, lockstep_grace)
+            try:
+                results = Results(watcher.run())
+            except LaunchError as exc:
+                exc.progress, exc.started, exc.deadline = watcher.steps(), tuple(sorted(watcher.started)), deadline
+                failure = exc
         finally:
             watch.kill(procs)
             for c in conns:
                 c.close()
+            texts = output.read(tmp, world_size)
             shutil.rmtree(tmp, ignore_errors=True)
+            if relay_output:
+                output.relay(texts)
+    if failure is not None:
+        failure.attach_output(texts, output.last_lines)
+        raise failure
+    results.output = texts
+    return results
+
+
+class Results(list[Any]):
+    """What :func:`launch` returns: each rank's value, in rank order, and ``output``: each rank's captured stdout and
+    stderr (rank -> text; a rank that printed nothing is left out)."""
+
+    output: dict[int, str]
+
+    def __init__(self, values: Sequence[Any] = ()) -> None:
+        super().__init__(values)
+        self.output = {}
 
 
 def _check_launch_args(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from harness.dist import output
 from harness.dist.errors import Expected
 
 _PR_SET_PDEATHSIG = 1
@@ -42,7 +43,11 @@ def set_pg_timeout_fn() -> Callable[..., None] | None:
 
 def _spec_in_rank(fields: dict[str, Any]) -> RankSpec:
     """Unpickle a spec in the rank, replacing the process environment with the spec's first: the spec is unpickled
-    before ``fn``, so a module first imported to unpickle ``fn`` sees the caller's environment too."""
+    before ``fn``, so a module first imported to unpickle ``fn`` sees the caller's environment too. Its output goes to
+    the rank's own file from here on, for the same reason (:mod:`harness.dist.output`: the file descriptors a rank
+    inherits are the forkserver's)."""
+    if os.getpid() != fields["caller"]:  # a launched rank, never the caller unpickling a spec
+        output.capture(fields["tmp"], fields["rank"])
     os.environ.clear()
     os.environ.update(fields["environ"])
     return RankSpec(**fields)
@@ -68,6 +73,8 @@ class RankSpec:
     threads: int
     ends_at: float = float("inf")
     """Wall-clock time (``time.time()``) at which the launcher's deadline passes."""
+    caller: int = 0
+    """The launching process's pid."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_spec_in_rank, (dict(self.__dict__),))
@@ -185,6 +192,7 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple[Any, ...], con
             timeout = min(spec.pg_timeout, collective_timeout(spec.ends_at - time.time(), floor=0.5))
             if timeout != spec.startup_timeout:
                 set_timeout(datetime.timedelta(seconds=timeout))
+        channel.send(("started", ""))  # start-up is over: a deadline from here on ran out in the function
         try:
             message = ("ok", fn(*args))
             ended = "returned"

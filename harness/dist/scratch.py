@@ -1,6 +1,6 @@
-"""Each launch's private folder (the FileStore of the rendezvous, the ranks' stack dumps), named after the calling
-process, so that a folder left by a caller that was SIGKILLed (its ``finally`` never ran) is removed by the next launch
-of any process on the machine.
+"""Each launch's private folder (the FileStore of the rendezvous, the ranks' stack dumps and output), named after the
+calling process, so that a folder left by a caller that was SIGKILLed (its ``finally`` never ran) is removed by the
+next launch of any process on the machine.
 
 A folder is ``<tmp>/harness-launch-<pid>-t<start>-<random>``: the caller's pid and its start time (:func:`start_time`),
 because a pid alone is reused by the system, and a later process holding it would keep a dead caller's folder forever.

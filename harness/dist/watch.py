@@ -36,13 +36,27 @@ class Watch:
         self.notes: dict[int, str] = {}
         self.frontier: list[tuple[float, float, int, str]] = []
         """``(step, time, rank, note)`` each time the highest step any rank reached rose."""
+        self.started: set[int] = set()
+        """The ranks whose function has started (past the rendezvous and the first barrier)."""
+        self.last_step: dict[int, int] = {}
+        """Per rank, the highest step it reported (a function's end is no step)."""
+
+    def steps(self) -> dict[int, int | None]:
+        """Per rank, the highest step it reported through ``progress`` (None: none)."""
+        return {r: self.last_step.get(r) for r in range(len(self.procs))}
 
     def run(self) -> list[Any]:
         n = len(self.procs)
         while len(self.results) < n:
             now = time.monotonic()
             if now >= self.end:
+                for conn, rank in list(self.open_conns.items()):  # the last notices, for where each rank was
+                    final = self._take(conn)
+                    if final is not None:
+                        self._final(rank, *final)
                 alive = [r for r in range(n) if r not in self.results]
+                if not alive:
+                    break
                 stacks = _stacks(self.procs, alive, self.tmp)
                 details = {r: (f"({self._position(r)})\n" if r in self.reached else "") + stacks[r]
                            for r in alive}
@@ -81,12 +95,16 @@ class Watch:
                 self._record(rank, float(message[1]), message[2])
             elif message[0] == "done":
                 self._record(rank, math.inf, message[1])
+            elif message[0] == "started":
+                self.started.add(rank)
             else:
                 self.open_conns.pop(conn, None)
                 return message[0], message[1]
         return None
 
     def _record(self, rank: int, step: float, note: str) -> None:
+        if step != math.inf:
+            self.last_step[rank] = max(int(step), self.last_step.get(rank, -1))
         if step <= self.reached.get(rank, -1.0):
             return
         self.reached[rank] = step

@@ -24,6 +24,21 @@ class RecipeError(ValueError):
     does not satisfy the contract (``backward_window`` and ``name``)."""
 
 
+class ContractViolation(RuntimeError):
+    """Raised inside a rank when a recipe does what the contract forbids and the harness cannot judge past it (it
+    registered its own DDP communication hook). Not a ValueError: that is the contract's answer to an empty window."""
+
+
+COMM_HOOK_OWNED = (
+    "the recipe called register_comm_hook on the model: the harness already registered its own DDP communication "
+    "hook, which counts the synchronizations of each window (the one_sync check) and reduces like DDP's default "
+    "(a DDP model takes one hook: a second raises 'can only be called once'). Remove the call from "
+    "backward_window/setup: to check a recipe written for a summing reduction, run it with reduction='sum' "
+    "(harness.battery.runner.run_windows), which makes the harness's hook sum instead of average; a hook that "
+    "compresses gradients is outside what the battery checks")
+"""The message of the usage error a recipe that registers a comm hook gets."""
+
+
 _FIX = "the recipe contract wants an instance, a class or a zero-argument factory whose result has "\
        "backward_window(model, window) and a str name (see the README's recipe contract)"
 

@@ -400,6 +400,31 @@ class HfNoShift:
         return _hf_window(model, window, lambda logits, labels: (logits, labels))
 
 
+class HfCountBeforeShift:
+    """The correct hf loop (sums, ``no_sync``, the shift once in the loss) whose count is taken *before* the shift:
+    ``(labels != -100).sum()`` over the unshifted labels, as transformers' ``Trainer._get_num_items_in_batch``
+    counted its ``num_items_in_batch`` for causal LM losses (fixed in huggingface/transformers#46204). Position 0 of
+    a row without a prompt holds a real token (``labels = input_ids``) that the shift never makes a target, so the
+    count is one too many per such row, and every weight is ``N / (N + rows without a prompt)``: a global scale that
+    a loss curve never shows."""
+
+    name = "hf_count_before_shift"
+
+    def backward_window(self, model: nn.Module, window: Sequence[dict[str, torch.Tensor]]) -> float | None:
+        local_count = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in window)  # the mistake
+        total = global_count(local_count)
+        check_global_count(total)
+        world, local = _world_size(), 0.0
+        for i, batch in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = logits_of(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+                s = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+                (s * (world / total)).backward()
+            local += float(s.detach())
+        return global_sum(local) / total
+
+
 class PerSequenceMean:
     """Each sequence's own token mean, averaged over the rank's sequences (the "mean over each sequence, then over the
     batch" loss of sequence-level training loops); DDP averages the ranks. A sequence weighs the same whatever its
@@ -436,6 +461,45 @@ class LastMicrobatchTwice:
         return None
 
 
+WEIGHT_DECAY = 0.01
+"""The decoupled weight decay the two weight-editing controls apply (times the harness's SGD rate, 0.1)."""
+
+
+def _decay_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 - 0.1 * WEIGHT_DECAY)
+
+
+class WeightDecayAfterBackward:
+    """The correct window, then decoupled weight decay applied in place (``p.mul_(1 - lr * wd)``), as a training
+    step written as one function does before ``optimizer.step()``. The gradient is right; the weights the optimizer
+    steps from are not the ones it was taken at, and the next window starts elsewhere."""
+
+    name = "weight_decay_after_backward"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        _decay_weights(model)
+        return None
+
+
+class WeightDecayBetweenMicrobatches:
+    """Weight decay applied in place after every microbatch's backward (an accumulation loop that decays as if each
+    microbatch were a step): every microbatch after the first is differentiated at other weights."""
+
+    name = "weight_decay_between_microbatches"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                global_token_loss(loss_sum(logits_of(model(mb.inputs)), mb.labels), total, world).backward()
+            _decay_weights(model)
+        return None
+
+
 mean_of_local_means = MeanOfLocalMeans()
 extra_microbatch_division = ExtraMicrobatchDivision()
 no_world_size_factor = NoWorldSizeFactor()
@@ -462,8 +526,11 @@ numpy_random_draw = NumpyRandomDraw()
 torch_random_draw = TorchRandomDraw()
 hf_shift_twice = HfShiftTwice()
 hf_no_shift = HfNoShift()
+hf_count_before_shift = HfCountBeforeShift()
 per_sequence_mean = PerSequenceMean()
 last_microbatch_twice = LastMicrobatchTwice()
+weight_decay_after_backward = WeightDecayAfterBackward()
+weight_decay_between_microbatches = WeightDecayBetweenMicrobatches()
 
 
 @dataclass(frozen=True)
@@ -505,8 +572,11 @@ CONTROLS: dict[str, Target] = {
     "torch_random_draw": Target("hygiene", "uneven"),
     "hf_shift_twice": Target("parity", "uneven", batch_format=HF),
     "hf_no_shift": Target("parity", "uneven", batch_format=HF),
+    "hf_count_before_shift": Target("parity", "uneven", batch_format=HF),
     "per_sequence_mean": Target("parity", "uneven"),
     "last_microbatch_twice": Target("parity", "uneven"),
+    "weight_decay_after_backward": Target("weights_unchanged", "uneven"),
+    "weight_decay_between_microbatches": Target("weights_unchanged", "uneven"),
 }
 """Every negative control in this module (``harness.recipes:<name>``) and where the battery must reject it."""
 
@@ -537,8 +607,11 @@ DIAGNOSES: dict[str, str | None] = {
     "torch_random_draw": "correct",
     "hf_shift_twice": "unexplained",
     "hf_no_shift": "unexplained",
+    "hf_count_before_shift": "global_scale",
     "per_sequence_mean": "per_sequence_mean",
     "last_microbatch_twice": "double_counted",
+    "weight_decay_after_backward": "weights_edited",
+    "weight_decay_between_microbatches": "weights_edited",
 }
 """The signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must give each control on its target: its
 weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).

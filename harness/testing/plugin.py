@@ -53,6 +53,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels; shift in the loss)",
     )
     group.addoption(
+        "--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
+        help="DDP's find_unused_parameters for the battery's ranks: auto (default) turns it on, with a note, when the "
+        "single-device reference finds a parameter without a gradient in some microbatch; on; off",
+    )
+    group.addoption(
         "--battery-report", default=None, metavar="PATH",
         help="write the battery report as JSON to PATH: every verdict (world size, precision, pass/fail/n/a, max "
         "error, tolerance ratio), the expected and run counts, errors outside a verdict, and pytest's exit status",
@@ -67,7 +72,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--battery-examples", default=12, type=int, metavar="N",
-        help="drawn layouts the battery's property lane checks (default: 12; each is one multi-rank launch)",
+        help="drawn layouts the battery's property lane checks (default: 12; each is one multi-rank launch; 0: none)",
+    )
+    group.addoption(
+        "--battery-deadline", default=None, type=float, metavar="SECONDS",
+        help="seconds one battery run (one launch) may take before it is called hung (default: "
+        "harness.battery.runner.DEADLINE, 30); raise it for a slow model, e.g. one under torch.compile",
     )
 
 
@@ -91,6 +101,12 @@ def pytest_configure(config: pytest.Config) -> None:
             probe(config.getoption("model"), config.getoption("batch_format"))
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}") from None
+    examples = config.getoption("battery_examples")
+    if examples is not None and examples < 0:
+        raise pytest.UsageError(f"--battery-examples={examples} must be 0 (no drawn layouts) or a positive number")
+    deadline = config.getoption("battery_deadline")
+    if deadline is not None and not deadline > 0:
+        raise pytest.UsageError(f"--battery-deadline={deadline:g} must be a positive number of seconds, e.g. 120")
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()
@@ -202,6 +218,23 @@ def model_path(pytestconfig: pytest.Config) -> str | None:
     """``--model``: the ``package.module:factory`` of the user's model, or None for the built-in one."""
     value = pytestconfig.getoption("model")
     return None if value is None else str(value)
+
+
+@pytest.fixture(scope="session")
+def find_unused(pytestconfig: pytest.Config) -> str:
+    """``--find-unused-parameters``: ``"auto"``, ``"on"`` or ``"off"``."""
+    return str(pytestconfig.getoption("find_unused_parameters"))
+
+
+@pytest.fixture(scope="session")
+def battery_deadline(pytestconfig: pytest.Config) -> float:
+    """``--battery-deadline``: seconds one battery run may take (default :data:`harness.battery.runner.DEADLINE`)."""
+    value = pytestconfig.getoption("battery_deadline")
+    if value is None:
+        from harness.battery.runner import DEADLINE
+
+        return DEADLINE
+    return float(value)
 
 
 @pytest.fixture(scope="session")

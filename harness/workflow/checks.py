@@ -20,15 +20,22 @@ from harness.workflow.outputs import BadInput, leftover_in_use
 def check_model_option(model: str | None, batch_format: str = "harness") -> str | None:
     """``--model`` built once in this process and run on one microbatch before any rank starts: a bad path, factory
     or output is bad input (exit 2)."""
-    if model is not None:
-        from harness.battery.spec import probe
-        from harness.model import ModelError
-
-        try:
-            probe(model, batch_format)
-        except ModelError as exc:
-            raise BadInput(f"--model: {exc}") from None
+    model_notes(model, batch_format)
     return model
+
+
+def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, ...]:
+    """What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), as sentences; BadInput when the
+    model cannot be used at all."""
+    if model is None:
+        return ()
+    from harness.battery.spec import probe
+    from harness.model import ModelError
+
+    try:
+        return probe(model, batch_format).notes()
+    except ModelError as exc:
+        raise BadInput(f"--model: {exc}") from None
 
 
 def cmd_battery(args: argparse.Namespace) -> int:
@@ -61,7 +68,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
         except RecipeError as exc:
             raise BadInput(f"--recipe: {exc}") from None
     batch_format = getattr(args, "batch_format", "harness")
-    model = check_model_option(getattr(args, "model", None), batch_format)
+    model = getattr(args, "model", None)
+    found = model_notes(model, batch_format)
+    find_unused = getattr(args, "find_unused_parameters", "auto")
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     if args.examples < 0:
@@ -69,23 +78,29 @@ def cmd_battery(args: argparse.Namespace) -> int:
     drawn = args.examples > 0 and importlib.util.find_spec("hypothesis") is not None
     verdicts = []
     for r in recipes:
-        verdicts += run_cases(r, cases, args.deadline, progress, model=model, batch_format=batch_format)
+        verdicts += run_cases(r, cases, args.deadline, progress, model=model, batch_format=batch_format,
+                              find_unused=find_unused)
         if drawn:
             from harness.battery.layouts import drawn_verdict
 
             if progress:
                 progress(f"{r.split(':')[-1]}: {args.examples} drawn layouts")
             verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true",
-                                          model=model, batch_format=batch_format))
+                                          model=model, batch_format=batch_format, deadline=args.deadline,
+                                          world_sizes=worlds))
     results = run_controls(controls, worlds, args.deadline, progress) if controls else []
     if verdicts:
         print(format_table(verdicts))
     if results:
         head = "negative controls, each on its target, and what the diagnosis reads in their gradients:"
         print(("\n" if verdicts else "") + head + "\n" + format_controls(results))
+    notes = list(dict.fromkeys([*found, *(n for v in verdicts for n in v.notes if n.startswith("the model"))]))
+    if notes:
+        print(f"\nabout the model {model}:\n" + "\n".join(f"  {n}" for n in notes))
     failed = [v for v in verdicts if not v.passed]
     unrejected = [c for c in results if not c.rejected]
-    status = 1 if failed or unrejected else 0
+    usage = [v for v in failed if v.cause == "usage"]
+    status = 2 if usage else 1 if failed or unrejected else 0
     print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
           f"{list(worlds)}, precision {args.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
     for path in filter(None, (args.json, args.battery_report)):
@@ -93,13 +108,16 @@ def cmd_battery(args: argparse.Namespace) -> int:
 
         expected = (len(cases) + drawn) * len(recipes)
         write_json(Path(path), report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
-                                           precision=args.precision, model=model, batch_format=batch_format))
+                                           precision=args.precision, model=model, batch_format=batch_format,
+                                           model_notes=notes))
         print(f"report written to {path}")
     for v in failed:
         err(v.message)
     for c in unrejected:
         err(f"control {c.control} not rejected: {c.verdict.message}")
-    if failed:
+    if usage:
+        err(f"usage error: {usage[0].message.split('usage error on ', 1)[-1]}")
+    elif failed:
         first = failed[0]
         err(f"FAILED: {len(failed)} check(s) failed; first: {first.check} of {first.recipe} ({first.scenario}, "
              f"W={first.world_size}, {first.precision})")

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a recipe under test (repeatable); default: the correct recipe, with every control")
     p.add_argument("--controls", nargs="?", const="", metavar="NAME,...",
                    help="run the negative controls (all, or the named ones); the default when no --recipe is given")
-    p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes (default: 1,2,3,4)")
+    p.add_argument("--world-sizes", default="1,2,3,4",
+                   help="comma-separated world sizes, the drawn layouts' included (default: 1,2,3,4)")
     p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"),
                    help="float32 lane, float64 lane or both (default: both)")
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
@@ -108,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
                    help="what a recipe receives per microbatch: the harness's Microbatch (aligned labels, default) or "
                    "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels)")
-    p.add_argument("--deadline", type=float, default=30.0, help="seconds one run may take before it is called hung")
+    p.add_argument("--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
+                   help="DDP's find_unused_parameters for the ranks: auto (default) turns it on, and says so, when the "
+                   "reference finds a parameter without a gradient in some microbatch; on; off")
+    p.add_argument("--deadline", type=float, default=30.0,
+                   help="seconds one run (a case, a drawn layout) may take before it is called hung (default: 30)")
     p.add_argument("--examples", type=int, default=12, help="drawn layouts per recipe (0: none; needs hypothesis)")
     p.add_argument("--json", metavar="PATH", help="write the battery report (expected and run counts, verdicts, "
                    "errors, exit status) as JSON")

@@ -43,7 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _stem(recipe: str, scenario: str, world: int, precision: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", recipe.split(":")[-1])
+    """The output files' name: the recipe's module and attribute (two modules' ``:recipe`` must not overwrite each
+    other), the scenario, world size and precision: ``explain-pkg.mod-recipe-uneven-W2-fp32``."""
+    module, _, attr = recipe.partition(":")
+    name = "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", part) for part in (module, attr) if part)
     return f"explain-{name}-{scenario}-W{world}-{precision}"
 
 

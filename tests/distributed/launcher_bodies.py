@@ -80,3 +80,52 @@ class LateArrival:
 def late_then_refuse(late: str, rank: int, at: int, steps: int) -> str:
     """:func:`refuse_on` after a start delayed by ``late`` (a :class:`LateArrival`, applied at unpickling)."""
     return refuse_on(rank, at, steps)
+
+
+def ddp_steps(factory: str, steps: int, find_unused_parameters: bool = False) -> str:
+    """``steps`` forward and backward passes of the ``user_recipes.models`` model ``factory`` under DDP (a token
+    cross-entropy on random tokens): what a training loop does before DDP's own errors show."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from user_recipes import models
+
+    torch.manual_seed(0)
+    model = DDP(getattr(models, factory)(), find_unused_parameters=find_unused_parameters)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        tokens = torch.randint(1, models.VOCAB, (2, 6), generator=gen)
+        out = model(tokens)
+        logits = out.logits if hasattr(out, "logits") else out
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return "done"
+
+
+def warn(message: str) -> int:
+    """``warnings.warn(message)`` on every rank, as a deprecated call in a recipe does."""
+    import warnings
+
+    warnings.warn(message, UserWarning, stacklevel=1)
+    return dist.get_rank()
+
+
+def write_fd(fd: int, text: str) -> int:
+    """Write ``text`` straight to file descriptor ``fd``, below Python's streams, as C++ code (gloo) does; rank 1
+    adds a line of its own."""
+    os.write(fd, text.encode())
+    if dist.get_rank() == 1:
+        os.write(fd, b"only rank 1 says this\n")
+    return dist.get_rank()
+
+
+def print_then_raise(text: str) -> None:
+    """Every rank prints ``text``; then rank 1 raises."""
+    print(text)
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 gave up after printing")
+    dist.barrier()
+
+
+def mismatched_all_reduce() -> int:
+    """Rank 0 all-reduces 3 numbers, rank 1 five: gloo aborts a rank with "collective mismatch" on its stderr."""
+    t = torch.ones(3 if dist.get_rank() == 0 else 5)
+    dist.all_reduce(t)
+    return int(t.sum())

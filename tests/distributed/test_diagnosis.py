@@ -90,7 +90,7 @@ def test_explain_prints_the_weights_and_signature_and_writes_figure_and_json(
     assert 1 == status, out + err
     assert "diagnosis (global_scale): an extra division by the microbatch count k=5" in out
     assert "expected 1/N" in out and "parameter" in out
-    stem = "explain-extra_microbatch_division-long-W2-fp32"
+    stem = "explain-harness.recipes-extra_microbatch_division-long-W2-fp32"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert "global_scale" == data["signature"] and 10 == len(data["weights"])
     assert all(abs(w["ratio"] - 0.2) < 1e-5 for w in data["weights"])

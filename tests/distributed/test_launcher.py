@@ -419,3 +419,62 @@ def test_a_launch_removes_the_folders_of_dead_callers_and_keeps_live_ones() -> N
         for path in (stale, live, foreign):
             shutil.rmtree(path, ignore_errors=True)
 
+
+
+# --- what the ranks print ---------------------------------------------------------------------------------------------
+
+
+def _relayed(text: str, needle: str) -> list[str]:
+    return [ln for ln in text.splitlines() if needle in ln]
+
+
+def test_a_warning_raised_on_every_rank_is_printed_once_naming_the_ranks(
+    bodies: ModuleType, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """warnings.warn on both ranks: one line on the caller's stderr, prefixed [ranks 0,1], instead of two copies."""
+    assert [0, 1] == launch(bodies.warn, 2, "x is deprecated; use y")
+    lines = _relayed(capfd.readouterr().err, "UserWarning: x is deprecated; use y")
+    assert 1 == len(lines), lines
+    assert lines[0].startswith("[ranks 0,1] ")
+
+
+def test_a_write_below_python_to_a_file_descriptor_is_captured_too(
+    bodies: ModuleType, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """os.write(2, ...) (what C++ code such as gloo does) is caught at the descriptor; one rank's line names it."""
+    launch(bodies.write_fd, 2, 2, "written below Python\n")
+    err = capfd.readouterr().err
+    assert ["[ranks 0,1] written below Python"] == _relayed(err, "written below Python")
+    assert ["[rank 1] only rank 1 says this"] == _relayed(err, "only rank 1 says this")
+
+
+def test_the_output_of_a_rank_that_crashed_is_relayed_and_its_traceback_kept(
+    bodies: ModuleType, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A failed launch relays what the ranks printed before it failed; the error still carries the traceback."""
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.print_then_raise, 2, "about to train", deadline=30)
+    assert ["[ranks 0,1] about to train"] == _relayed(capfd.readouterr().err, "about to train")
+    assert "RuntimeError: rank 1 gave up after printing" in info.value.details[1]
+    assert "about to train\n" == info.value.output[1]
+
+
+def test_without_relay_nothing_is_printed_and_each_ranks_text_comes_back(
+    bodies: ModuleType, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """relay_output=False: the caller's stderr stays empty; .output holds every rank's own, unmerged text."""
+    results = launch(bodies.write_fd, 2, 1, "to stdout\n", relay_output=False)
+    assert [0, 1] == results
+    assert "" == capfd.readouterr().err
+    assert {0: "to stdout\n", 1: "to stdout\nonly rank 1 says this\n"} == results.output
+
+
+def test_a_rank_aborted_by_gloo_is_reported_with_its_last_output(bodies: ModuleType) -> None:
+    """A collective mismatch aborts a rank from C++: its death comes with gloo's words, which only its stderr has."""
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.mismatched_all_reduce, 2, deadline=30)
+    err = info.value
+    assert "died" == err.kind
+    dead = err.ranks[0]
+    assert "(its last output:)" in err.details[dead]
+    assert "collective mismatch" in err.details[dead]

@@ -33,19 +33,78 @@ def _rows() -> Microbatch:
 
 def test_the_hf_dict_follows_the_alignment_rule_exactly() -> None:
     """input_ids: the full row (PAD after it); attention_mask: 1 on real tokens; labels: the token itself where it is
-    a target, -100 on the prompt, on padding and at position 0 (the README's example rows)."""
+    a target and at position 0 of a row without prompt, -100 on the prompt and on padding."""
     mb = _rows()
     assert mb.inputs.tolist() == [[11, 12, 13, 14], [21, 22, PAD, PAD], [31, PAD, PAD, PAD]]
     assert mb.labels.tolist() == [[I, 13, 14, 15], [22, 23, I, I], [I, I, I, I]]
     hf = to_hf(mb)
     assert hf["input_ids"].tolist() == [[11, 12, 13, 14, 15], [21, 22, 23, PAD, PAD], [31, PAD, PAD, PAD, PAD]]
     assert hf["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
-    assert hf["labels"].tolist() == [[I, I, 13, 14, 15], [I, 22, 23, I, I], [I, I, I, I, I]]
+    assert hf["labels"].tolist() == [[I, I, 13, 14, 15], [21, 22, 23, I, I], [I, I, I, I, I]]
     # The HF shift pairs exactly the harness's (position, target) pairs.
     assert torch.equal(hf["labels"][:, 1:], mb.labels)
     assert torch.equal(hf["input_ids"][:, :-1][mb.labels != I], mb.inputs[mb.labels != I])
     assert supervised_tokens(hf) == supervised_tokens(mb) == mb.supervised == 5
     assert all(t.dtype == torch.int64 for t in hf.values())
+
+
+def test_the_readme_example_rows_convert_as_the_readme_shows() -> None:
+    """The README's two rows, 5 tokens with a 2-token prompt and 4 without, in a microbatch whose longest row has 6."""
+    mb = collate([Row(0, "a", (11, 12, 13, 14, 15), 2), Row(1, "b", (21, 22, 23, 24), 0),
+                  Row(2, "c", (1, 2, 3, 4, 5, 6), 0)])
+    hf = to_hf(mb)
+    assert [[11, 12, 13, 14, 0], [21, 22, 23, 0, 0]] == mb.inputs[:2].tolist()
+    assert [[I, 13, 14, 15, I], [22, 23, 24, I, I]] == mb.labels[:2].tolist()
+    assert [[11, 12, 13, 14, 15, 0], [21, 22, 23, 24, 0, 0]] == hf["input_ids"][:2].tolist()
+    assert [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]] == hf["attention_mask"][:2].tolist()
+    assert [[I, I, 13, 14, 15, I], [21, 22, 23, 24, I, I]] == hf["labels"][:2].tolist()
+
+
+def _battery_microbatches() -> list[Microbatch]:
+    """Every microbatch of every battery scenario at W=1..4."""
+    return [mb for name in scenarios.BATTERY_SCENARIOS for world in range(1, scenarios.MAX_WORLD_SIZE + 1)
+            if not (name in scenarios.MULTI_RANK_ONLY and world == 1)
+            for window in scenarios.build(name, world) for rank in window for mb in rank]
+
+
+def test_an_unprompted_row_is_its_own_label_at_position_0_and_a_prompted_row_is_ignored_there() -> None:
+    """labels = input_ids, prompt masked (a real HF dataset's rows): on every battery microbatch, a row whose first
+    target is supervised has labels[b, 0] == input_ids[b, 0]; any other row (a prompt, no supervised token) has -100."""
+    seen = {"unprompted": 0, "prompted": 0}
+    for mb in _battery_microbatches():
+        hf = to_hf(mb)
+        for b in range(mb.labels.shape[0]):
+            if mb.labels[b, 0] != I:
+                assert int(hf["input_ids"][b, 0]) == int(hf["labels"][b, 0]) != PAD
+                seen["unprompted"] += 1
+            else:
+                assert I == int(hf["labels"][b, 0])
+                seen["prompted"] += bool((mb.labels[b] != I).any())
+    assert seen["unprompted"] > 0 and seen["prompted"] > 0, seen
+
+
+def test_a_count_before_the_shift_is_one_too_many_per_unprompted_row() -> None:
+    """(labels != -100).sum() on the unshifted labels exceeds supervised_tokens by the rows without prompt, exactly:
+    the mistake ``hf_count_before_shift`` makes, which only a real token at position 0 shows."""
+    differs = 0
+    for mb in _battery_microbatches():
+        hf = to_hf(mb)
+        before = int((hf["labels"] != I).sum())
+        unprompted = int((mb.labels[:, 0] != I).sum())
+        assert before - unprompted == supervised_tokens(hf) == mb.supervised
+        differs += unprompted > 0
+    assert differs > 0
+
+
+def test_the_shift_gives_exactly_the_harness_position_target_pairs() -> None:
+    """labels[:, 1:] is the harness's aligned labels, and each supervised position's hf input is the harness's input,
+    on every battery microbatch: position 0's label is never paired with a logit."""
+    for mb in _battery_microbatches():
+        hf = to_hf(mb)
+        assert torch.equal(hf["labels"][:, 1:], mb.labels)
+        mask = mb.labels != I
+        assert torch.equal(hf["input_ids"][:, :-1][mask], mb.inputs[mask])
+        assert torch.equal(hf["input_ids"][:, 1:][mask], mb.labels[mask])
 
 
 @pytest.mark.parametrize("scenario", ["uneven", "sparse", "long"])

@@ -111,3 +111,33 @@ class HiddenStatesOnly(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return {"last_hidden_state": self.embed(input_ids)}
+
+
+class UnusedHead(ConvLM):
+    """A :class:`ConvLM` with a second head that forward never uses (left over from a previous experiment, as in
+    real code): under DDP's defaults its gradient bucket never all-reduces and the next forward raises DDP's
+    "Expected to have finished reduction in the prior iteration", naming ``find_unused_parameters=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.old_head = nn.Linear(24, VOCAB)
+
+
+class SharedBlockCheckpointed(nn.Module):
+    """One block applied twice, each application under reentrant activation checkpointing
+    (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``): under DDP with ``find_unused_parameters=True``
+    the block's parameters are marked ready twice in one backward, which DDP refuses, naming ``_set_static_graph()``."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.block = nn.Linear(d, d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(input_ids)
+        for _ in range(2):
+            h = h + checkpoint(self.block, h, use_reentrant=True)
+        return self.head(torch.cumsum(h, dim=1))  # type: ignore[no-any-return]

@@ -46,7 +46,8 @@ class Expect:
 PASS = Expect("pass", "right")
 FLOAT32_LOSS = Expect("fail", "the library computes the loss in float32 (logits.float()): the float64 lane fails at "
                       "float32 rounding scale", "float32_computation", diagnosis="float32_computation")
-NAN_ON_EMPTY = Expect("fail", "no supervised token anywhere: the loss is 0/0 and every gradient NaN, no error raised")
+NAN_ON_EMPTY = Expect("fail", "no supervised token anywhere: the loss is 0/0 = NaN, returned without an error; the "
+                      "gradients are zero (cross-entropy gives ignored positions none): a loop steps on nothing")
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
             "one_sync single": Expect("fail", "accumulate syncs by its own step counter: a one-microbatch window "
                                       "never synchronizes", diagnosis="not_synchronized"),
             "logged_loss": Expect("fail", "accelerator.reduce(mean of microbatch means) is a mean of means"),
-            "empty_window": Expect("fail", "a mean over no token is NaN: NaN gradients, no error raised"),
+            "empty_window": Expect("fail", "a mean over no token is NaN: NaN returned, zero gradients, no error "
+                                   "raised"),
         },
     ),
     LibraryRecipe(

@@ -33,7 +33,7 @@ Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` i
 - naive: parity FAIL on the uneven scenario (the mean of per-microbatch means, halved by ``backward``), and on the
   single scenario (no synchronization: each rank keeps its own gradient); one_sync PASS on the uneven window of two
   microbatches, FAIL on the single one (0 synchronizations); logged_loss FAIL (a mean of means); hygiene PASS;
-  empty_window FAIL (a mean over no token is NaN: NaN gradients, no error).
+  empty_window FAIL (a mean over no token is NaN: NaN returned, zero gradients, no error).
 - corrected: every check PASS.
 
 What the gradient diagnosis reads (``harness.battery.diagnose``; the tests assert the signatures): on the uneven

@@ -21,7 +21,8 @@ loss is float32 by design, so parity is asserted in both lanes: the float64 lane
 
 - torchtitan_loss: parity FAIL in float32 (the missing world-size factor); one_sync FAIL on the uneven window of two
   microbatches (2 synchronizations: a cost, not a wrong gradient), PASS on the single one; logged_loss PASS (the
-  summed losses are the global token mean); hygiene PASS; empty_window FAIL (0/0: NaN gradients, no error).
+  summed losses are the global token mean); hygiene PASS; empty_window FAIL (0/0: NaN returned, zero gradients, no
+  error).
 - torchtitan_loss_corrected: parity PASS in float32; one_sync, logged_loss, hygiene and empty_window PASS.
 
 The gradient diagnosis reads ``global_scale`` (every weight 0.5x) on torchtitan_loss's failing parity cases: "the

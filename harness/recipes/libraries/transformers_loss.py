@@ -25,8 +25,9 @@ scale (finding ``float32_computation``), and ``--precision fp32`` is the lane th
 Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` is the table the tests assert):
 
 - global items: parity PASS in float32 (FAIL in float64: float32 computation); one_sync PASS; logged_loss PASS;
-  hygiene PASS; empty_window FAIL: with no supervised token anywhere ``num_items_in_batch`` is 0, the loss is 0/0 and
-  every gradient NaN, and the Trainer does not stop (``logging_nan_inf_filter`` only hides the logged value).
+  hygiene PASS; empty_window FAIL: with no supervised token anywhere ``num_items_in_batch`` is 0, the loss is 0/0 =
+  NaN (what the step returns) while every gradient is zero (cross-entropy gives ignored positions none), and the
+  Trainer does not stop: its optimizer steps on nothing (``logging_nan_inf_filter`` only hides the logged value).
 - local items: parity FAIL on the uneven scenario (rank 0 and rank 1 hold different counts); logged_loss FAIL (the
   mean of local means again); one_sync and hygiene PASS; empty_window FAIL as above. The gradient diagnosis reads
   ``mean_of_local_means`` on every failing parity case (in the float64 lane too: the re-weighting dominates the

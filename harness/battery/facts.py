@@ -1,0 +1,225 @@
+"""What a user's model allows, found by running it in the parent before any rank starts.
+
+A model the battery has never seen may refuse shapes the battery builds (BatchNorm raises "Expected more than 1 value
+per channel when training" on a one-row, one-token microbatch; a learned position table stops at its length), may
+hold parameters that no forward uses (DDP then never finishes its reduction), and may change buffers in its forward
+(BatchNorm's running statistics, a counter a forward reads back). :func:`probe_model` runs the model once in train
+mode, with gradients on, on a battery microbatch and on a few small and long shapes, and returns
+:class:`ModelFacts`: what it needs of a microbatch (the drawn layouts respect it; a fixed case it cannot run is
+``n/a`` with the model's own error), which parameters get no gradient, which buffers its forward changes.
+
+Nothing here names a recipe: these are properties of the model, reported as such, never as a recipe's mistake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from harness.battery import scenarios
+from harness.battery.spec import ModelSpec
+from harness.core.microbatch import Microbatch
+
+THREADS = 1
+"""The intra-op thread count of every battery computation: each rank runs with one thread (the launcher's default),
+and so do the parent's reference, the logged-loss truth and the diagnosis, so that no float32 result depends on
+where it was computed (a float32-loss model otherwise read differently at W=2 and W=3)."""
+
+
+@contextlib.contextmanager
+def rank_threads() -> Iterator[None]:
+    """Run the body with the ranks' intra-op thread count, restoring the caller's after."""
+    before = torch.get_num_threads()
+    if before == THREADS:
+        yield
+        return
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What :func:`probe_model` found."""
+
+    path: str | None
+    batch_format: str
+    min_positions: int = 1
+    """The fewest ``rows x positions`` a microbatch must hold for the model to run it (2 under BatchNorm)."""
+    max_len: int | None = None
+    """The longest input (positions per row, the harness format's ``T``) the model runs; None: every length the
+    battery draws."""
+    unused: tuple[str, ...] = ()
+    """Parameters that require grad and received no gradient from a battery microbatch's backward."""
+    buffers_changed: tuple[str, ...] = ()
+    """Buffers a train-mode forward and backward changed (running statistics, counters)."""
+    stateful: bool = False
+    """Whether the forward reads what it changed: the same microbatch twice gave two different losses."""
+    refused: tuple[str, ...] = ()
+    """The shapes the model raised on, with its error: ``"1 row x 1 position: ValueError: ..."``."""
+    lower_precision: tuple[str, ...] = ()
+    """Floating dtypes below the model's own that its forward computes in (``"torch.float32"`` for a float64 model
+    whose norm upcasts to float32), and the first few operations that produced them."""
+
+    @property
+    def computes_in(self) -> str | None:
+        """The lowest floating dtype the forward computes in when it is below the model's own (None otherwise)."""
+        return self.lower_precision[0].split(" ")[0] if self.lower_precision else None
+
+    def notes(self) -> tuple[str, ...]:
+        """Sentences for the user about their model (empty for a model the battery can take as it is)."""
+        out = []
+        if self.unused:
+            out.append(f"the model's parameter{'s' if len(self.unused) > 1 else ''} {_names(self.unused)} "
+                       f"require{'' if len(self.unused) > 1 else 's'} grad but get{'' if len(self.unused) > 1 else 's'}"
+                       " no gradient from a battery microbatch (no forward uses "
+                       f"{'them' if len(self.unused) > 1 else 'it'}): DDP needs find_unused_parameters=True for such "
+                       "a model, or the parameter frozen (requires_grad=False) or removed")
+        if self.buffers_changed:
+            which = (f"buffer{'s' if len(self.buffers_changed) > 1 else ''} {_names(self.buffers_changed)}")
+            if self.stateful:
+                out.append(f"the model's forward changes {which} in train mode and reads them back (the same "
+                           "microbatch twice gave two losses): every call computes another function, so the "
+                           "single-device reference (one forward per microbatch of every rank, in turn) is another "
+                           "computation than the ranks' (one forward per own microbatch); keep state out of the "
+                           "forward, or check such a model in eval mode")
+            else:
+                out.append(f"the model's forward updates {which} in train mode (running statistics) without reading "
+                           "them back: gradients are unaffected; DDP broadcasts buffers from rank 0 at each forward "
+                           "(broadcast_buffers=True), so the ranks' copies follow rank 0's")
+        if self.lower_precision:
+            out.append(f"the model computes part of its forward in {self.computes_in} although its weights are "
+                       f"{'float64' if self.computes_in == 'torch.float32' else 'of a higher precision'} "
+                       f"({'; '.join(self.lower_precision)}): a lane of a higher precision judges it at "
+                       f"{self.computes_in}'s tolerances, since the ranks scale the loss by W/N and the reference "
+                       "by 1/N, which rounds differently in the lower precision")
+        if self.refused:
+            out.append("the model refuses some microbatch shapes (" + "; ".join(self.refused) + "): the drawn "
+                       "layouts leave them out, and a fixed case holding one is n/a")
+        return tuple(out)
+
+    def allows(self, rows: int, positions: int) -> bool:
+        """Whether a microbatch of ``rows`` rows of ``positions`` input positions is one the model runs."""
+        return rows * positions >= self.min_positions and (self.max_len is None or positions <= self.max_len)
+
+
+def _names(names: tuple[str, ...], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def small_battery_microbatch() -> Microbatch:
+    """Two rows of eight positions of a battery microbatch: a shape every language model takes."""
+    mb = scenarios.build("single", 1)[0][0][0]
+    return Microbatch(mb.inputs[:2, :8], mb.labels[:2, :8])
+
+
+def _tokens(rows: int, positions: int, seed: int) -> Microbatch:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = scenarios.BATTERY_CONFIG.vocab_size
+    inputs = torch.randint(1, vocab, (rows, positions), generator=gen)
+    labels = torch.randint(1, vocab, (rows, positions), generator=gen)
+    return Microbatch(inputs, labels)
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _runs(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) -> str | None:
+    """None when forward and backward of ``mb`` work, else the model's error in one line."""
+    model.zero_grad(set_to_none=True)
+    try:
+        spec.loss_sum(model, mb).backward()
+    except Exception as exc:
+        return _error(exc)
+    return None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+_RANK = {torch.float64: 3, torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
+
+
+def _lower_precision(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) -> tuple[str, ...]:
+    """The floating dtypes below the model's own that its forward produces, with the operations that produced them
+    (watched under a dispatch mode, which sees every operation, also those inside a module that casts back)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    seen: dict[torch.dtype, list[str]] = {}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if (isinstance(t, torch.Tensor) and t.is_floating_point()
+                        and _RANK.get(t.dtype, 3) < _RANK.get(own, 3)):
+                    names = seen.setdefault(t.dtype, [])
+                    name = str(getattr(func, "__name__", func)).split(".")[0]
+                    if name not in names and len(names) < 4:
+                        names.append(name)
+            return out
+
+    with torch.no_grad(), Watch():
+        spec.loss_sum(model, mb)
+    ordered = sorted(seen, key=lambda d: _RANK.get(d, 3))
+    return tuple(f"{d} in {', '.join(seen[d])}" for d in ordered)
+
+
+@lru_cache(maxsize=16)
+def probe_model(spec: ModelSpec) -> ModelFacts:
+    """Run ``spec``'s model (train mode, gradients on, the ranks' thread count, the caller's RNG untouched) on a battery
+    microbatch and on small and long shapes; ModelError-free: a failure on the battery microbatch itself is the
+    caller's to report (:func:`harness.battery.spec.probe` makes it a usage error)."""
+    with rank_threads(), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        model = spec.build()
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        battery_mb = scenarios.build("single", 1)[0][0][0]
+        if _runs(spec, model, battery_mb) is not None:  # too long for the model, say: what it refuses is below
+            battery_mb = small_battery_microbatch()
+            spec.loss_sum(model, battery_mb).backward()
+        unused = tuple(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
+        changed = tuple(n for n, b in model.named_buffers() if n in buffers and not torch.equal(buffers[n], b))
+        stateful = False
+        if changed:  # does the forward read what it wrote? The same input twice then gives two outputs
+            with torch.no_grad():
+                stateful = not torch.equal(spec.loss_sum(model, battery_mb), spec.loss_sum(model, battery_mb))
+        lower = _lower_precision(spec, model, battery_mb)
+        refused = []
+        min_positions = 1
+        for rows, positions in ((1, 1), (1, 2), (2, 1)):
+            err = _runs(spec, model, _tokens(rows, positions, seed=rows * 7 + positions))
+            if err is not None:
+                refused.append(f"{_plural(rows, 'row')} x {_plural(positions, 'position')}: {err}")
+                min_positions = max(min_positions, rows * positions + 1)
+        longest = scenarios.BATTERY_CONFIG.max_len - 1  # a row of max_len tokens feeds max_len - 1 positions
+        max_len = None
+        if _runs(spec, model, _tokens(1, longest, seed=11)) is not None:
+            # The longest the model takes: a position table shorter than the battery's rows.
+            lo, hi = 0, longest
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if _runs(spec, model, _tokens(2, mid, seed=mid)) is None:
+                    lo = mid
+                else:
+                    hi = mid
+            err = _runs(spec, model, _tokens(1, longest, seed=11))
+            refused.append(f"rows of more than {lo} positions: {err}")
+            max_len = lo
+    return ModelFacts(spec.path, spec.batch_format, min_positions=min_positions, max_len=max_len, unused=unused,
+                      buffers_changed=changed, stateful=stateful, refused=tuple(refused),
+                      lower_precision=lower)
+
+
+__all__ = ["THREADS", "ModelFacts", "probe_model", "rank_threads", "small_battery_microbatch"]
