@@ -7,7 +7,9 @@ Each measurement is ``python -m harness battery --recipe harness.recipes:hf_glob
 scratch directory outside the checkout, for three models: the built-in ``TinyCausalLM`` (no ``--model``), a two-layer
 GPT-2 and a two-layer Llama built from transformers configs (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, width 32,
 the battery's vocabulary; no weights downloaded). The models are measured in turn, ``--repeats`` times each, so the
-ratios come from one run on one machine. Needs the integrations extra (transformers). Not a test: nothing here
+ratios come from one run on one machine. Two more runs of GPT-2 each turn one of the battery's savings off (the
+model classes' modules preloaded into the forkserver; copies of the first built model in the parent) to show where
+the time went before them. Needs the integrations extra (transformers). Not a test: nothing here
 asserts a speed; read the ratios (``ratio_over_builtin``), not the absolute figures (the machine is shared).
 """
 
@@ -44,13 +46,29 @@ def tiny_llama() -> nn.Module:
                                         attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 '''
 
-WAYS = {"built-in TinyCausalLM": None, "GPT-2 (2 layers)": "bench_models:tiny_gpt2",
-        "Llama (2 layers)": "bench_models:tiny_llama"}
+WAYS = {"built-in TinyCausalLM": (None, ""), "GPT-2 (2 layers)": ("bench_models:tiny_gpt2", ""),
+        "Llama (2 layers)": ("bench_models:tiny_llama", "")}
+
+# Where the time went before: each way below turns one of the battery's savings off, to show what it saves.
+ABLATIONS = {
+    "GPT-2, model classes' modules not preloaded (transformers imported in every rank of every launch)": (
+        "bench_models:tiny_gpt2",
+        "import harness.battery.runner as r, harness.battery.spec as s\n"
+        "r.model_modules = lambda p: (s.model_module(p),) if p else ()\n"),
+    "GPT-2, every model built by its constructor (no copy of the first)": (
+        "bench_models:tiny_gpt2",
+        "import harness.battery.spec as s\n"
+        "class _Never(dict):\n    def __setitem__(self, k, v): pass\n"
+        "s._BUILT = _Never()\n"),
+}
+
+_MAIN = "import sys\n{patch}from harness.workflow.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
-def _measure(model: str | None, examples: int, cwd: Path) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "harness", "battery", "--recipe", "harness.recipes:hf_global_token_mean",
-           "--batch-format", "hf", "--world-sizes", "1,2,3", "--precision", "both", "--examples", str(examples)]
+def _measure(model: str | None, examples: int, cwd: Path, patch: str = "") -> tuple[float, str]:
+    cmd = [sys.executable, "-c", _MAIN.format(patch=patch), "battery", "--recipe",
+           "harness.recipes:hf_global_token_mean", "--batch-format", "hf", "--world-sizes", "1,2,3", "--precision",
+           "both", "--examples", str(examples)]
     if model:
         cmd += ["--model", model]
     t0 = time.monotonic()
@@ -68,20 +86,22 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--examples", type=int, default=2, help="drawn layouts per battery")
     p.add_argument("--out", default=str(RESULTS / "model_battery.json"))
+    p.add_argument("--no-ablations", action="store_true", help="skip the runs that turn one saving off")
     args = p.parse_args()
+    ways = dict(WAYS) if args.no_ablations else {**WAYS, **ABLATIONS}
     tmp = Path(tempfile.mkdtemp(prefix="model-battery-bench-"))
     try:
         (tmp / "bench_models.py").write_text(MODELS)
-        walls: dict[str, list[float]] = {name: [] for name in WAYS}
+        walls: dict[str, list[float]] = {name: [] for name in ways}
         said: dict[str, str] = {}
         for _ in range(args.repeats):
-            for name, model in WAYS.items():  # in turn, so that load on the machine spreads over all three
-                wall, line = _measure(model, args.examples, tmp)
+            for name, (model, patch) in ways.items():  # in turn, so that load on the machine spreads over all
+                wall, line = _measure(model, args.examples, tmp, patch)
                 walls[name].append(wall)
                 said[name] = line
                 print(f"{name}: {wall:.1f} s ({line})", flush=True)
         base = statistics.median(walls["built-in TinyCausalLM"])
-        results = {name: {"model": WAYS[name], "wall_median_s": round(statistics.median(w), 1),
+        results = {name: {"model": ways[name][0], "wall_median_s": round(statistics.median(w), 1),
                           "wall_range_s": [round(min(w), 1), round(max(w), 1)], "battery_says": said[name],
                           "ratio_over_builtin": round(statistics.median(w) / base, 2)} for name, w in walls.items()}
         write_result(Path(args.out), {
