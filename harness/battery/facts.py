@@ -171,7 +171,7 @@ def _lower_precision(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) ->
                         names.append(name)
             return out
 
-    with torch.no_grad(), Watch():
+    with Watch():  # gradients on, as everywhere in the probe: a reentrant checkpoint warns without them
         spec.loss_sum(model, mb)
     ordered = sorted(seen, key=lambda d: _RANK.get(d, 3))
     return tuple(f"{d} in {', '.join(seen[d])}" for d in ordered)
@@ -193,8 +193,7 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
         changed = tuple(n for n, b in model.named_buffers() if n in buffers and not torch.equal(buffers[n], b))
         stateful = False
         if changed:  # does the forward read what it wrote? The same input twice then gives two outputs
-            with torch.no_grad():
-                stateful = not torch.equal(spec.loss_sum(model, battery_mb), spec.loss_sum(model, battery_mb))
+            stateful = not torch.equal(spec.loss_sum(model, battery_mb), spec.loss_sum(model, battery_mb))
         lower = _lower_precision(spec, model, battery_mb)
         refused = []
         min_positions = 1

@@ -200,20 +200,21 @@ class _LayoutFailed(AssertionError):
 
 
 def judge_layout(recipe: str, layout: Layout, *, model: str | None = None,
-                 batch_format: str = "harness", deadline: float = runner.DEADLINE) -> list[Verdict]:
+                 batch_format: str = "harness", deadline: float = runner.DEADLINE,
+                 find_unused: str = "auto") -> list[Verdict]:
     """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), on ``model`` (None: the
     built-in one) with ``batch_format``, each launch within ``deadline`` seconds."""
     run = runner.run_windows(recipe, layout.build(), "fp32", scenario="drawn", init_seed=layout.init_seed,
-                             model=model, batch_format=batch_format, deadline=deadline)
+                             model=model, batch_format=batch_format, deadline=deadline, find_unused=find_unused)
     return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
 
 
 def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bool = False, *,
                   model: str | None = None, batch_format: str = "harness", deadline: float = runner.DEADLINE,
-                  world_sizes: Sequence[int] | None = None) -> Verdict:
+                  world_sizes: Sequence[int] | None = None, find_unused: str = "auto") -> Verdict:
     """Check ``recipe`` on ``examples`` drawn layouts; one verdict, whose failure message shows the drawn layout, a
     shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model``, ``batch_format`` and
-    ``deadline`` (seconds per launch) as in :func:`harness.battery.runner.run_windows`; ``world_sizes`` (default 1 to
+    ``deadline`` (seconds per launch) and ``find_unused`` as in :func:`harness.battery.runner.run_windows`; ``world_sizes`` (default 1 to
     4) are the world sizes drawn from, the shrunk layout's included.
 
     The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
@@ -238,7 +239,8 @@ def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bo
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(layout=layouts(facts=facts, world_sizes=worlds))
     def every_layout(layout: Layout) -> None:
-        failed = judge_layout(recipe, layout, model=model, batch_format=batch_format, deadline=deadline)
+        failed = judge_layout(recipe, layout, model=model, batch_format=batch_format, deadline=deadline,
+                              find_unused=find_unused)
         if failed:
             raise _LayoutFailed(layout, failed)
 
@@ -252,10 +254,11 @@ def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bo
             shown, message = exc.verdicts, head + "not shrunk (the run hit its deadline)\n"
         else:
             small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(
-                recipe, lay, model=model, batch_format=batch_format, deadline=deadline)), facts=facts,
+                recipe, lay, model=model, batch_format=batch_format, deadline=deadline, find_unused=find_unused)),
+                facts=facts,
                 world_sizes=worlds)
-            shown = judge_layout(recipe, small, model=model, batch_format=batch_format,
-                                 deadline=deadline) or exc.verdicts
+            shown = judge_layout(recipe, small, model=model, batch_format=batch_format, deadline=deadline,
+                                 find_unused=find_unused) or exc.verdicts
             message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n"
         message += "\n".join(v.message for v in shown)
         return Verdict("drawn", recipe, "drawn", 0, "fp32", FAIL, message, cause=shown[0].cause,

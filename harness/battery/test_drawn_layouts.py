@@ -21,7 +21,7 @@ pytestmark = pytest.mark.recipe
 
 
 def test_drawn_layouts_keep_parity_one_sync_and_the_logged_loss(
-    recipe_path: str, model_path: str | None, batch_format: str, battery_deadline: float,
+    recipe_path: str, model_path: str | None, batch_format: str, battery_deadline: float, find_unused: str,
     pytestconfig: pytest.Config, battery_check: Callable[[Verdict], None]
 ) -> None:
     """On every drawn layout the recipe's gradient is the reference's, one sync per window, the right logged loss."""
@@ -35,4 +35,4 @@ def test_drawn_layouts_keep_parity_one_sync_and_the_logged_loss(
     worlds = plan.parse_world_sizes(pytestconfig.getoption("battery_world_sizes"), "--battery-world-sizes")
     ci = os.environ.get("CI", "").strip().lower() == "true"
     battery_check(drawn_verdict(recipe_path, examples, derandomize=ci, model=model_path, batch_format=batch_format,
-                                deadline=battery_deadline, world_sizes=worlds))
+                                deadline=battery_deadline, world_sizes=worlds, find_unused=find_unused))

@@ -93,12 +93,13 @@ def pytest_configure(config: pytest.Config) -> None:
             load_recipe(config.getoption("recipe"))
         except RecipeError as exc:
             raise pytest.UsageError(f"--recipe: {exc}") from None
+    _MODEL_NOTES.clear()
     if config.getoption("model") is not None:
         from harness.battery.spec import probe
         from harness.model import ModelError
 
         try:
-            probe(config.getoption("model"), config.getoption("batch_format"))
+            _MODEL_NOTES[:] = probe(config.getoption("model"), config.getoption("batch_format")).notes()
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}") from None
     examples = config.getoption("battery_examples")
@@ -167,6 +168,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 _CONTROLLER_VERDICTS: list[dict[str, object]] = []
 _ERRORS: list[str] = []
 _SESSION: dict[str, int] = {}
+_MODEL_NOTES: list[str] = []
+"""What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), for the report."""
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -181,6 +184,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "recipes": [chosen_recipe(session.config)],
         "model": session.config.getoption("model"),
         "batch_format": session.config.getoption("batch_format"),
+        "model_notes": list(_MODEL_NOTES),
+        "world_sizes": [int(w) for w in str(session.config.getoption("battery_world_sizes")).split(",")],
         "precision": session.config.getoption("precision"),
         "expected": _SESSION.get("expected", 0),
         "run": len(_CONTROLLER_VERDICTS),

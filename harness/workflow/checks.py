@@ -87,7 +87,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
                 progress(f"{r.split(':')[-1]}: {args.examples} drawn layouts")
             verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true",
                                           model=model, batch_format=batch_format, deadline=args.deadline,
-                                          world_sizes=worlds))
+                                          world_sizes=worlds, find_unused=find_unused))
     results = run_controls(controls, worlds, args.deadline, progress) if controls else []
     if verdicts:
         print(format_table(verdicts))

@@ -102,3 +102,17 @@ def test_fits_rejects_a_one_row_one_position_microbatch_for_batchnorm() -> None:
     two_rows = Layout(1, (((((2, 0), (2, 0)),),),))
     assert fits(two_rows, BATCHNORM)
     assert not all(fits(c, BATCHNORM) for c in _candidates(two_rows))
+
+
+def test_the_probe_runs_with_gradients_on_so_reentrant_checkpointing_does_not_warn() -> None:
+    """A model checkpointed with use_reentrant=True warns "None of the inputs have requires_grad=True" only when
+    run without gradients: the probe runs as the ranks will, so a correct run starts without that false alarm."""
+    import warnings
+
+    from harness.battery.spec import probe
+
+    f.probe_model.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe("user_recipes.models:SharedBlockCheckpointed")
+    assert not [w for w in caught if "requires_grad" in str(w.message)]
