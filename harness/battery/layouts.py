@@ -213,9 +213,9 @@ def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bo
                   model: str | None = None, batch_format: str = "harness", deadline: float = runner.DEADLINE,
                   world_sizes: Sequence[int] | None = None, find_unused: str = "auto") -> Verdict:
     """Check ``recipe`` on ``examples`` drawn layouts; one verdict, whose failure message shows the drawn layout, a
-    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model``, ``batch_format`` and
-    ``deadline`` (seconds per launch) and ``find_unused`` as in :func:`harness.battery.runner.run_windows`; ``world_sizes`` (default 1 to
-    4) are the world sizes drawn from, the shrunk layout's included.
+    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model``, ``batch_format``,
+    ``deadline`` (seconds per launch) and ``find_unused`` as in :func:`harness.battery.runner.run_windows`;
+    ``world_sizes`` (default 1 to 4) are the world sizes drawn from, the shrunk layout's included.
 
     The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
     ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32)"; a failure's message names the failing layout's world size."""

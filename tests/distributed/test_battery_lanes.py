@@ -108,6 +108,7 @@ def test_the_pytest_report_counts_every_verdict_also_under_xdist(tmp_path: Path,
     assert ["fail"] == [c["status"] for c in data["checks"]]
 
 
+@pytest.mark.slow  # a pytest subprocess of over 10 s: the slow tier (CI runs it)
 def test_verbose_pytest_shows_every_ranks_whole_report() -> None:
     """Under -v a failed run's verdict carries each rank's full traceback or stack, not only the summary lines."""
     done = _run("-m", "pytest", "-p", "no:cacheprovider", "-v", "harness/battery/test_battery.py", "-m", "recipe",

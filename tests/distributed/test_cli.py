@@ -34,6 +34,7 @@ def small() -> str:
     return str(SMALL)
 
 
+@pytest.mark.slow  # a subprocess run of over 10 s: the slow tier (CI runs it)
 def test_exercise_shows_the_averages_move_and_only_the_mean_of_means_misses_at_12_36() -> None:
     """Seed 000's exercise on two real ranks: both normalizations match at 12/12; at 12/36 only the token mean does."""
     done = harness("exercise", "--config", EXERCISE)
@@ -53,6 +54,7 @@ def test_check_environment_dual_meets_two_ranks_and_says_why_gpu2_cannot_run() -
     assert lane and ("needs 2 CUDA devices, found" in lane[0] or "can run here" in lane[0] or "NCCL" in lane[0])
 
 
+@pytest.mark.slow  # a subprocess run of over 10 s: the slow tier (CI runs it)
 def test_evaluate_reports_test_loss_accuracy_and_tokens_of_a_run_directory(small: str, tmp_path: Path) -> None:
     """A short run trained on two ranks, then evaluate on its newest checkpoint through the launcher."""
     config = load_config(small)
@@ -63,6 +65,7 @@ def test_evaluate_reports_test_loss_accuracy_and_tokens_of_a_run_directory(small
     assert "valid tokens" in done.stdout and "over 32 test sequences" in done.stdout
 
 
+@pytest.mark.slow  # a subprocess run of over 10 s: the slow tier (CI runs it)
 def test_report_on_a_small_config_writes_markdown_json_and_figure_and_passes(small: str, tmp_path: Path) -> None:
     """The whole protocol, quick: exit 0, every check PASS, numbers in report.json, a PNG beside it."""
     out = tmp_path / "out"
