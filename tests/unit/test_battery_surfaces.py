@@ -97,10 +97,13 @@ def test_explain_files_carry_the_module_and_the_attribute() -> None:
     assert _stem("pkg.a:recipe", "uneven", 2, "fp32") != _stem("pkg.b:recipe", "uneven", 2, "fp32")
 
 
-def _fake_judge(seen: list[tuple[int, float]], fail_at: int | None = None) -> object:
+def _fake_judge(seen: list[tuple[int, float]], fail_at: int | None = None, options: list[str] | None = None
+                ) -> object:
     def judge(recipe: str, layout: Layout, *, model: str | None = None, batch_format: str = "harness",
-              deadline: float = 0.0) -> list[Verdict]:
+              deadline: float = 0.0, find_unused: str = "auto") -> list[Verdict]:
         seen.append((layout.world_size, deadline))
+        if options is not None:
+            options.append(find_unused)
         if layout.world_size == fail_at:
             return [Verdict("parity", recipe, "drawn", layout.world_size, "fp32", FAIL, "parity off", cause="numbers")]
         return []
@@ -113,10 +116,12 @@ def test_the_drawn_lane_launches_with_the_given_deadline_and_world_sizes(monkeyp
     import harness.battery.layouts as lay
 
     seen: list[tuple[int, float]] = []
-    monkeypatch.setattr(lay, "judge_layout", _fake_judge(seen))
-    verdict = lay.drawn_verdict(CORRECT, 6, derandomize=True, deadline=120.0, world_sizes=(2, 3))
+    options: list[str] = []
+    monkeypatch.setattr(lay, "judge_layout", _fake_judge(seen, options=options))
+    verdict = lay.drawn_verdict(CORRECT, 6, derandomize=True, deadline=120.0, world_sizes=(2, 3), find_unused="off")
     assert (PASS, 0, "drawn (6 layouts, W in 2,3, fp32)") == (verdict.status, verdict.world_size, verdict.label)
     assert seen and {d for _, d in seen} == {120.0} and {w for w, _ in seen} <= {2, 3}
+    assert {"off"} == set(options)  # --find-unused-parameters reaches the drawn lane too
 
 
 def test_a_failing_drawn_verdict_keeps_the_row_and_names_the_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
