@@ -22,6 +22,7 @@ import torch
 
 from harness.battery import scenarios
 from harness.battery.spec import ModelSpec
+from harness.core.formats import HARNESS, HF
 from harness.core.microbatch import Microbatch
 
 THREADS = 1
@@ -181,7 +182,7 @@ def _lower_precision(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) ->
 def probe_model(spec: ModelSpec) -> ModelFacts:
     """Run ``spec``'s model (train mode, gradients on, the ranks' thread count, the caller's RNG untouched) on a battery
     microbatch and on small and long shapes; ModelError-free: a failure on the battery microbatch itself is the
-    caller's to report (:func:`harness.battery.spec.probe` makes it a usage error)."""
+    caller's to report (:func:`probe` makes it a usage error)."""
     with rank_threads(), torch.random.fork_rng(devices=[]), torch.enable_grad():
         model = spec.build()
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -221,4 +222,30 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
                       lower_precision=lower)
 
 
-__all__ = ["THREADS", "ModelFacts", "probe_model", "rank_threads", "small_battery_microbatch"]
+def probe(path: str, batch_format: str = HARNESS) -> ModelFacts:
+    """Build ``--model`` once and run a battery microbatch through it under ``batch_format`` (train mode, gradients
+    on, as the ranks will), so that a factory that cannot be built, an output the harness cannot read logits from, or
+    logits of the wrong shape are a usage error before any rank starts (:class:`harness.model.ModelError`, naming
+    the path and the fix); then what the model allows (:func:`harness.battery.facts.probe_model`)."""
+    from harness.model import ModelError
+
+    spec = ModelSpec(path, batch_format)
+    model = spec.build()
+    mb = small_battery_microbatch()  # the shapes a model may refuse (one row, long rows) are probe_model's to find
+    try:
+        with rank_threads(), torch.random.fork_rng(devices=[]):
+            total = spec.loss_sum(model, mb)
+    except Exception as exc:
+        call = ("model(input_ids=..., attention_mask=...)" if batch_format == HF else "model(inputs)")
+        msg = (f"model={path!r}: {call} on one battery microbatch (batch format {batch_format!r}) failed: "
+               f"{type(exc).__name__}: {exc}. The model must take token ids [B, T] of the battery's vocabulary "
+               f"({scenarios.BATTERY_CONFIG.vocab_size}) and return logits [B, T, V] as a tensor, an object with "
+               ".logits, or a tuple whose first element is the logits")
+        raise ModelError(msg) from exc
+    if total.dim() != 0 or not bool(torch.isfinite(total)):
+        msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
+        raise ModelError(msg)
+    return probe_model(spec)
+
+
+__all__ = ["THREADS", "ModelFacts", "probe", "probe_model", "rank_threads", "small_battery_microbatch"]

@@ -13,7 +13,6 @@ import copy
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,9 +22,6 @@ from harness.core.compare import PRECISIONS, flat_params
 from harness.core.formats import HARNESS, HF, batch_as, check_batch_format, logits_of, shifted_loss_sum, to_hf
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
-
-if TYPE_CHECKING:
-    from harness.battery.facts import ModelFacts
 from harness.model import build_model, build_user_model, disable_dropout, load_model_factory
 
 _BUILT: dict[tuple[object, ...], nn.Module] = {}
@@ -100,33 +96,6 @@ class ModelSpec:
         return loss_sum(logits_of(model(mb.inputs)), mb.labels)
 
 
-def probe(path: str, batch_format: str = HARNESS) -> ModelFacts:
-    """Build ``--model`` once and run a battery microbatch through it under ``batch_format`` (train mode, gradients
-    on, as the ranks will), so that a factory that cannot be built, an output the harness cannot read logits from, or
-    logits of the wrong shape are a usage error before any rank starts (:class:`harness.model.ModelError`, naming
-    the path and the fix); then what the model allows (:func:`harness.battery.facts.probe_model`)."""
-    from harness.battery.facts import probe_model, rank_threads, small_battery_microbatch
-    from harness.model import ModelError
-
-    spec = ModelSpec(path, batch_format)
-    model = spec.build()
-    mb = small_battery_microbatch()  # the shapes a model may refuse (one row, long rows) are probe_model's to find
-    try:
-        with rank_threads(), torch.random.fork_rng(devices=[]):
-            total = spec.loss_sum(model, mb)
-    except Exception as exc:
-        call = ("model(input_ids=..., attention_mask=...)" if batch_format == HF else "model(inputs)")
-        msg = (f"model={path!r}: {call} on one battery microbatch (batch format {batch_format!r}) failed: "
-               f"{type(exc).__name__}: {exc}. The model must take token ids [B, T] of the battery's vocabulary "
-               f"({scenarios.BATTERY_CONFIG.vocab_size}) and return logits [B, T, V] as a tensor, an object with "
-               ".logits, or a tuple whose first element is the logits")
-        raise ModelError(msg) from exc
-    if total.dim() != 0 or not bool(torch.isfinite(total)):
-        msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
-        raise ModelError(msg)
-    return probe_model(spec)
-
-
 def weights_digest(model: nn.Module) -> str:
     """A fingerprint of the weights (bitwise): equal digests, equal initial weights."""
     return hashlib.sha256(flat_params(model).detach().cpu().numpy().tobytes()).hexdigest()
@@ -156,4 +125,4 @@ def model_modules(path: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n and n != "__main__" and not n.startswith("torch.")))
 
 
-__all__ = ["ModelSpec", "model_module", "model_modules", "probe", "weights_digest"]
+__all__ = ["ModelSpec", "model_module", "model_modules", "weights_digest"]

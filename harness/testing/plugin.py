@@ -95,7 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--recipe: {exc}") from None
     _MODEL_NOTES.clear()
     if config.getoption("model") is not None:
-        from harness.battery.spec import probe
+        from harness.battery.facts import probe
         from harness.model import ModelError
 
         try:

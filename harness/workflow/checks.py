@@ -29,7 +29,7 @@ def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, 
     model cannot be used at all."""
     if model is None:
         return ()
-    from harness.battery.spec import probe
+    from harness.battery.facts import probe
     from harness.model import ModelError
 
     try:

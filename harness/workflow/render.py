@@ -1,5 +1,5 @@
 """The report's renderers: report.md, report.json and report.png (:mod:`harness.workflow.figures`) from a
-:class:`harness.workflow.report.Report`, and the short table the ``report`` command prints."""
+:class:`harness.workflow.results.Report`, and the short table the ``report`` command prints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from harness.workflow.figures import write_figure
 from harness.workflow.outputs import write_json, write_text
 
 if TYPE_CHECKING:
-    from harness.workflow.report import Report
+    from harness.workflow.results import Report
 
 REPORT_FILES = ("report.png", "report.json", "report.md")
 

@@ -16,9 +16,7 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from harness.data.config import Config
 from harness.data.corpus import data_lock, make_corpus
@@ -40,29 +38,8 @@ from harness.workflow.protocol import (
     trio,
 )
 from harness.workflow.render import REPORT_FILES, write_report
+from harness.workflow.results import Check, Report
 from harness.workflow.scaling import SCALING_STEPS, SCALING_WORLDS, check_worlds, cpu_label, scaling
-
-
-@dataclass
-class Check:
-    name: str
-    passed: bool
-    detail: str
-
-
-@dataclass
-class Report:
-    config_path: str
-    outputs: Path
-    results: dict[str, Any] = field(default_factory=dict)
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
 
 
 def _check_controls(controls: Sequence[str] | None) -> list[str]:

@@ -110,7 +110,7 @@ def test_a_bad_model_option_is_a_usage_error_naming_it() -> None:
 def test_a_model_without_logits_is_refused_before_any_rank_starts() -> None:
     """A forward pass on one battery microbatch, in the parent: an output without logits is a usage error naming
     --model and what the harness reads logits from, in both lanes and both batch formats."""
-    from harness.battery.spec import probe
+    from harness.battery.facts import probe
     from harness.model import ModelError
 
     for fmt in ("harness", "hf"):

@@ -72,3 +72,87 @@ def test_the_layer_check_rejects_an_upward_import(tmp_path: Path) -> None:
 def test_every_layer_exists_as_a_folder_or_module(layer: str) -> None:
     """The folder names are the architecture diagram."""
     assert (HARNESS / layer).is_dir() or (HARNESS / f"{layer}.py").is_file()
+
+
+def module_graph(root: Path = HARNESS) -> dict[str, set[str]]:
+    """Each module's imports of other modules of the package made at module level, those under ``if TYPE_CHECKING:``
+    included (a type-only import is still a dependency a reader follows); an import inside a function is a
+    deliberate late one and left out."""
+    modules: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
+
+    def top_level(body: list[ast.stmt], package: str, out: set[str]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module if node.level == 0 else package
+                out.add(base)
+                out |= {f"{base}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.If):
+                top_level(node.body, package, out)
+                top_level(node.orelse, package, out)
+            elif isinstance(node, ast.Try):
+                top_level(node.body, package, out)
+
+    graph = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        top_level(ast.parse(path.read_text()).body, package, found)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a loop (strongly connected components of
+    more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """No circle between modules, even through a type-only import: shared types live in a module of their own."""
+    assert [] == circles(module_graph())
+
+
+def test_the_circle_check_finds_a_type_only_circle_and_ignores_a_late_import(tmp_path: Path) -> None:
+    """Its negative control: render importing report's types under TYPE_CHECKING while report imports render is a
+    circle; the same import inside a function is not."""
+    fake = tmp_path / "harness" / "workflow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "report.py").write_text("from harness.workflow.render import write\n")
+    (fake / "render.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    "    from harness.workflow.report import Report\n")
+    assert [["harness.workflow.render", "harness.workflow.report"]] == circles(module_graph(tmp_path / "harness"))
+    (fake / "render.py").write_text("def write(r):\n    from harness.workflow.report import Report\n")
+    assert [] == circles(module_graph(tmp_path / "harness"))

@@ -109,7 +109,7 @@ def test_the_probe_runs_with_gradients_on_so_reentrant_checkpointing_does_not_wa
     run without gradients: the probe runs as the ranks will, so a correct run starts without that false alarm."""
     import warnings
 
-    from harness.battery.spec import probe
+    from harness.battery.facts import probe
 
     f.probe_model.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
