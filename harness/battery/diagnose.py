@@ -9,6 +9,7 @@ gradient; the expected one is the block gradients weighted ``1/N``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ import torch
 from harness.battery.runner import Run
 from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
-from harness.core.microbatch import Microbatch
+from harness.core.formats import HF, to_hf
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,16 @@ class Diagnosis:
 
     def parameter_lines(self) -> str:
         width = max(len(r.name) for r in self.parameters)
-        lines = [f"{'parameter':<{width}} {'components':>10} {'max abs err':>11} {'over tol':>8} {'ratio':>9}"]
-        lines += [f"{r.name:<{width}} {r.components:>10} {r.max_abs_error:>11.3e} {r.over_tolerance:>8} "
-                  f"{r.ratio:>9.5g}" for r in self.parameters]
+        shares = any(r.residual_share is not None for r in self.parameters)
+        head = f"{'parameter':<{width}} {'components':>10} {'max abs err':>11} {'over tol':>8} {'ratio':>9}"
+        lines = [head + (f" {'residual':>8}" if shares else "")]
+        for r in self.parameters:
+            share = "" if not shares else f" {'-' if r.residual_share is None else f'{r.residual_share:.1%}':>8}"
+            if r.note:
+                lines.append(f"{r.name:<{width}} {r.components:>10} {r.note}{share}")
+            else:
+                lines.append(f"{r.name:<{width}} {r.components:>10} {r.max_abs_error:>11.3e} {r.over_tolerance:>8} "
+                             f"{r.ratio:>9.5g}{share}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:
@@ -101,6 +110,9 @@ class Diagnosis:
             "tokens": n,
             "residual": self.residual,
             "condition": self.condition,
+            "thresholds": {"explained_residual": dx.EXPLAINED_RESIDUAL,
+                           "rounding_residual": dx.ROUNDING_RESIDUAL.get(self.precision, dx.FLOAT32_RESIDUAL),
+                           "float32_residual": dx.FLOAT32_RESIDUAL, "match_tolerance": dx.MATCH_TOLERANCE},
             "weights": [
                 {"rank": b.rank, "microbatch": b.microbatch, "tokens": b.tokens,
                  "weight": None if math.isnan(w) else w, "expected": 1 / n,
@@ -185,6 +197,134 @@ def _weights_edited(run: Run, window: int, rank: int) -> dx.Signature | None:
     return None
 
 
+def _judged_dtype(run: Run) -> torch.dtype:
+    """The dtype whose tolerances parity judges this run at (:func:`harness.battery.checks.parity`): float32 in the
+    fp32 lane and where the model computes in float32 inside a float64 run, float64 otherwise."""
+    lowered = run.computes_in == "torch.float32" and run.precision == "fp64"
+    return torch.float32 if run.precision == "fp32" or lowered else torch.float64
+
+
+def _live_weights(fit: dx.Fit) -> torch.Tensor:
+    return torch.nan_to_num(fit.weights, nan=0.0)
+
+
+def _carriers(shares: list[tuple[str, float]], cover: float = 0.9, most: int = 4) -> list[tuple[str, float]]:
+    """The tensors carrying ``cover`` of the residual, largest first (at most ``most``)."""
+    out: list[tuple[str, float]] = []
+    total = 0.0
+    for name, share in sorted(shares, key=lambda t: -t[1]):
+        if total >= cover or len(out) >= most or share <= 0:
+            break
+        out.append((name, share))
+        total += share
+    return out
+
+
+def _extra_term(fit: dx.Fit, a: torch.Tensor, g: torch.Tensor, target: torch.Tensor, names: list[str],
+                sizes: list[int], params: list[dx.ParameterRow], precision: str,
+                head: str | None = None) -> tuple[dx.Signature, list[dx.ParameterRow]]:
+    """``extra_term``: the residual ``g - G w`` as a share of the error ``|g - ref|`` and the tensors carrying it."""
+    resid = g - a @ _live_weights(fit)
+    err = float((g - target).norm())
+    share = float(resid.norm()) / err if err > 0 else math.inf
+    shares = dx.residual_shares(resid, names, sizes)
+    carried = _carriers(shares)
+    where = ", ".join(f"{name} ({s:.1%})" for name, s in carried)
+    rest = len([s for _, s in shares if s >= 0.01]) - len(carried)
+    where += f" and {rest} more over 1%" if rest > 0 else ""
+    base = head or dx.extra_term_sentence(fit.residual, precision)
+    sentence = (f"{base}; the residual |g - G w| is {share:.1%} of the error |g - ref|, carried by {where} (shares "
+                "of its squared norm)")
+    by_name = dict(shares)
+    rows = [dataclasses.replace(r, residual_share=by_name.get(r.name)) for r in params]
+    return dx.Signature("extra_term", sentence, 1.0, blocks=tuple(n for n, _ in carried)), rows
+
+
+def _split_extra_term(a: torch.Tensor, g: torch.Tensor, fit: dx.Fit, blocks: list[dx.Block], names: list[str],
+                      sizes: list[int], run: Run, rank: int,
+                      others: dict[str, int]) -> tuple[dx.Fit, dx.Signature] | None:
+    """A large residual that a few tensors carry, whose own gradient is no re-weighting of the blocks: the weights
+    are read from the other tensors (``(fit, signature)``), and those tensors hold an extra term. None: the residual
+    is spread, or a carrying tensor is itself re-weighted (a parameter never synchronized: the table names it)."""
+    resid = g - a @ _live_weights(fit)
+    carried = _carriers(dx.residual_shares(resid, names, sizes), cover=0.99, most=max(1, len(names) // 2))
+    if sum(s for _, s in carried) < 0.99:
+        return None
+    offsets = dict(zip(names, [sum(sizes[:i]) for i in range(len(sizes))]))
+    size_of = dict(zip(names, sizes))
+    keep = torch.ones(g.numel(), dtype=torch.bool)
+    for name, _ in carried:
+        part = slice(offsets[name], offsets[name] + size_of[name])
+        keep[part] = False
+        own = dx.fit_weights(a[part], g[part])
+        if own.residual <= dx.EXPLAINED_RESIDUAL:
+            return None
+    clean = dx.fit_weights(a[keep], g[keep])
+    if clean.residual > dx.EXPLAINED_RESIDUAL or not clean.condition <= dx.MAX_CONDITION:
+        return None
+    full = dx.Fit(clean.weights, float((a @ _live_weights(clean) - g).norm() / g.norm()), clean.condition)
+    sig = dx.classify(blocks, clean, run.world_size, run.precision, rank=rank, other_counts=others)
+    if sig.name in ("correct", "float32_computation", "extra_term"):
+        words = dx.extra_term_sentence(full.residual, run.precision)
+        return full, dx.Signature("extra_term", words, 1.0, blocks=tuple(n for n, _ in carried))
+    named = ", ".join(n for n, _ in carried)
+    return full, dataclasses.replace(sig, sentence=f"{sig.sentence}; beside it, an extra term no re-weighting makes "
+                                     f"in {named} ({full.residual:.2e} of the gradient)")
+
+
+def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch.Tensor, expected: torch.Tensor,
+                     fit: dx.Fit, sig: dx.Signature, params: list[dx.ParameterRow], names: list[str],
+                     sizes: list[int], atol: float, rtol: float,
+                     fixed: bool = True) -> tuple[dx.Signature, list[dx.ParameterRow]]:
+    """The reading held to the verdict's reference and tolerances: never ``correct`` for a gradient parity rejects.
+
+    Where the blocks recomputed here (at the rank's starting weights) do not sum to the reference although the rank
+    started from the reference's weights, or one block recomputed twice gives two gradients (``fixed`` False), the
+    model is not a fixed function of its inputs: no reading of weights
+    holds (``model_not_fixed``). Where the weights read right but the gradient misses, the rest is an extra term.
+    """
+    ref = run.references[window] if window < len(run.references) else None
+    if ref is None or sig.name == "nonfinite":
+        return sig, params
+    rec = run.records[rank][window]  # type: ignore[index]
+    same_start = window >= len(run.reference_starts) or torch.equal(run.reference_starts[window], rec.params_before)
+    verdict = compare(g, ref.gradient, atol=atol, rtol=rtol)
+    extra = sig.name == "extra_term"
+    if verdict.passed:
+        if sig.name == "extra_term":
+            return dx.Signature("correct", f"the gradient is within the verdict's tolerance of the reference; the fit "
+                                f"leaves {fit.residual:.1e} unexplained, under those tolerances", 1.0), params
+        return sig, params
+    apart = same_start and not compare(expected, ref.gradient, atol=atol, rtol=rtol).passed
+    if apart or not fixed:
+        gap = float((expected - ref.gradient.double()).norm() / ref.gradient.double().norm())
+        what = (f"the blocks' gradients recomputed at the weights rank {rank} started from do not sum to the "
+                f"reference ({gap:.2e} apart, beyond the verdict's tolerances)" if apart else
+                "the same microbatch recomputed at the same weights gave another gradient")
+        return dx.Signature("model_not_fixed", f"{what}: the "
+                            "model is not a fixed function of its inputs (a forward that reads a buffer it updates, a "
+                            "state carried between calls), so no weighting of the losses is read and the recipe is not "
+                            "blamed; check such a model in eval mode, or keep the state out of its forward"), params
+    f32_atol, f32_rtol = tolerances(torch.float32)
+    f32 = compare(g, ref.gradient, atol=f32_atol, rtol=f32_rtol).passed
+    right = sig.name == "correct" or (sig.name == "float32_computation" and not f32)
+    if not same_start and (right or sig.name == "float32_computation"):
+        here = compare(g, expected, atol=atol, rtol=rtol).passed
+        if here or sig.name == "float32_computation":
+            starts, records = run.reference_starts, run.records[rank]  # type: ignore[index]
+            first = next((j for j in range(window) if j + 1 < len(starts)
+                          and not torch.equal(starts[j + 1], records[j + 1].params_before)), None)
+            where = "an earlier window" if first is None else f"window {first}"
+            return dx.Signature("started_elsewhere", f"window {window}'s weighting is right at the weights it started "
+                                f"from, but {where}'s step moved them away from the reference's, so parity compares "
+                                f"gradients at other weights: read {where}"), params
+    if right or extra:
+        target = ref.gradient.double() if same_start else expected
+        head = None if sig.name != "extra_term" else sig.sentence
+        return _extra_term(fit, a, g, target, names, sizes, params, run.precision, head)
+    return sig, params
+
+
 def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis | None:
     assert run.records is not None
     rec = run.records[rank][window]
@@ -198,12 +338,18 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     zero = torch.zeros(sum(sizes), dtype=torch.float64)
     for r, mbs in enumerate(run.windows[window]):
         for m, mb in enumerate(mbs):
-            blocks.append(dx.Block(r, m, mb.supervised))
+            blocks.append(dx.Block(r, m, mb.supervised, rows=mb.inputs.shape[0]))
             columns.append(_column(run, model, mb) if mb.supervised else zero)
     a = torch.stack(columns, dim=1)
     n = sum(b.tokens for b in blocks)
     expected = a.sum(dim=1) / n
-    atol, rtol = tolerances(torch.float32 if run.precision == "fp32" else torch.float64)
+    atol, rtol = tolerances(_judged_dtype(run))
+    # The model as a function: one block recomputed after every other one must give its gradient again.
+    first = next((i for i, b in enumerate(blocks) if b.tokens), None)
+    fixed = True
+    if first is not None:
+        again = _column(run, model, run.windows[window][blocks[first].rank][blocks[first].microbatch])
+        fixed = compare(again / n, a[:, first] / n, atol=atol, rtol=rtol).passed
     params = dx.parameter_table(g, expected, names, sizes, atol, rtol)
     location = dx.locate(params)
     common = dict(recipe=run.recipe, scenario=run.scenario, world_size=run.world_size, precision=run.precision,
@@ -218,10 +364,21 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     fit = dx.fit_weights(a, g)
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)
               for j, w in enumerate(run.windows) if j != window}
+    if run.batch_format == HF:
+        before = sum(int((to_hf(mb)["labels"] != IGNORE_INDEX).sum()) for mbs in run.windows[window] for mb in mbs)
+        others["the hf labels counted before the shift (one token more per row without a prompt)"] = before
     sig = dx.classify(blocks, fit, run.world_size, run.precision, rank=rank, other_counts=others)
+    if sig.name == "unexplained" and fit.residual > dx.EXPLAINED_RESIDUAL and fit.condition <= dx.MAX_CONDITION:
+        split = _split_extra_term(a, g, fit, blocks, names, sizes, run, rank, others)
+        if split is not None:
+            fit, sig = split
     edited = _weights_edited(run, window, rank)
     if edited is not None:
         sig = edited
+    else:
+        sig, params = _held_to_verdict(run, window, rank, g, a, expected, fit, sig, params, names, sizes, atol, rtol,
+                                       fixed)
+        common["parameters"] = tuple(params)
     seq_sig, seq_resid = None, None
     if per_sequence or sig.name == "unexplained":
         rows, cols = [], []

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from harness.battery import checks, runner
-from harness.battery.diagnose import diagnose
-from harness.battery.table import format_table, report_json
+from harness.battery.diagnose import diagnose, worst
+from harness.battery.table import format_table, report_json, run_controls
 from harness.core.diagnosis import SIGNATURES
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
+
+CORRECT_RECIPE_PATH = "harness.recipes:global_token_mean"
 
 PHRASES = {
     # control: what its diagnosis must say, read at W=3 on its target (W=3 tells 1/W from 1/k on the uneven window).
@@ -127,3 +129,80 @@ def test_a_parameter_ddp_never_synchronizes_is_located_by_the_per_parameter_view
     assert "1 of 7 parameter tensors are off: conv2.weight" in verdict.message
     off = [p for p in verdict.diagnosis["parameters"] if p["over_tolerance"]]  # type: ignore[union-attr]
     assert ["conv2.weight"] == [p["name"] for p in off]
+
+
+# --- Issue 18: readings held to the verdict, causes named for what they are (recipes in tests/user_recipes) -------
+
+
+def _parity(recipe: str, scenario: str, world: int, precision: str = "fp32",
+            model: str | None = None) -> checks.Verdict:
+    verdict = checks.parity(runner.run(recipe, scenario, world, precision, model=model))
+    assert not verdict.passed and verdict.diagnosis is not None, verdict.message
+    assert "correct" != verdict.diagnosis["signature"], verdict.message
+    return verdict
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+def test_an_auxiliary_l2_penalty_reads_extra_term_naming_its_layer(precision: str) -> None:
+    verdict = _parity("user_recipes.diagnosed:auxiliary_l2_penalty", "uneven", 2, precision)
+    found = verdict.diagnosis
+    assert found is not None and "extra_term" == found["signature"], verdict.message
+    assert ["blocks.0.mlp.2.weight"] == found["blocks_named"]
+    assert "carried by blocks.0.mlp.2.weight" in str(found["sentence"])
+    thresholds = found["thresholds"]
+    assert isinstance(thresholds, dict) and {"explained_residual", "rounding_residual"} <= set(thresholds)
+    shares = {p["name"]: p["residual_share"] for p in found["parameters"]}  # type: ignore[union-attr]
+    assert shares["blocks.0.mlp.2.weight"] > 0.99
+
+
+def test_a_fixed_accumulation_constant_reads_k_4_on_a_window_of_5() -> None:
+    verdict = _parity("user_recipes.diagnosed:fixed_accumulation_constant", "long", 2)
+    assert verdict.diagnosis is not None and "fixed_accumulation_constant" == verdict.diagnosis["signature"]
+    assert "K=4 where the window has k=5 microbatches" in verdict.message
+
+
+def test_a_loss_divided_by_w_twice_reads_w_twice_at_three_ranks() -> None:
+    verdict = _parity("user_recipes.diagnosed:world_size_divided_twice", "uneven", 3)
+    assert verdict.diagnosis is not None and "global_scale" == verdict.diagnosis["signature"]
+    assert "diagnosis (global_scale): the loss divided by W twice" in verdict.message
+    assert "tokens where the window holds" not in verdict.message
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_stale_first_count_reads_block_scaled_with_the_local_counts(world: int) -> None:
+    verdict = _parity("user_recipes.diagnosed:stale_first_count", "uneven", world)
+    assert verdict.diagnosis is not None and "block_scaled" == verdict.diagnosis["signature"], verdict.message
+    assert f"rank {world - 1}'s microbatch 0 weighs" in verdict.message
+    assert f"rank {world - 1}'s local count" in verdict.message and "every other block right" in verdict.message
+
+
+def test_a_stateful_forward_reads_model_not_fixed_never_correct() -> None:
+    verdict = _parity(CORRECT_RECIPE_PATH, "uneven", 2, model="user_recipes.zoo:CountingLM")
+    assert verdict.diagnosis is not None and "model_not_fixed" == verdict.diagnosis["signature"], verdict.message
+    assert "recipe is not blamed" in verdict.message
+
+
+def test_no_control_s_failing_parity_verdict_carries_a_correct_reading() -> None:
+    """Across every control on its cached target runs: a parity verdict that fails never reads ``correct`` (its own
+    check may be another: the diagnosis of those reads ``correct`` only where parity passes)."""
+    results = run_controls(list(CONTROLS), [2, 3])
+    assert results
+    for r in results:
+        t = CONTROLS[r.control]
+        if r.verdict.diagnosis is not None and not r.verdict.passed:
+            assert "correct" != r.verdict.diagnosis["signature"], r.verdict.message
+        run = runner.run(f"harness.recipes:{r.control}", t.scenario, r.verdict.world_size, t.precision,
+                         batch_format=t.batch_format)
+        if run.failure is not None or worst(run) is None:
+            continue  # no gradient to judge (a desync; a window without tokens): parity reads the failure itself
+        parity = checks.parity(run)
+        if not parity.passed and parity.diagnosis is not None:
+            assert "correct" != parity.diagnosis["signature"], parity.message
+
+
+def test_an_hf_count_taken_before_the_shift_is_named_as_that_count() -> None:
+    """N plus one token per unprompted row is a count of the window: named, not "no token count"."""
+    run = runner.run("harness.recipes:hf_count_before_shift", "uneven", 2, batch_format="hf")
+    verdict = checks.parity(run)
+    assert verdict.diagnosis is not None and "global_scale" == verdict.diagnosis["signature"]
+    assert "normalized by the hf labels counted before the shift" in verdict.message, verdict.message

@@ -102,7 +102,7 @@ def test_global_scales_are_named_by_their_factor(win: Window) -> None:
     assert "applied twice" in win.classify([float(win.world)] * len(win.blocks)).sentence
     assert f"microbatch count k={k}" in win.classify([1 / k] * len(win.blocks)).sentence
     odd = win.classify([0.8] * len(win.blocks)).sentence
-    assert f"normalized by {win.n / 0.8:.6g} tokens" in odd
+    assert "no token count of this window" in odd and "normalized by" not in odd
 
 
 def test_a_count_from_another_window_is_named() -> None:
@@ -162,6 +162,15 @@ def test_a_uniform_ratio_over_every_tensor_is_located_as_a_scale(win: Window) ->
     assert "the same ratio 1.5" in dx.locate(rows)
 
 
+def test_float32_noise_over_every_tensor_is_not_called_a_scale(win: Window) -> None:
+    """Every tensor at ratio 1 but over float64's tolerances: noise, a lower precision, never "a scale on the whole
+    gradient"; its negative control, a real 1.5 scale, is the test above."""
+    g = win.gradient([1.0] * len(win.blocks), fp32=True)
+    rows = dx.parameter_table(g, win.columns.sum(dim=1) / win.n, win.names, win.sizes, 1e-12, 1e-9)
+    words = dx.locate(rows)
+    assert "noise spread over every component" in words and "scale on the whole gradient" not in words
+
+
 def test_a_mean_per_sequence_is_found_by_the_per_row_fit(win: Window) -> None:
     weights = torch.tensor([1.0 / b.tokens / len(win.rows) if b.tokens else 0.0 for b in win.rows],
                            dtype=torch.float64)
@@ -214,4 +223,159 @@ def test_a_scale_that_only_comes_near_a_named_factor_is_not_named_after_it() -> 
     blocks = [dx.Block(0, 0, 120), dx.Block(0, 1, 130), dx.Block(1, 0, 400), dx.Block(1, 1, 597)]
     assert "world-size factor is missing" in dx.name_factor(0.5 * (1 + 1e-7), blocks, 2)
     near = dx.name_factor(1247 / 2496, blocks, 2)
-    assert "normalized by 2496 tokens" in near and "missing" not in near and "microbatch count" not in near
+    assert "no token count of this window" in near and "missing" not in near and "microbatch count" not in near
+
+
+# --- The sentences of issue 18: each cause named from the real counts, with its negative control -----------------
+
+
+def _k(win: Window) -> int:
+    return len(win.blocks) // win.world
+
+
+def test_the_world_size_applied_twice_is_named_in_both_directions(win: Window) -> None:
+    w = win.world
+    down = win.classify([1 / w**2] * len(win.blocks))
+    assert "global_scale" == down.name and down.sentence.startswith("the loss divided by W twice"), down.sentence
+    up = win.classify([float(w**2)] * len(win.blocks))
+    assert up.sentence.startswith("the loss multiplied by W twice"), up.sentence
+
+
+def test_the_world_size_twice_is_not_read_at_one_rank() -> None:
+    """W=1: W^2 = W = 1, so no world-size reading exists; 1/4 is no world-size factor there."""
+    blocks = [dx.Block(0, 0, 120, rows=2), dx.Block(0, 1, 130, rows=2)]
+    words = dx.name_factor(0.25, blocks, 1)
+    assert "W twice" not in words and "world-size" not in words
+
+
+def test_a_world_size_factor_written_for_two_ranks_is_named_at_three() -> None:
+    win = Window(3)
+    sig = win.classify([2 / 3] * len(win.blocks))
+    assert "a world-size factor written for W=2" in sig.sentence, sig.sentence
+    # Its negative control: at W=2 the same 2/3 is no world-size factor written for two ranks.
+    assert not any("written for W=2" in w for w in dx.factor_readings(2 / 3, win.blocks, 2))
+
+
+def test_a_missing_division_by_k_is_named_so_not_undone_twice(win: Window) -> None:
+    k = _k(win)
+    words = win.classify([float(k)] * len(win.blocks)).sentence
+    assert f"the division by the microbatch count k={k} is missing" in words and "undone" not in words
+
+
+def test_no_microbatch_reading_is_offered_where_k_is_one() -> None:
+    """k=1: dividing by k does nothing, so neither "an extra division by k=1" nor the 1/(k*W) entry is offered; the
+    negative control at k=2 names the division."""
+    one = [dx.Block(0, 0, 150, rows=2), dx.Block(1, 0, 400, rows=3)]
+    words = dx.factor_readings(0.5, one, 2)
+    assert not any("microbatch count" in w for w in words), words
+    two = [dx.Block(r, m, t, rows=2) for r, m, t in [(0, 0, 70), (0, 1, 80), (1, 0, 200), (1, 1, 210)]]
+    assert any("extra division by the microbatch count k=2" in w for w in dx.factor_readings(0.5, two, 2))
+
+
+def test_a_fixed_accumulation_constant_is_named_with_its_value() -> None:
+    """Each microbatch's mean divided by K=4 on a window of k=5: the per-microbatch pattern times k/K."""
+    blocks = [dx.Block(r, m, t, rows=2) for r, row in enumerate([[72, 56, 81, 43, 69], [246, 167, 210, 175, 185]])
+              for m, t in enumerate(row)]
+    pattern = dx.patterns(blocks, 2)["per_microbatch_mean"]
+    fit = dx.Fit(torch.tensor([p * 5 / 4 / sum(b.tokens for b in blocks) for p in pattern], dtype=torch.float64),
+                 0.0, 1.0)
+    sig = dx.classify(blocks, fit, 2, "fp32", rank=0)
+    assert "fixed_accumulation_constant" == sig.name
+    assert "fixed accumulation constant K=4 where the window has k=5 microbatches" in sig.sentence
+    # The negative control: K = k (the mean per microbatch divided by its own k) is the plain per-microbatch mean.
+    plain = dx.Fit(torch.tensor([p / sum(b.tokens for b in blocks) for p in pattern], dtype=torch.float64), 0.0, 1.0)
+    assert "per_microbatch_mean" == dx.classify(blocks, plain, 2, "fp32", rank=0).name
+
+
+def test_a_count_is_named_only_when_it_is_a_count_of_the_window(win: Window) -> None:
+    """A rank's count, a microbatch's, W times the largest rank's, N plus one token per row: named; 1.001 is none."""
+    n, w = win.n, win.world
+    ranks: dict[int, int] = {}
+    for b in win.blocks:
+        ranks[b.rank] = ranks.get(b.rank, 0) + b.tokens
+    blocks = [dx.Block(b.rank, b.microbatch, b.tokens, rows=2) for b in win.blocks]
+    rows = 2 * len(blocks)
+    assert "rank 1's local count" in dx.name_factor(n / ranks[1], blocks, w)
+    assert "W times the largest rank's count" in dx.name_factor(n / (w * max(ranks.values())), blocks, w)
+    assert "N plus one token per row" in dx.name_factor(n / (n + rows), blocks, w)
+    assert "N minus one token per row" in dx.name_factor(n / (n - rows), blocks, w)
+    assert f"{blocks[0].label()}'s own count" in dx.name_factor(n / blocks[0].tokens, blocks, w)
+    odd = dx.name_factor(1.001, blocks, w)
+    assert "no token count of this window" in odd and "normalized by" not in odd
+
+
+def test_a_pure_scale_on_a_window_with_one_empty_rank_is_read_as_the_scale_first() -> None:
+    """One rank holds every token: a mean of local means and 1/k give the same weights; the scale leads."""
+    blocks = [dx.Block(0, 0, 0, rows=2), dx.Block(0, 1, 0, rows=2), dx.Block(1, 0, 300, rows=2),
+              dx.Block(1, 1, 310, rows=2)]
+    fit = dx.Fit(torch.tensor([math.nan, math.nan, 0.5 / 610, 0.5 / 610], dtype=torch.float64), 0.0, 1.0)
+    sig = dx.classify(blocks, fit, 2, "fp32", rank=1)
+    assert "global_scale" == sig.name and "mean_of_local_means" in sig.alternatives, sig
+
+
+def test_one_microbatch_index_off_by_its_ranks_local_count_is_block_scaled(win: Window) -> None:
+    """Microbatch 0 of every rank normalized by its rank's local count, every other block right."""
+    ranks: dict[int, int] = {}
+    for b in win.blocks:
+        ranks[b.rank] = ranks.get(b.rank, 0) + b.tokens
+    ratios = [win.n / ranks[b.rank] if b.microbatch == 0 else 1.0 for b in win.blocks]
+    sig = win.classify(ratios)
+    assert "block_scaled" == sig.name, sig.sentence
+    assert "rank 1's microbatch 0 weighs" in sig.sentence and "rank 1's local count" in sig.sentence
+    assert "every other block right" in sig.sentence
+
+
+def test_one_block_off_by_an_odd_factor_is_block_scaled_without_a_count(win: Window) -> None:
+    ratios = [0.71 if (b.rank, b.microbatch) == (1, 0) else 1.0 for b in win.blocks]
+    sig = win.classify(ratios)
+    assert "block_scaled" == sig.name and sig.sentence.startswith("rank 1's microbatch 0 weighs 0.71x")
+    assert "normalized by" not in sig.sentence
+    # The negative control: blocks spread over several ranks and indices are no block-wise reading.
+    spread = [0.71 if (b.rank, b.microbatch) in ((0, 0), (1, 1)) else 1.0 for b in win.blocks]
+    assert "block_scaled" != win.classify(spread).name
+
+
+def test_right_weights_with_an_extra_term_are_not_called_right_or_float32(win: Window) -> None:
+    """A small extra term (an L2 penalty's gradient on one tensor) over a float64 gradient: its residual, far above
+    float32 rounding, reads extra_term, never correct or float32_computation; float32 rounding alone (the negative
+    control) still reads float32_computation."""
+    g = win.gradient([1.0] * len(win.blocks), fp32=False)
+    target = win.names.index("blocks.0.mlp.2.weight")
+    start = sum(win.sizes[:target])
+    extra = torch.zeros_like(g)
+    extra[start : start + win.sizes[target]] = torch.linspace(-1, 1, win.sizes[target], dtype=torch.float64)
+    g = g + extra * (2e-5 * float(g.norm()) / float(extra.norm()))
+    fit = dx.fit_weights(win.columns, g)
+    assert dx.FLOAT32_RESIDUAL < fit.residual <= dx.EXPLAINED_RESIDUAL
+    sig = dx.classify(win.blocks, fit, win.world, "fp64")
+    assert "extra_term" == sig.name, sig.sentence
+    assert "rounding bound 1e-10" in sig.sentence
+    rounded = dx.fit_weights(win.columns, win.gradient([1.0] * len(win.blocks), fp32=True))
+    assert rounded.residual <= dx.FLOAT32_RESIDUAL
+    assert "float32_computation" == dx.classify(win.blocks, rounded, win.world, "fp64").name
+
+
+def test_the_residual_shares_name_the_tensor_that_carries_it(win: Window) -> None:
+    names, sizes = win.names, win.sizes
+    resid = torch.zeros(sum(sizes), dtype=torch.float64)
+    i = names.index("head.bias")
+    resid[sum(sizes[:i]) : sum(sizes[: i + 1])] = 1.0
+    shares = dict(dx.residual_shares(resid, names, sizes))
+    assert 1.0 == shares["head.bias"] and 0.0 == shares["tok.weight"]
+
+
+def test_a_tensor_without_a_gradient_reads_no_gradient(win: Window) -> None:
+    """Zero where the reference is not: "no gradient"; zero where it is zero too: "none expected"; never "max abs
+    err 0, ratio 1" for the second, and a live tensor (the negative control) keeps its ratio."""
+    expected = win.columns.sum(dim=1) / win.n
+    g = expected.clone()
+    i = win.names.index("head.weight")
+    g[sum(win.sizes[:i]) : sum(win.sizes[: i + 1])] = 0
+    j = win.names.index("head.bias")
+    expected[sum(win.sizes[:j]) : sum(win.sizes[: j + 1])] = 0
+    g[sum(win.sizes[:j]) : sum(win.sizes[: j + 1])] = 0
+    rows = {r.name: r for r in dx.parameter_table(g, expected, win.names, win.sizes, 1e-6, 1e-4)}
+    assert "no gradient" == rows["head.weight"].note
+    assert "no gradient (none expected)" == rows["head.bias"].note
+    assert "" == rows["tok.weight"].note and rows["tok.weight"].ratio == pytest.approx(1.0)
+    assert "head.weight (no gradient," in dx.locate(list(rows.values()))

@@ -1,0 +1,106 @@
+"""Training steps written the way users write them (torch only), each with one mistake the diagnosis must name for
+what it is: an auxiliary loss, a fixed accumulation constant, the world size divided out twice, a stale first count.
+``tests/distributed/test_diagnosis.py`` reads each one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def _loop(model: torch.nn.Module, window: Sequence[Any],
+          loss_of: Callable[[int, Any, torch.Tensor, int, int], torch.Tensor]) -> None:
+    """The usual accumulation loop: ``no_sync()`` on all but the last microbatch; ``loss_of(i, mb, token_sum, local,
+    total)`` is the microbatch's loss, from its summed token loss, this rank's count and the global count."""
+    local = sum(int((mb.labels != IGNORE).sum()) for mb in window)
+    count = torch.tensor([local])
+    dist.all_reduce(count)
+    total = int(count)
+    if total == 0:
+        raise ValueError("no supervised token in this window on any rank")
+    for i, mb in enumerate(window):
+        last = i == len(window) - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            logits = model(mb.inputs)
+            s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            loss_of(i, mb, s, local, total).backward()
+
+
+class AuxiliaryL2Penalty:
+    """The right token mean, plus an L2 penalty on one layer's weights added to every microbatch's loss (a
+    regularizer written into the loss, as an auxiliary load-balancing loss is): the gradient holds a term no
+    re-weighting of the token losses makes, carried by ``blocks.0.mlp.2.weight``."""
+
+    name = "auxiliary_l2_penalty"
+    layer = "blocks.0.mlp.2.weight"
+    strength = 1e-3
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        world = dist.get_world_size()
+        weight = dict(_unwrapped(model).named_parameters())[self.layer]
+
+        def loss(i: int, mb: Any, s: torch.Tensor, local: int, total: int) -> torch.Tensor:
+            return s * world / total + self.strength * weight.pow(2).sum()
+
+        _loop(model, window, loss)
+
+
+class FixedAccumulationConstant:
+    """Each microbatch's own mean divided by the accumulation steps of its configuration (``K=4``), whatever the
+    window holds: right in weight only for windows of four microbatches of equal counts."""
+
+    name = "fixed_accumulation_constant"
+    accumulation_steps = 4
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        def loss(i: int, mb: Any, s: torch.Tensor, local: int, total: int) -> torch.Tensor:
+            return s / max(int((mb.labels != IGNORE).sum()), 1) / self.accumulation_steps
+
+        _loop(model, window, loss)
+
+
+class WorldSizeDividedTwice:
+    """The global token mean, then divided by the world size "because DDP sums" (it averages): every token weighs
+    ``1/(W^2 N)``."""
+
+    name = "world_size_divided_twice"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        world = dist.get_world_size()
+
+        def loss(i: int, mb: Any, s: torch.Tensor, local: int, total: int) -> torch.Tensor:
+            return s / total / world
+
+        _loop(model, window, loss)
+
+
+class StaleFirstCount:
+    """Normalizes the first microbatch before the count's all-reduce has come back (by this rank's local count),
+    every later one by the global count: microbatch 0 of each rank weighs ``N / n_r`` times the right weight."""
+
+    name = "stale_first_count"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        world = dist.get_world_size()
+
+        def loss(i: int, mb: Any, s: torch.Tensor, local: int, total: int) -> torch.Tensor:
+            return s * world / (local if i == 0 else total)
+
+        _loop(model, window, loss)
+
+
+auxiliary_l2_penalty = AuxiliaryL2Penalty()
+fixed_accumulation_constant = FixedAccumulationConstant()
+world_size_divided_twice = WorldSizeDividedTwice()
+stale_first_count = StaleFirstCount()
