@@ -3,14 +3,15 @@
     python benchmarks/model_battery_bench.py [--repeats 1] [--examples 2] [--out benchmarks/results/model_battery.json]
 
 Each measurement is ``python -m harness battery --recipe harness.recipes:hf_global_token_mean --batch-format hf
---world-sizes 1,2,3 --precision both --examples N`` in a fresh process (forkserver start and imports included), from a
-scratch directory outside the checkout, for three models: the built-in ``TinyCausalLM`` (no ``--model``), a two-layer
-GPT-2 and a two-layer Llama built from transformers configs (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, width 32,
-the battery's vocabulary; no weights downloaded). The models are measured in turn, ``--repeats`` times each, so the
-ratios come from one run on one machine. Two more runs of GPT-2 each turn one of the battery's savings off (the
-model classes' modules preloaded into the forkserver; copies of the first built model in the parent) to show where
-the time went before them. Needs the integrations extra (transformers). Not a test: nothing here
-asserts a speed; read the ratios (``ratio_over_builtin``), not the absolute figures (the machine is shared).
+--battery-world-sizes 1,2,3 --precision both --battery-examples N`` in a fresh process (forkserver start and imports
+included), from a scratch directory outside the checkout, for three models: the built-in ``TinyCausalLM`` (no
+``--model``), a two-layer GPT-2 and a two-layer Llama built from transformers configs (``GPT2LMHeadModel`` /
+``LlamaForCausalLM``, width 32, the battery's vocabulary; no weights downloaded). The models are measured in turn,
+``--repeats`` times each, so the ratios come from one run on one machine. Two more runs of GPT-2 each turn one of
+the battery's savings off (the model classes' modules preloaded into the forkserver; copies of the first built model
+in the parent) to show where the time went before them. Needs the integrations extra (transformers). Not a test:
+nothing here asserts a speed; read the ratios (``ratio_over_builtin``), not the absolute figures (the machine is
+shared).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ _MAIN = "import sys\n{patch}from harness.workflow.cli import main\nsys.exit(main
 
 def _measure(model: str | None, examples: int, cwd: Path, patch: str = "") -> tuple[float, str]:
     cmd = [sys.executable, "-c", _MAIN.format(patch=patch), "battery", "--recipe",
-           "harness.recipes:hf_global_token_mean", "--batch-format", "hf", "--world-sizes", "1,2,3", "--precision",
-           "both", "--examples", str(examples)]
+           "harness.recipes:hf_global_token_mean", "--batch-format", "hf", "--battery-world-sizes", "1,2,3",
+           "--precision", "both", "--battery-examples", str(examples)]
     if model:
         cmd += ["--model", model]
     t0 = time.monotonic()

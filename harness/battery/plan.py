@@ -41,7 +41,7 @@ class Case:
         return self.id
 
 
-def parse_world_sizes(text: str, option: str = "--world-sizes") -> tuple[int, ...]:
+def parse_world_sizes(text: str, option: str = "--battery-world-sizes") -> tuple[int, ...]:
     """``"1,2,4"`` -> ``(1, 2, 4)``, validated; ValueError naming the option and the fix otherwise."""
     try:
         worlds = [int(w) for w in str(text).split(",")]
@@ -51,7 +51,7 @@ def parse_world_sizes(text: str, option: str = "--world-sizes") -> tuple[int, ..
     return check_world_sizes(worlds, option)
 
 
-def check_world_sizes(world_sizes: Sequence[int], option: str = "--world-sizes") -> tuple[int, ...]:
+def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
     """Validate world sizes against what the scenarios can be built for."""
     bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int)
            or not 1 <= w <= scenarios.MAX_WORLD_SIZE]

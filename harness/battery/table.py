@@ -3,8 +3,12 @@ test, the controls on their targets, and tables and JSON of the verdicts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from harness.battery import checks, plan, runner
 from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
@@ -78,7 +82,7 @@ def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: flo
     show (2+), on ``model`` (None: the built-in one)."""
     unknown = [n for n in names if n not in CONTROLS]
     if unknown:
-        msg = f"--controls: {', '.join(unknown)} not among the negative controls: {', '.join(CONTROLS)}"
+        msg = f"--battery-controls: {', '.join(unknown)} not among the negative controls: {', '.join(CONTROLS)}"
         raise ValueError(msg)
     out = []
     for name in names:
@@ -177,9 +181,22 @@ def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: i
                 errors: Sequence[str] = (), controls: Sequence[ControlResult] = (),
                 world_sizes: Sequence[int] = (), precision: str = "both", model: str | None = None,
                 batch_format: str = "harness", model_notes: Sequence[str] = ()) -> dict[str, object]:
-    """The battery report: what ran against what was expected (on which model, with which batch format), every
-    verdict, errors and the exit status."""
-    counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "n/a")}
+    """The battery report of the command line's verdicts (:func:`report_payload`)."""
+    return report_payload(recipes=recipes, checks=[v.to_dict() for v in verdicts], expected=expected,
+                          exit_status=exit_status, errors=errors, controls=[c.to_dict() for c in controls],
+                          world_sizes=world_sizes, precision=precision, model=model, batch_format=batch_format,
+                          model_notes=model_notes)
+
+
+def report_payload(*, recipes: Sequence[str], checks: Sequence[Mapping[str, object]], expected: int,
+                   exit_status: int, errors: Sequence[str] = (), controls: Sequence[Mapping[str, object]] = (),
+                   world_sizes: Sequence[int] = (), precision: str = "both", model: str | None = None,
+                   batch_format: str = "harness", model_notes: Sequence[str] = ()) -> dict[str, object]:
+    """The one battery report (:data:`SCHEMA`), for ``--json`` and pytest's ``--battery-report`` alike: what ran
+    against what was expected (on which model, with which batch format, at which world sizes and precision), what the
+    probe found about the model, every verdict (:meth:`Verdict.to_dict`), the controls, errors outside a verdict and
+    the exit status."""
+    statuses = [str(c.get("status")) for c in checks]
     return {
         "schema": SCHEMA,
         "recipes": list(recipes),
@@ -189,10 +206,33 @@ def report_json(recipes: Sequence[str], verdicts: Sequence[Verdict], expected: i
         "world_sizes": list(world_sizes),
         "precision": precision,
         "expected": expected,
-        "run": len(verdicts),
-        "counts": counts,
+        "run": len(checks),
+        "counts": {s: statuses.count(s) for s in ("pass", "fail", "n/a")},
         "errors": list(errors),
         "exit_status": exit_status,
-        "checks": [v.to_dict() for v in verdicts],
-        "controls": [c.to_dict() for c in controls],
+        "checks": [dict(c) for c in checks],
+        "controls": [dict(c) for c in controls],
     }
+
+
+def write_report(path: str | Path, payload: Mapping[str, object]) -> Path:
+    """Write a report atomically: a temporary file beside ``path``, flushed to disk, then renamed over it (a reader
+    sees the old report or the new one, never half of one); its folder is made if missing."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(payload, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        fd = os.open(out.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return out

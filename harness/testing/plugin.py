@@ -10,10 +10,8 @@ nothing: torch, the battery and the recipes are imported only when a battery tes
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -176,30 +174,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("battery_report")
     if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
         return
-    from harness.battery.table import SCHEMA
+    from harness.battery.table import report_payload, write_report
 
-    statuses = [str(v.get("status")) for v in _CONTROLLER_VERDICTS]
-    payload = {
-        "schema": SCHEMA,
-        "recipes": [chosen_recipe(session.config)],
-        "model": session.config.getoption("model"),
-        "batch_format": session.config.getoption("batch_format"),
-        "model_notes": list(_MODEL_NOTES),
-        "world_sizes": [int(w) for w in str(session.config.getoption("battery_world_sizes")).split(",")],
-        "precision": session.config.getoption("precision"),
-        "expected": _SESSION.get("expected", 0),
-        "run": len(_CONTROLLER_VERDICTS),
-        "counts": {s: statuses.count(s) for s in ("pass", "fail", "n/a")},
-        "errors": list(_ERRORS),
-        "exit_status": int(exitstatus),
-        "checks": list(_CONTROLLER_VERDICTS),
-        "controls": [],
-    }
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(out)
+    write_report(path, report_payload(
+        recipes=[chosen_recipe(session.config)], checks=_CONTROLLER_VERDICTS, expected=_SESSION.get("expected", 0),
+        exit_status=int(exitstatus), errors=_ERRORS, model=session.config.getoption("model"),
+        batch_format=session.config.getoption("batch_format"), model_notes=_MODEL_NOTES,
+        world_sizes=[int(w) for w in str(session.config.getoption("battery_world_sizes")).split(",")],
+        precision=session.config.getoption("precision"),
+    ))
 
 
 def chosen_recipe(config: pytest.Config) -> str:

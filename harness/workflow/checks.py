@@ -42,15 +42,15 @@ def cmd_battery(args: argparse.Namespace) -> int:
     """Judge recipes under test on the battery's cases, and the negative controls on their targets.
 
     ``--recipe X`` (repeatable) judges X as a recipe under test: exit 0 when every check holds, 1 when one fails.
-    ``--controls`` (every control, or the named ones) runs the controls: each must be rejected by its targeted check
-    failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
+    ``--battery-controls`` (every control, or the named ones) runs the controls: each must be rejected by its targeted
+    check failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
     """
     from harness.battery import plan
     from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
     from harness.recipes import CONTROLS, RecipeError, load_recipe
 
     try:
-        worlds = plan.parse_world_sizes(args.world_sizes)
+        worlds = plan.parse_world_sizes(args.world_sizes, "--battery-world-sizes")
         cases = plan.cases(worlds, args.precision)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
@@ -60,7 +60,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
         controls = [c for c in args.controls.split(",") if c] or list(CONTROLS)
     unknown = [c for c in controls if c not in CONTROLS]
     if unknown:
-        raise BadInput(f"--controls={args.controls!r}: {', '.join(unknown)} not among {', '.join(CONTROLS)}")
+        raise BadInput(f"--battery-controls={args.controls!r}: {', '.join(unknown)} not among {', '.join(CONTROLS)}")
     recipes = list(args.recipe or ([] if args.controls is not None else [CORRECT_RECIPE]))
     for r in recipes:
         try:
@@ -74,7 +74,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     if args.examples < 0:
-        raise BadInput(f"--examples={args.examples} must be 0 (no drawn layouts) or a positive number")
+        raise BadInput(f"--battery-examples={args.examples} must be 0 (no drawn layouts) or a positive number")
     drawn = args.examples > 0 and importlib.util.find_spec("hypothesis") is not None
     verdicts = []
     for r in recipes:
@@ -103,13 +103,13 @@ def cmd_battery(args: argparse.Namespace) -> int:
     status = 2 if usage else 1 if failed or unrejected else 0
     print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
           f"{list(worlds)}, precision {args.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
-    for path in filter(None, (args.json, args.battery_report)):
-        from harness.workflow.outputs import write_json
+    for path in filter(None, (args.json,)):
+        from harness.battery.table import write_report
 
         expected = (len(cases) + drawn) * len(recipes)
-        write_json(Path(path), report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
-                                           precision=args.precision, model=model, batch_format=batch_format,
-                                           model_notes=notes))
+        write_report(path, report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
+                                       precision=args.precision, model=model, batch_format=batch_format,
+                                       model_notes=notes))
         print(f"report written to {path}")
     for v in failed:
         err(v.message)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from harness.workflow import explain
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
@@ -96,10 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("battery", help="judge recipes on every check; run the negative controls on their targets")
     p.add_argument("--recipe", action="append", metavar="PKG.MODULE:ATTR",
                    help="a recipe under test (repeatable); default: the correct recipe, with every control")
-    p.add_argument("--controls", nargs="?", const="", metavar="NAME,...",
+    p.add_argument("--battery-controls", dest="controls", nargs="?", const="", metavar="NAME,...",
                    help="run the negative controls (all, or the named ones); the default when no --recipe is given")
-    p.add_argument("--world-sizes", default="1,2,3,4",
+    _deprecated(p, "--controls", "--battery-controls", dest="controls", nargs="?", const="")
+    p.add_argument("--battery-world-sizes", dest="world_sizes", default="1,2,3,4", metavar="W,...",
                    help="comma-separated world sizes, the drawn layouts' included (default: 1,2,3,4)")
+    _deprecated(p, "--world-sizes", "--battery-world-sizes", dest="world_sizes")
     p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"),
                    help="float32 lane, float64 lane or both (default: both)")
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
@@ -112,17 +115,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
                    help="DDP's find_unused_parameters for the ranks: auto (default) turns it on, and says so, when the "
                    "reference finds a parameter without a gradient in some microbatch; on; off")
-    p.add_argument("--deadline", type=float, default=30.0,
+    p.add_argument("--battery-deadline", dest="deadline", type=float, default=30.0, metavar="SECONDS",
                    help="seconds one run (a case, a drawn layout) may take before it is called hung (default: 30)")
-    p.add_argument("--examples", type=int, default=12, help="drawn layouts per recipe (0: none; needs hypothesis)")
-    p.add_argument("--json", metavar="PATH", help="write the battery report (expected and run counts, verdicts, "
-                   "errors, exit status) as JSON")
-    p.add_argument("--battery-report", metavar="PATH", help="the same report, under pytest's option name")
+    _deprecated(p, "--deadline", "--battery-deadline", dest="deadline", type=float)
+    p.add_argument("--battery-examples", dest="examples", type=int, default=12, metavar="N",
+                   help="drawn layouts per recipe (0: none; needs hypothesis)")
+    _deprecated(p, "--examples", "--battery-examples", dest="examples", type=int)
+    p.add_argument("--battery-report", dest="json", metavar="PATH", help="write the battery report (expected and run "
+                   "counts, verdicts, model notes, errors, exit status) as JSON, the format pytest's option writes")
+    _deprecated(p, "--json", "--battery-report", dest="json")
     p.add_argument("-v", "--verbose", action="store_true", help="print each run as it starts")
     p.set_defaults(fn=cmd_battery)
 
     explain.add_parser(sub)
     return parser
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option name: stores like the new one and says, on stderr, which name to use instead."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        err(f"note: {option_string} is deprecated; use {self.new} (the name pytest's battery option has too)")
+        setattr(namespace, self.dest, values)
+
+
+def _deprecated(p: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+    p.add_argument(old, action=_DeprecatedAlias, new=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                   **kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,8 +31,8 @@ def _pytest_lane(recipe: str, report: Path, *extra: str) -> subprocess.Completed
 
 
 def _cli_lane(recipe: str, report: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return _run("-m", "harness", "battery", "--recipe", recipe, "--world-sizes", "2", "--examples", "0",
-                "--json", str(report), *QUICK, *extra)
+    return _run("-m", "harness", "battery", "--recipe", recipe, "--battery-world-sizes", "2", "--battery-examples", "0",
+                "--battery-report", str(report), *QUICK, *extra)
 
 
 def _keys(report: Path) -> dict[tuple[object, ...], str]:
@@ -61,8 +61,8 @@ def test_pytest_and_the_command_line_give_the_same_verdicts_and_exit_codes(tmp_p
 @pytest.mark.slow
 def test_the_command_line_judges_a_user_recipe_as_a_recipe_under_test(tmp_path: Path) -> None:
     """A correct recipe given as a class exits 0 (not "control not rejected"); n/a checks show as n/a."""
-    done = _run("-m", "harness", "battery", "--recipe", "user_recipes.variants:ClassRecipe", "--world-sizes", "1",
-                "--examples", "0", *QUICK)
+    done = _run("-m", "harness", "battery", "--recipe", "user_recipes.variants:ClassRecipe",
+                "--battery-world-sizes", "1", "--battery-examples", "0", *QUICK)
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
     assert "n/a" in done.stdout and "every check holds" in done.stdout
 
@@ -70,8 +70,8 @@ def test_the_command_line_judges_a_user_recipe_as_a_recipe_under_test(tmp_path: 
 def test_the_command_line_refuses_bad_input_with_exit_2() -> None:
     """An unloadable recipe, a world size the scenarios cannot hold, an unknown control: exit 2 and the reason."""
     for args, says in ((["--recipe", "user_recipes.variants:RaisesOnEveryRank"], "calling RaisesOnEveryRank()"),
-                       (["--world-sizes", "9"], "--world-sizes='9'"),
-                       (["--controls", "no_such_control"], "no_such_control")):
+                       (["--battery-world-sizes", "9"], "--battery-world-sizes='9'"),
+                       (["--battery-controls", "no_such_control"], "no_such_control")):
         done = _run("-m", "harness", "battery", *args)
         assert 2 == done.returncode, done.stdout + done.stderr
         assert says in done.stderr
@@ -89,8 +89,8 @@ def test_a_bad_recipe_option_is_a_pytest_usage_error_naming_the_problem() -> Non
 def test_the_command_line_runs_controls_on_their_targets(tmp_path: Path) -> None:
     """--controls judges each named control on its targeted check; all rejected exits 0."""
     report = tmp_path / "controls.json"
-    done = _run("-m", "harness", "battery", "--controls", "cached_count,first_microbatch_never_syncs",
-                "--world-sizes", "2,3", "--json", str(report))
+    done = _run("-m", "harness", "battery", "--battery-controls", "cached_count,first_microbatch_never_syncs",
+                "--battery-world-sizes", "2,3", "--battery-report", str(report))
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
     controls = json.loads(report.read_text())["controls"]
     assert 4 == len(controls) and all(c["rejected"] for c in controls)

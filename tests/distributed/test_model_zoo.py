@@ -117,8 +117,8 @@ def test_a_recipe_that_registers_a_comm_hook_is_a_usage_error_saying_the_harness
     verdict = checks.one_sync(runner.run("user_recipes.loops:OwnCommHook", "uneven", 2))
     assert "usage" == verdict.cause
     assert "harness already registered its own DDP communication hook" in verdict.message
-    status = main(["battery", "--recipe", "user_recipes.loops:OwnCommHook", "--world-sizes", "2", "--precision",
-                   "fp32", "--examples", "0", "--json", str(tmp_path / "r.json")])
+    status = main(["battery", "--recipe", "user_recipes.loops:OwnCommHook", "--battery-world-sizes", "2", "--precision",
+                   "fp32", "--battery-examples", "0", "--battery-report", str(tmp_path / "r.json")])
     assert 2 == status
     assert "usage error" in capsys.readouterr().err
     assert 2 == json.loads((tmp_path / "r.json").read_text())["exit_status"]
@@ -130,8 +130,8 @@ def test_the_command_line_keeps_every_verdict_when_the_model_cannot_run_a_case(
     """A position table of 64 refuses the battery's long rows: the table prints, the JSON records each n/a with the
     model's error and the model notes, and the exit status is 0 (nothing failed)."""
     out = tmp_path / "r.json"
-    status = main(["battery", "--recipe", CORRECT, "--model", _model("ShortPositionsLM"), "--world-sizes", "2",
-                   "--precision", "fp32", "--examples", "0", "--json", str(out)])
+    status = main(["battery", "--recipe", CORRECT, "--model", _model("ShortPositionsLM"), "--battery-world-sizes", "2",
+                   "--precision", "fp32", "--battery-examples", "0", "--battery-report", str(out)])
     printed = capsys.readouterr().out
     assert 0 == status
     assert "n/a" in printed and "about the model" in printed

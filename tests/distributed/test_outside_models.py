@@ -131,7 +131,8 @@ def test_the_installed_battery_passes_a_users_step_on_their_model_and_names_the_
     assert any("long_expert.weight" in n and "missing on rank 0" in n for n in notes)
     out = tmp_path / "cli.json"
     cli = _run(user, "-m", "harness", "battery", "--recipe", "mysteps:step", "--model", "mymodels:make",
-               "--world-sizes", "2", "--precision", "fp32", "--examples", "2", "--json", str(out))
+               "--battery-world-sizes", "2", "--precision", "fp32", "--battery-examples", "2",
+               "--battery-report", str(out))
     assert 0 == cli.returncode, cli.stdout[-4000:] + cli.stderr[-4000:]
     assert "about the model mymodels:make" in cli.stdout and "find_unused_parameters=True" in cli.stdout
     assert any("Expected more than 1 value per channel" in n for n in json.loads(out.read_text())["model_notes"])

@@ -135,8 +135,8 @@ def test_both_lanes_take_the_model_and_the_batch_format(tmp_path: Path) -> None:
                 f"--recipe={CORRECT['hf']}", f"--battery-report={via_pytest}", "--battery-world-sizes=2",
                 *options, "-k", "uneven")
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
-    done = _run("-m", "harness", "battery", "--recipe", CORRECT["hf"], "--world-sizes", "2", "--examples", "0",
-                "--json", str(via_cli), *options)
+    done = _run("-m", "harness", "battery", "--recipe", CORRECT["hf"], "--battery-world-sizes", "2",
+                "--battery-examples", "0", "--battery-report", str(via_cli), *options)
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
     reports = [json.loads(p.read_text()) for p in (via_pytest, via_cli)]
     for data in reports:

@@ -41,8 +41,16 @@ def test_a_negative_number_of_examples_is_a_usage_error_on_both_surfaces(capsys:
     done = _pytest("harness/battery/test_drawn_layouts.py", "-m", "recipe", "--battery-examples", "-1")
     assert 4 == done.returncode, done.stdout[-2000:] + done.stderr[-2000:]
     assert "--battery-examples=-1 must be 0 (no drawn layouts) or a positive number" in done.stderr
+    assert 2 == main(["battery", "--recipe", CORRECT, "--battery-examples", "-1"])
+    assert "--battery-examples=-1 must be 0 (no drawn layouts) or a positive number" in capsys.readouterr().err
+
+
+def test_an_old_option_name_still_works_and_says_which_name_to_use(capsys: pytest.CaptureFixture[str]) -> None:
+    """--examples is the deprecated alias of --battery-examples: the same check, and a note naming the new name."""
     assert 2 == main(["battery", "--recipe", CORRECT, "--examples", "-1"])
-    assert "--examples=-1 must be 0 (no drawn layouts) or a positive number" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "note: --examples is deprecated; use --battery-examples" in said
+    assert "--battery-examples=-1 must be 0" in said
 
 
 @given(layouts(world_sizes=(2, 3)))
@@ -149,7 +157,8 @@ def test_the_command_line_gives_the_drawn_lane_its_deadline_and_world_sizes(
 
     monkeypatch.setattr(table, "run_cases", lambda *args, **kwargs: [])
     monkeypatch.setattr(lay, "drawn_verdict", drawn)
-    assert 0 == main(["battery", "--recipe", CORRECT, "--world-sizes", "2,3", "--examples", "2", "--deadline", "120"])
+    assert 0 == main(["battery", "--recipe", CORRECT, "--battery-world-sizes", "2,3", "--battery-examples", "2",
+                      "--battery-deadline", "120"])
     assert 1 == len(calls)
     assert (120.0, (2, 3)) == (calls[0]["deadline"], calls[0]["world_sizes"])
     assert "drawn (2 layouts, W in 2,3, fp32)" in capsys.readouterr().out
