@@ -128,7 +128,7 @@ def test_a_model_without_logits_is_refused_before_any_rank_starts() -> None:
 @pytest.mark.slow
 def test_both_lanes_take_the_model_and_the_batch_format(tmp_path: Path) -> None:
     """pytest and the command line judge the hf recipe on the user's model (W=2, float32, the uneven scenario) with
-    the same verdicts; the reports name the model and the batch format."""
+    the same verdicts; the reports name the model and the batch format, and hold the same keys."""
     options = ("--model", MODEL, "--batch-format", "hf", "--precision", "fp32")
     via_pytest, via_cli = tmp_path / "pytest.json", tmp_path / "cli.json"
     done = _run("-m", "pytest", "-p", "no:cacheprovider", "-q", "harness/battery/test_battery.py", "-m", "recipe",
@@ -144,3 +144,7 @@ def test_both_lanes_take_the_model_and_the_batch_format(tmp_path: Path) -> None:
     uneven = [{(c["check"], c["world_size"]): c["status"] for c in d["checks"] if c["scenario"] == "uneven"}
               for d in reports]
     assert uneven[0] == uneven[1] and set(uneven[0].values()) == {"pass"}
+    # One writer, one schema: the same keys at the top and in every verdict, whichever surface wrote the report.
+    assert set(reports[0]) == set(reports[1])
+    assert {frozenset(c) for c in reports[0]["checks"]} == {frozenset(c) for c in reports[1]["checks"]}
+    assert [2] == reports[0]["world_sizes"] == reports[1]["world_sizes"]
