@@ -19,8 +19,8 @@ import tempfile
 
 from _common import RESULTS, command, machine, now, summary, timed, write_result
 
-from harness.dist import probes
-from harness.dist.launcher import launch
+from harness.distributed import probes
+from harness.distributed.launcher import launch
 
 
 def _spawn_rank(rank: int, world: int, store_dir: str, out: object) -> None:
@@ -64,7 +64,7 @@ def main() -> None:
     spawn = timed(spawn_once, args.spawn)
     result = {
         "command": command("benchmarks/launch_bench.py"),
-        "what": "wall time per launch of one 2-rank gloo DDP step (harness.dist.probes.ddp_step): through the "
+        "what": "wall time per launch of one 2-rank gloo DDP step (harness.distributed.probes.ddp_step): through the "
         "launcher's warm forkserver, and with a fresh spawn of each rank",
         "world_size": 2,
         "machine": machine(),

@@ -23,8 +23,8 @@ from typing import Any
 
 from _common import RESULTS, command, machine, now, timed, write_result
 
-from harness.dist import probes
-from harness.dist.launcher import launch
+from harness.distributed import probes
+from harness.distributed.launcher import launch
 
 _BODY = '''
 

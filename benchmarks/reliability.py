@@ -4,7 +4,7 @@
 
 Modes: a rank raises; a rank is SIGKILLed; a rank skips a collective (no lockstep grace: the process-group timeout
 ends it); a run outlives its deadline; an expected exception on one rank under ``lockstep_grace``. Each run must end
-with its expected :class:`~harness.dist.launcher.LaunchError` kind, within its deadline (``within_deadline``
+with its expected :class:`~harness.distributed.launcher.LaunchError` kind, within its deadline (``within_deadline``
 allows ``STOP_MARGIN`` for the stack collection at a deadline; a run still going ``HANG_SLACK`` seconds past it counts
 as a hang), and leave no process behind: no live descendant of the forkserver
 (the ranks are its children), no child of this process, and no launch folder of this process. Writes the JSON and
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from harness.dist import probes, scratch
-from harness.dist.launcher import LaunchError, launch
+from harness.distributed import probes, scratch
+from harness.distributed.launcher import LaunchError, launch
 
 HANG_SLACK = 30.0
 """Seconds past a run's deadline after which it counts as a hang (and the benchmark stops that mode)."""

@@ -22,8 +22,8 @@ from pathlib import Path
 from _common import RESULTS, ROOT, command, machine, now, write_result
 
 from harness.data.config import load_config
-from harness.dist.launcher import launch
-from harness.dist.probes import identity
+from harness.distributed.launcher import launch
+from harness.distributed.probes import identity
 from harness.training.trainer import launched_run, state_difference
 
 

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from harness.dist.ports import HOST, free_port, port_taken  # noqa: E402
+from harness.distributed.ports import HOST, free_port, port_taken  # noqa: E402
 from harness.training.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
 from harness.training.evaluation import EVAL_FILE  # noqa: E402
 from harness.training.trainer import state_difference  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from harness.battery.diagnose import diagnose, worst
 from harness.battery.runner import Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
-from harness.dist.errors import LaunchError
+from harness.distributed.errors import LaunchError
 
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
 _KIND_CAUSE = {"raised": "crash", "died": "died", "deadline": "deadline", "desync": "desync"}

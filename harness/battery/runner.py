@@ -23,12 +23,12 @@ import torch
 
 from harness.battery import scenarios
 from harness.battery.spec import ModelSpec, model_modules, weights_digest
-from harness.core.compare import PRECISIONS, flat_grad, flat_params
+from harness.core.compare import PRECISIONS, flat_params
 from harness.core.formats import HARNESS, check_batch_format
 from harness.core.microbatch import Microbatch
 from harness.core.reference import Reference, reference_gradient
-from harness.dist import launcher
-from harness.dist.launcher import LaunchError, launch
+from harness.distributed import launcher
+from harness.distributed.launcher import LaunchError, launch
 from harness.recipes import recipe_module
 
 LR = 0.1
@@ -217,14 +217,13 @@ def _autocast_dtype(device_type: str) -> torch.dtype:
 
 def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean",
               init_seed: int | None = None, spec: ModelSpec | None = None,
-              find_unused: bool = False) -> list[WindowRecord]:
-    """Runs on every rank: the recipe under DDP with the counting hook, window after window (``spec``: the model and
-    batch convention; None: the built-in model with harness batches; ``find_unused``: DDP's
-    ``find_unused_parameters``)."""
+              find_unused: bool = False, strategy: str = "ddp") -> list[WindowRecord]:
+    """Runs on every rank: the recipe on the model wrapped by ``strategy`` (counting synchronizations), window after
+    window (``spec``: the model and batch convention; None: the built-in model with harness batches;
+    ``find_unused``: parameters may miss a gradient in a backward)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from harness.dist.hooks import attach
+    from harness.distributed import strategies
     from harness.recipes import load_recipe
     from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation
 
@@ -235,13 +234,13 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     model = spec.build()
     spec.check_weights(model, f"rank {rank}")
     model = model.to(dev)
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, find_unused_parameters=find_unused)
-    counter = attach(ddp, reduction)
 
-    def refuse_comm_hook(*args: object, **kwargs: object) -> None:
+    def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
 
-    ddp.register_comm_hook = refuse_comm_hook  # type: ignore[method-assign]
+    wrapped = strategies.get(strategy).wrap(model, dev, find_unused=find_unused, reduction=reduction,
+                                            on_comm_hook=refuse_comm_hook)
+    ddp = wrapped.module
     autocast = _AutocastSeen(dev.type)
     model.register_forward_pre_hook(autocast)
     ddp.train()
@@ -253,11 +252,11 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         mine = [spec.batch(mb.to(dev)) for mb in window[rank]]
         for p in model.parameters():
             p.grad = None
-        before = flat_params(model)
+        before = wrapped.full_params()
         tensors = [p.detach().clone() for p in model.parameters()]
         autocast.seen = None
         rngs, threads, env = _rng_states(), torch.get_num_threads(), dict(os.environ)
-        counter.syncs = 0
+        wrapped.reset_syncs()
         error = None
         logged = None
         try:
@@ -269,9 +268,9 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         moved, notes = _moved(rngs, _rng_states()), _settings_notes(threads, env)
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
         left = _grads_left(model)
-        touched = float((flat_params(model) - before).abs().max()) if before.numel() else 0.0
+        touched = float((wrapped.full_params() - before).abs().max()) if before.numel() else 0.0
         edited = _changed(tensors, model)
-        grad = flat_grad(model) if error is None else None
+        grad = wrapped.full_grad() if error is None else None
         if error is None:
             with torch.no_grad():
                 for p in model.parameters():
@@ -279,7 +278,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
                         p.add_(p.grad, alpha=-LR)
         records.append(
             WindowRecord(
-                grad=grad, params_before=before, params_after=flat_params(model), syncs=counter.syncs,
+                grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
                 autocast=autocast.seen,
@@ -287,7 +286,7 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
         )
         if error is not None:
             break  # the window was refused; DDP may hold a half-prepared reduction, so stop here
-    del ddp
+    del ddp, wrapped  # before the process group goes away (a DDP module alive then can keep the rank from exiting)
     return records
 
 
@@ -454,30 +453,31 @@ def check_find_unused(value: str, option: str = "find_unused") -> str:
 
 def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, model: str | None = None,
         batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
-        reduction: str = "mean", find_unused: str = "auto") -> Run:
+        reduction: str = "mean", find_unused: str = "auto", strategy: str = "ddp") -> Run:
     """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
     key = (recipe, scenario, world_size, precision, model, batch_format, device, backend, deadline, reduction,
-           find_unused)
+           find_unused, strategy)
     if key not in _CACHE:
         windows = scenarios.build(scenario, world_size)
         _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, model=model,
                                   batch_format=batch_format, device=device, backend=backend, deadline=deadline,
-                                  reduction=reduction, find_unused=find_unused)
+                                  reduction=reduction, find_unused=find_unused, strategy=strategy)
     return _CACHE[key]
 
 
 def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32", *, scenario: str = "custom",
                 model: str | None = None, batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo",
                 deadline: float = DEADLINE, reduction: str = "mean", init_seed: int | None = None,
-                env: dict[str, str] | None = None, find_unused: str = "auto") -> Run:
+                env: dict[str, str] | None = None, find_unused: str = "auto", strategy: str = "ddp") -> Run:
     """Launch ``recipe`` on explicit ``windows[k][rank][microbatch]`` (world size = ranks per window); not cached.
 
     ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
     ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
     (``"pkg.mod:factory"``) builds the user's model on every rank and for the reference, from the same seed;
     ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`. ``find_unused``: see
-    :data:`FIND_UNUSED`. A user's model that cannot run one of the microbatches gives a run with ``model_error`` set
-    and no launch.
+    :data:`FIND_UNUSED`; ``strategy``: the data-parallel strategy the ranks wrap the model with
+    (:mod:`harness.distributed.strategies`). A user's model that cannot run one of the microbatches gives a run with
+    ``model_error`` set and no launch.
     """
     if precision not in PRECISIONS:
         msg = f"precision={precision!r} must be one of {sorted(PRECISIONS)}"
@@ -487,6 +487,9 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
         raise ValueError(msg)
     check_batch_format(batch_format)
     check_find_unused(find_unused)
+    from harness.distributed import strategies
+
+    strategies.get(strategy)  # an unknown name is refused here, not in every rank
     world_size = len(windows[0])
     spec = ModelSpec(model, batch_format, init_seed, precision)
     notes: tuple[str, ...] = ()
@@ -514,7 +517,7 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
                "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
         notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
     preload = tuple(m for m in (recipe_module(recipe), *model_modules(model)) if m)
-    args: tuple[object, ...] = (recipe, windows, precision, device, reduction, init_seed, spec, wrap)
+    args: tuple[object, ...] = (recipe, windows, precision, device, reduction, init_seed, spec, wrap, strategy)
     try:
         records = launch(rank_body, world_size, *args, deadline=deadline, backend=backend, device=device, env=env,
                          preload=preload, lockstep_grace=LOCKSTEP_GRACE)

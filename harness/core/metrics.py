@@ -83,7 +83,8 @@ def mean_of_rank_accuracies(correct: int, total: int) -> float:
 
 
 def metrics_rank_body(per_rank: Sequence[tuple[int, int]]) -> dict[str, float]:
-    """Rank body for :func:`harness.dist.launcher.launch`: rank r holds ``per_rank[r]``; returns both combinations."""
+    """Rank body for :func:`harness.distributed.launcher.launch`: rank r holds ``per_rank[r]``; returns both
+    combinations."""
     correct, total = per_rank[dist.get_rank()]
     out = {"from_counts": global_accuracy(correct, total)}
     if all(t > 0 for _, t in per_rank):

@@ -8,8 +8,8 @@ Rank r backpropagates ``c * S_r`` (``S_r`` its loss sum); the hook combines the 
 * **summing hook** (``reduction="sum"``): the result is ``sum_r c g_r``, so ``c = 1 / N``. The correct recipe for the
   averaging hook is W times too large under it; at W = 1 the two hooks, and the two scales, coincide.
 
-The harness's one comm hook (``harness.dist.hooks``, which also counts synchronizations; DDP takes a single hook) does
-either: ``run_windows(..., reduction="sum")`` selects the sum.
+The harness's one comm hook (``harness.distributed.hooks``, which also counts synchronizations; DDP takes a single
+hook) does either: ``run_windows(..., reduction="sum")`` selects the sum.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from harness.core.loss import check_global_count
 from harness.core.microbatch import Microbatch
 from harness.core.validate import positive_int
-from harness.dist.hooks import REDUCTIONS
+from harness.distributed.hooks import REDUCTIONS
 
 
 def loss_scale(reduction: str, global_count: int, world_size: int) -> float:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness.data.config import Config
-from harness.dist.scratch import pid_alive
+from harness.distributed.scratch import pid_alive
 from harness.training.atomic import TEMP_NAME, commit, write_atomic, write_temp
 from harness.training.manifest import FORMAT, MANIFEST, SHARED, rank_file, read_manifest, sha256
 
@@ -139,8 +139,8 @@ def audit_run_dir(run_dir: str | Path) -> list[str]:
     files are missing, truncated or fail their checksum; and a temporary file (``.NAME.tmp-PID``, see
     :func:`write_atomic`) anywhere under ``run_dir`` whose writing process is no longer running: what a killed run
     leaves behind. A temporary of a process still running on this machine is being written now, and is not reported;
-    one of a process that has ended but was not reaped yet (a zombie) is (:func:`harness.dist.scratch.pid_alive`).
-    A missing ``run_dir`` is one problem.
+    one of a process that has ended but was not reaped yet (a zombie) is
+    (:func:`harness.distributed.scratch.pid_alive`). A missing ``run_dir`` is one problem.
     """
     root = Path(run_dir)
     if not root.is_dir():

@@ -25,18 +25,18 @@ import os
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
 from harness.data.config import Config
 from harness.data.corpus import data_lock, make_corpus
 from harness.data.plan import make_plan
+from harness.distributed.strategies.ddp import DDPStrategy
 from harness.model import build_model
 from harness.recipes import Recipe, load_recipe
 from harness.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -45,6 +45,9 @@ from harness.training.faults import FAULT_ENV, FAULT_POINTS, FAULT_RECORD, Fault
 from harness.training.rng import rank_seed, rng_state, seed_rngs, set_rng_state
 from harness.training.schedule import WarmupLinearDecay
 from harness.training.state import cpu_copy, state_difference
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
 RESUME_BUGS = ("reseed", "drop_optimizer", "rank0_rng", "restart_plan")
 """Negative controls: re-seed the RNGs instead of restoring them; do not load the optimizer state; restore rank 0's
@@ -121,7 +124,7 @@ def run(
     # Seed before building anything: DDP broadcasts rank 0's weights, but each rank's dropout stream is its own.
     seed_rngs(config.seed, rank)
     module = build_model(config, dropout=config.dropout).to(device)
-    model = DDP(module, device_ids=[device] if device.type == "cuda" else None)
+    model = DDPStrategy().wrap(module, device, count_syncs=False).module  # the loop trains under DDP
     model.train()
     setup = getattr(the_recipe, "setup", None)
     if setup is not None:
@@ -243,7 +246,7 @@ def _checkpoint(
 def launched_run(
     config: Config | dict[str, Any], run_dir: str, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Rank body for :func:`harness.dist.launcher.launch`:
+    """Rank body for :func:`harness.distributed.launcher.launch`:
     ``launch(launched_run, 2, config, run_dir, {"stop_at": 50})``.
 
     A module-level function of the package, so the launcher's forkserver has it preloaded. ``options`` (a dict,

@@ -154,8 +154,8 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
         return 1
     if not args.dual:
         return 0
-    from harness.dist.launcher import LaunchError, launch
-    from harness.dist.probes import all_reduce_rank
+    from harness.distributed.launcher import LaunchError, launch
+    from harness.distributed.probes import all_reduce_rank
 
     start = time.monotonic()
     try:

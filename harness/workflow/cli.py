@@ -151,7 +151,7 @@ def _deprecated(p: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from harness.dist.launcher import LaunchError
+    from harness.distributed.launcher import LaunchError
 
     try:
         return int(args.fn(args))

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.dist.scratch import pid_alive
+from harness.distributed.scratch import pid_alive
 from harness.training.atomic import fsync_dir, write_atomic
 
 MARKER = "outputs.json"

@@ -5,7 +5,7 @@ A bad input (another data lock, an invalid config, an incomplete checkpoint) is 
 anything; every file a step writes goes through :mod:`harness.workflow.outputs`' atomic writers.
 
 Rank bodies (``window_gradients``, ``evaluate_checkpoint``) are module-level functions so that
-:func:`harness.dist.launcher.launch` can run them on warm forkserver ranks.
+:func:`harness.distributed.launcher.launch` can run them on warm forkserver ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from harness.data.batching import collate
 from harness.data.config import Config
 from harness.data.corpus import Row, data_lock, make_corpus
 from harness.data.plan import Plan, make_plan
-from harness.dist.launcher import launch
+from harness.distributed.launcher import launch
 from harness.model import build_model
 from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, step_dir_name, step_dirs
 from harness.workflow.outputs import (
@@ -149,14 +149,13 @@ def load_reference(outputs: Path) -> dict[str, Any]:
 
 def window_gradients(config: Config, recipe_path: str, windows: list[list[list[Microbatch]]]) -> list[dict[str, Any]]:
     """Rank body: ``recipe``'s synchronized gradient for each window, from the initial weights every time."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    from harness.distributed import strategies
     from harness.recipes import load_recipe
 
     rank = dist.get_rank()
     recipe = load_recipe(recipe_path)
     model = build_model(config, dropout=0.0)
-    ddp = DDP(model)
+    ddp = strategies.get("ddp").wrap(model, torch.device("cpu"), count_syncs=False).module
     ddp.train()
     out = []
     for window in windows:

@@ -1,7 +1,7 @@
 """The report's CPU scaling table: the same training workload at each world size, and seed 003's scaling efficiency
 ``throughput_W / (W * throughput_1)``. CPU figures of this machine, not a GPU prediction.
 
-``timed_training`` is a rank body: module-level so that :func:`harness.dist.launcher.launch` can run it.
+``timed_training`` is a rank body: module-level so that :func:`harness.distributed.launcher.launch` can run it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from harness.data.batching import collate
 from harness.data.config import Config
 from harness.data.corpus import make_corpus
 from harness.data.plan import make_plan
-from harness.dist.launcher import launch
+from harness.distributed.launcher import launch
 from harness.model import build_model
 from harness.workflow.outputs import Progress, silent
 from harness.workflow.protocol import DEADLINE
@@ -33,16 +33,15 @@ SCALING_WARMUP = 2
 
 def timed_training(config: Config, steps: int, warmup: int) -> dict[str, float]:
     """Rank body: ``warmup`` untimed then ``steps`` timed optimizer steps of the correct recipe; global tokens/s."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from harness.core.loss import global_count
+    from harness.distributed import strategies
     from harness.recipes import global_token_mean
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = make_corpus(config)
     plan = make_plan(rows, config, world_size=world, steps=warmup + steps)
     model = build_model(config, dropout=0.0)
-    ddp = DDP(model)
+    ddp = strategies.get("ddp").wrap(model, torch.device("cpu"), count_syncs=False).module
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
     tokens, start = 0, 0.0
     for index in range(warmup + steps):

@@ -1,4 +1,4 @@
-"""Rank bodies for ``test_launcher.py`` that :mod:`harness.dist.probes` does not have: lockstep progress, the
+"""Rank bodies for ``test_launcher.py`` that :mod:`harness.distributed.probes` does not have: lockstep progress, the
 environment a rank sees, and an argument that makes one rank late to start.
 
 Imported by plain name: the tests put this folder on ``sys.path``, which each rank inherits from the caller.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.dist.launcher import progress
+from harness.distributed.launcher import progress
 
 
 def lockstep(steps: int) -> list[int]:

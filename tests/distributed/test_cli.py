@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness.data.config import load_config
-from harness.dist.launcher import launch
+from harness.distributed.launcher import launch
 from harness.training.trainer import launched_run
 
 ROOT = Path(__file__).resolve().parents[2]

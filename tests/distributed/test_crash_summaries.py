@@ -15,7 +15,7 @@ import pytest
 
 from harness.battery import checks
 from harness.battery.runner import Run
-from harness.dist.launcher import LaunchError, launch
+from harness.distributed.launcher import LaunchError, launch
 
 HERE = Path(__file__).parent
 

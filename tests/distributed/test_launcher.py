@@ -18,8 +18,8 @@ from types import ModuleType
 
 import pytest
 
-from harness.dist import probes, scratch
-from harness.dist.launcher import Expected, LaunchError, launch, progress
+from harness.distributed import probes, scratch
+from harness.distributed.launcher import Expected, LaunchError, launch, progress
 
 HERE = Path(__file__).parent
 
@@ -154,8 +154,8 @@ def test_no_rank_outlives_a_killed_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     script = textwrap.dedent(
         f"""
-        from harness.dist import probes
-        from harness.dist.launcher import launch
+        from harness.distributed import probes
+        from harness.distributed.launcher import launch
         launch(probes.sleep_on, 2, None, 3600.0, {str(pid_file)!r}, deadline=600)
         """
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.core.metrics import metrics_rank_body
-from harness.dist.launcher import launch
+from harness.distributed.launcher import launch
 
 
 def test_seed_004_accuracy_from_all_reduced_counts_is_0_8333_on_every_rank() -> None:

@@ -18,8 +18,8 @@ import torch
 
 from harness.data.config import Config, load_config
 from harness.data.corpus import make_corpus, split_rows
-from harness.dist.launcher import Expected, launch
-from harness.dist.ports import HOST, free_port, port_taken
+from harness.distributed.launcher import Expected, launch
+from harness.distributed.ports import HOST, free_port, port_taken
 from harness.model import build_model
 from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file, step_dir_name
 from harness.training.evaluation import EVAL_FILE, evaluate_model

@@ -13,7 +13,7 @@ import pytest
 from harness.battery import checks, runner
 from harness.data.batching import collate
 from harness.data.corpus import Row
-from harness.dist.launcher import LaunchError, launch
+from harness.distributed.launcher import LaunchError, launch
 from harness.recipes import symmetry
 
 # --- The agreed skip decision -------------------------------------------------------------------------------------

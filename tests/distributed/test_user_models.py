@@ -19,7 +19,7 @@ from user_recipes.guards import guarded_window
 
 from harness.battery import checks, plan, runner
 from harness.battery.table import run_cases, run_controls
-from harness.dist.launcher import Expected, launch
+from harness.distributed.launcher import Expected, launch
 
 ROOT = Path(__file__).parents[2]
 MODEL = "user_recipes.models:make_model"

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from harness.battery import checks
-from harness.dist.launcher import launch
-from harness.dist.ports import HOST, free_port
+from harness.distributed.launcher import launch
+from harness.distributed.ports import HOST, free_port
 from harness.testing.skips import requires_two_gpus
 from harness.training.checkpoint import MANIFEST, SHARED, rank_file
 from harness.training.evaluation import EVAL_FILE

@@ -29,7 +29,7 @@ from harness.battery import checks, scenarios
 from harness.core.compare import FLOAT32_TOLERANCE, compare
 from harness.core.reference import Reference, reference_gradient
 from harness.data.config import Config
-from harness.dist.launcher import launch
+from harness.distributed.launcher import launch
 from harness.model import build_model
 from harness.testing.skips import requires_cuda, requires_one_gpu_with_nccl
 from harness.training.checkpoint import rank_file

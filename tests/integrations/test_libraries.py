@@ -97,7 +97,7 @@ def test_accelerate_prepare_wraps_an_already_wrapped_model_in_a_second_ddp() -> 
     pytest.importorskip("accelerate", reason=EXTRA_HINT)
     from integrations.bodies import prepare_wrapped_model
 
-    from harness.dist.launcher import launch
+    from harness.distributed.launcher import launch
 
     chains = launch(prepare_wrapped_model, 2, deadline=120)
     for chain in chains:

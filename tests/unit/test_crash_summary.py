@@ -10,11 +10,11 @@ A deadline's verdict names the phase the time ran out in, from the launcher's re
 from __future__ import annotations
 
 from harness.battery.checks import crash_summary, deadline_phase
-from harness.dist.errors import LaunchError
+from harness.distributed.errors import LaunchError
 
 UNUSED_PARAM = (
     'Traceback (most recent call last):\n'
-    '  File "/work/main/harness/dist/rank.py", line 189, in rank_main\n'
+    '  File "/work/main/harness/distributed/rank.py", line 189, in rank_main\n'
     '    message = ("ok", fn(*args))\n'
     '                     ^^^^^^^^^\n'
     '  File "/home/user/project/train_step.py", line 21, in unused_param\n'
@@ -52,7 +52,7 @@ UNUSED_PARAM = (
 )
 REENTRANT_TWICE = (
     'Traceback (most recent call last):\n'
-    '  File "/work/main/harness/dist/rank.py", line 189, in rank_main\n'
+    '  File "/work/main/harness/distributed/rank.py", line 189, in rank_main\n'
     '    message = ("ok", fn(*args))\n'
     '                     ^^^^^^^^^\n'
     '  File "/home/user/project/train_step.py", line 50, in reentrant_twice_iters\n'
@@ -107,7 +107,7 @@ CHAINED = (
     'The above exception was the direct cause of the following exception:\n'
     '\n'
     'Traceback (most recent call last):\n'
-    '  File "/work/main/harness/dist/rank.py", line 189, in rank_main\n'
+    '  File "/work/main/harness/distributed/rank.py", line 189, in rank_main\n'
     '    message = ("ok", fn(*args))\n'
     '                     ^^^^^^^^^\n'
     '  File "/home/user/project/train_step.py", line 93, in chained\n'
@@ -122,7 +122,7 @@ STACK = (
     "all_reduce\n"
     '  File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
     '  File "/home/user/project/train_step.py", line 101 in exit_rank0\n'
-    '  File "/work/main/harness/dist/rank.py", line 189 in rank_main\n'
+    '  File "/work/main/harness/distributed/rank.py", line 189 in rank_main\n'
     '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/process.py", line 108 in run\n'
     '  File "<string>", line 1 in <module>\n'
 )

@@ -1,7 +1,8 @@
 """The package's layers import one way: a module never imports a layer above its own.
 
-Order, bottom to top: core < data < model < dist < recipes < battery < training < testing < workflow. ``harness``'s
-own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias sit outside the order.
+Order, bottom to top: core < data < model < distributed < recipes < battery < training < testing < workflow.
+``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias sit
+outside the order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).parents[2] / "harness"
-ORDER = ("core", "data", "model", "dist", "recipes", "battery", "training", "testing", "workflow")
+ORDER = ("core", "data", "model", "distributed", "recipes", "battery", "training", "testing", "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
 
 

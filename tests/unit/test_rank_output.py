@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from harness.dist import output
+from harness.distributed import output
 
 
 def test_identical_lines_from_several_ranks_are_merged_in_order_of_first_appearance() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.dist import scratch
+from harness.distributed import scratch
 
 pytestmark = pytest.mark.timeout(60)
 

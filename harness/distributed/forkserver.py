@@ -1,7 +1,7 @@
 """The launcher's forkserver: one server per calling process, with torch and the caller's modules preloaded.
 
 Asking for a module the running server lacks restarts it with the union of every list asked for so far, once no
-launch of this process is using it (a restart would kill that launch's ranks). See :mod:`harness.dist.launcher`.
+launch of this process is using it (a restart would kill that launch's ranks). See :mod:`harness.distributed.launcher`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from harness.dist import _preload
+from harness.distributed import _preload
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "harness", "harness.dist.launcher",
-           "harness.dist.rank")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "harness",
+           "harness.distributed.launcher", "harness.distributed.rank")
 """Modules the forkserver imports once, so that each rank starts warm (``launch(..., preload=...)`` adds more)."""
 
 _SERVER = threading.Condition()
 _server_modules: tuple[str, ...] = ()
-"""The caller modules the running server was started with (with :data:`PRELOAD` and :mod:`harness.dist._preload`)."""
+"""The caller modules the running server was started with (with :data:`PRELOAD` and
+:mod:`harness.distributed._preload`)."""
 _server_started = False
 _active_launches = 0
 _restarting = False
@@ -67,7 +68,7 @@ def running(preload: tuple[str, ...]) -> Iterator[Any]:
                 _SERVER.notify_all()
         elif missing and not _server_started:
             _server_modules = (*_server_modules, *missing)
-        # (Re)start it if it is not running, naming the caller's modules to the server's harness.dist._preload.
+        # (Re)start it if it is not running, naming the caller's modules to the server's harness.distributed._preload.
         path = [p for p in sys.path if isinstance(p, str)]
         os.environ[_preload.ENV] = json.dumps({"modules": list(_server_modules), "sys_path": path})
         try:

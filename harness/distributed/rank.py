@@ -2,7 +2,7 @@
 
 A rank ties its life to the forkserver's (``PR_SET_PDEATHSIG``), joins the process group through a FileStore in the
 launch's folder, runs the caller's function, reports the result as pickled bytes and leaves through ``os._exit``.
-See :mod:`harness.dist.launcher` for why.
+See :mod:`harness.distributed.launcher` for why.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from harness.dist import output
-from harness.dist.errors import Expected
+from harness.distributed import output
+from harness.distributed.errors import Expected
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,8 +44,8 @@ def set_pg_timeout_fn() -> Callable[..., None] | None:
 def _spec_in_rank(fields: dict[str, Any]) -> RankSpec:
     """Unpickle a spec in the rank, replacing the process environment with the spec's first: the spec is unpickled
     before ``fn``, so a module first imported to unpickle ``fn`` sees the caller's environment too. Its output goes to
-    the rank's own file from here on, for the same reason (:mod:`harness.dist.output`: the file descriptors a rank
-    inherits are the forkserver's)."""
+    the rank's own file from here on, for the same reason (:mod:`harness.distributed.output`: the file descriptors a
+    rank inherits are the forkserver's)."""
     if os.getpid() != fields["caller"]:  # a launched rank, never the caller unpickling a spec
         output.capture(fields["tmp"], fields["rank"])
     os.environ.clear()

@@ -1,6 +1,6 @@
 """A TCP port for a rendezvous that needs one (``torchrun --rdzv-backend=static --master-port=...``).
 
-The launcher needs none (its rendezvous is a FileStore, :mod:`harness.dist.launcher`); these helpers serve the
+The launcher needs none (its rendezvous is a FileStore, :mod:`harness.distributed.launcher`); these helpers serve the
 command lines that start ``torchrun`` themselves: the resume tests, the GPU tests and ``benchmarks/torchrun_trio.py``.
 A port found free can be taken by another process before torchrun binds it, so callers try again with a new port when
 :func:`port_taken` recognizes the failure in torchrun's output.

@@ -1,4 +1,4 @@
-"""Small rank bodies for :func:`harness.dist.launcher.launch`: the launcher's own tests, its benchmark and
+"""Small rank bodies for :func:`harness.distributed.launcher.launch`: the launcher's own tests, its benchmark and
 ``check-environment --dual`` use them. They live in the package (not in ``tests/``) so the forkserver has them
 preloaded and a warm launch imports nothing.
 """

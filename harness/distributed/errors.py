@@ -32,7 +32,7 @@ class LaunchError(RuntimeError):
     ``output`` maps each rank that printed anything to its whole stdout and stderr (the launcher also relays them to
     the caller's stderr unless ``relay_output=False``); a rank that died without a traceback has its last lines
     of output added to its ``details`` (where gloo says "collective mismatch"). ``progress`` maps every rank to the
-    highest step it reported through :func:`~harness.dist.launcher.progress` (None: none), ``started`` names the
+    highest step it reported through :func:`~harness.distributed.launcher.progress` (None: none), ``started`` names the
     ranks whose function had started (past the rendezvous), and ``deadline`` is the run's deadline in seconds.
     """
 

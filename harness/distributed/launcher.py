@@ -9,7 +9,7 @@ Why it looks the way it does:
   but hangs some launches and cannot use CUDA.
 * **A FileStore in a private temporary folder** for the rendezvous: no port to collide on under ``pytest -n auto``.
   The folder is named after the calling process and its start time, and the next launch removes any whose caller has
-  ended (:mod:`harness.dist.scratch`).
+  ended (:mod:`harness.distributed.scratch`).
 * **Fail fast.** A rank that raises while its peers sit in a collective leaves them blocked until the process-group
   timeout; so the parent watches every rank's result pipe *and* its process sentinel, and the first unexpected error
   or death kills every rank at once (SIGKILL: SIGTERM does not reliably stop a rank stuck in gloo).
@@ -59,9 +59,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.core.validate import positive_int
-from harness.dist import forkserver, output, rank, scratch, watch
-from harness.dist.errors import Expected, LaunchError
-from harness.dist.forkserver import PRELOAD
+from harness.distributed import forkserver, output, rank, scratch, watch
+from harness.distributed.errors import Expected, LaunchError
+from harness.distributed.forkserver import PRELOAD
 
 __all__ = ["DEFAULT_DEADLINE", "PRELOAD", "Expected", "LaunchError", "Results", "launch", "progress"]
 
@@ -131,7 +131,7 @@ def launch(
     What the ranks print (stdout and stderr, Python's and C++'s alike, warnings included) is captured per rank and,
     with ``relay_output`` (the default), written to the caller's ``sys.stderr`` once when the launch ends, returned
     or failed: a line several ranks printed once, prefixed with their ranks (``[ranks 0,1] UserWarning: ...``), at
-    most 200 distinct lines (:mod:`harness.dist.output`). Either way each rank's whole text comes back as
+    most 200 distinct lines (:mod:`harness.distributed.output`). Either way each rank's whole text comes back as
     ``.output`` (rank -> text, ranks that printed nothing left out) of the returned list or of the
     :class:`LaunchError`.
     """

@@ -1,6 +1,6 @@
 """The parent's side of a launch: watch every rank's pipe and process until each has a result, and stop them all
 at the first failure, a lockstep desync or the deadline, with each live rank's Python stack. See
-:mod:`harness.dist.launcher`.
+:mod:`harness.distributed.launcher`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness.dist.errors import LaunchError
+from harness.distributed.errors import LaunchError
 
 
 class Watch:

@@ -1,0 +1,65 @@
+"""``DistributedDataParallel``: every rank holds the whole model, gradients are averaged over ranks by an all-reduce.
+
+The one place the harness builds a DDP. Synchronizations are counted by the harness's communication hook
+(:mod:`harness.distributed.hooks`), which also reduces like DDP's default (or sums); a DDP model takes one hook, so
+code under test that tries to register its own is answered by ``on_comm_hook`` instead of DDP's "can only be called
+once". A recipe skips a synchronization with ``model.no_sync()`` around the forward and backward of every microbatch
+but the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness.core.compare import flat_grad, flat_params
+from harness.distributed.hooks import SyncCounter, attach
+from harness.distributed.strategies.base import register
+
+
+class DDPWrapped:
+    """One rank's model wrapped in DDP."""
+
+    def __init__(self, model: nn.Module, device: torch.device, *, find_unused: bool, reduction: str,
+                 count_syncs: bool, on_comm_hook: Callable[[], None] | None) -> None:
+        self.local: nn.Module = model
+        self.module: DDP = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                          find_unused_parameters=find_unused)
+        self._counter: SyncCounter | None = attach(self.module, reduction) if count_syncs else None
+        self.no_sync: str = "model.no_sync()"
+        if on_comm_hook is not None:
+            def refuse(*args: object, **kwargs: object) -> None:
+                on_comm_hook()
+
+            self.module.register_comm_hook = refuse  # type: ignore[method-assign]
+
+    @property
+    def syncs(self) -> int:
+        return 0 if self._counter is None else self._counter.syncs
+
+    def reset_syncs(self) -> None:
+        if self._counter is not None:
+            self._counter.syncs = 0
+
+    def full_grad(self) -> torch.Tensor:
+        return flat_grad(self.local)  # replicated: every rank holds every gradient after the all-reduce
+
+    def full_params(self) -> torch.Tensor:
+        return flat_params(self.local)
+
+
+class DDPStrategy:
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
+             count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None) -> DDPWrapped:
+        return DDPWrapped(model, device, find_unused=find_unused, reduction=reduction, count_syncs=count_syncs,
+                          on_comm_hook=on_comm_hook)
+
+
+register(DDPStrategy())
+
+__all__ = ["DDPStrategy", "DDPWrapped"]
