@@ -12,6 +12,7 @@ here too, so ``--recipe=harness.recipes:<name>`` names any of them.
 
 from __future__ import annotations
 
+from harness.recipes import catalog
 from harness.recipes.contract import Recipe, RecipeError, load_recipe, recipe_module, split_recipe_path
 from harness.recipes.controls import (
     CONTROLS,
@@ -132,6 +133,7 @@ __all__ = [
     "WeightDecayBetweenMicrobatches",
     "accumulate",
     "cached_count",
+    "catalog",
     "count_from_one_microbatch",
     "extra_microbatch_division",
     "first_microbatch_never_syncs",

@@ -3,14 +3,14 @@
 (:data:`SCENARIO_CONTROLS`). ``tests/distributed/test_negative_controls.py`` shows each rejected.
 
 One module past the usual size on purpose: a catalog of small, independent classes, each read on its own beside the
-correct recipe it departs from, and one table (:data:`CONTROLS`) that must name every one of them."""
+correct recipe it departs from. Each class declares its target and expected diagnosis where it is defined
+(``@control``, :mod:`harness.recipes.catalog`); the tables are derived from those declarations."""
 
 from __future__ import annotations
 
 import contextlib
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,15 +18,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness.core.formats import HARNESS, HF, logits_of, supervised_tokens
+from harness.core.formats import HF, logits_of, supervised_tokens
 from harness.core.loss import check_global_count, count_device, global_count, global_token_loss, loss_sum
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.recipes.catalog import Target, control, diagnoses, scenario_controls, targets
 from harness.recipes.correct import GlobalTokenMean, _sync_last, _world_size, accumulate, global_sum, window_count
 
 # --- Negative controls -------------------------------------------------------------------------------------------
 # Each reproduces a mistake real projects made. The battery must reject every one of them; tests assert that it does.
 
 
+@control(Target("parity", "uneven"), "mean_of_local_means")
 class MeanOfLocalMeans:
     """Seed 000's ``wrong=True``: each rank divides by its *local* count, and DDP averages the local means.
 
@@ -42,6 +44,7 @@ class MeanOfLocalMeans:
         return None
 
 
+@control(Target("parity", "long"), "global_scale")
 class ExtraMicrobatchDivision:
     """The correct normalization, then divided again by the number of microbatches (seed 000: 2.5 becomes 1.25)."""
 
@@ -53,6 +56,7 @@ class ExtraMicrobatchDivision:
         return None
 
 
+@control(Target("parity", "uneven"), "global_scale")
 class NoWorldSizeFactor:
     """Each rank backpropagates ``S_r / N``: DDP's average then divides the gradient by W once too often."""
 
@@ -64,6 +68,7 @@ class NoWorldSizeFactor:
         return None
 
 
+@control(Target("parity", "one_empty", shows_as="desync"), None)
 class SkipBackwardWhenEmpty:
     """A rank with no supervised token returns without forward or backward: its peers wait in DDP's all-reduce
     (or, worse, pair with its next collective of the same size)."""
@@ -78,6 +83,7 @@ class SkipBackwardWhenEmpty:
         return None
 
 
+@control(Target("parity", "one_empty", shows_as="desync"), None)
 class LocalCountGuard:
     """Guards the empty window with this rank's own count: a rank without tokens raises ValueError and leaves, while
     its peers, whose count is not zero, wait in DDP's all-reduce for it (the guard must use the global count)."""
@@ -93,6 +99,7 @@ class LocalCountGuard:
         return None
 
 
+@control(Target("one_sync", "uneven"), "correct")
 class NeverNoSync:
     """Right numbers, but every microbatch synchronizes: W-1 extra all-reduces of every gradient per window.
     Parity cannot see it (its gradients pass: ``test_never_using_no_sync_is_invisible_to_parity``); only the
@@ -106,6 +113,7 @@ class NeverNoSync:
         return None
 
 
+@control(Target("parity", "uneven", precision="fp64"), "float32_computation")
 class Float32Loss:
     """The correct recipe computing its loss in float32 (a stray ``.float()``, an autocast region).
 
@@ -120,6 +128,7 @@ class Float32Loss:
         return None
 
 
+@control(Target("logged_loss", "uneven"), "correct")
 class LocalLoggedLoss:
     """Right gradients, but logs this rank's own token mean: the logged loss differs between ranks."""
 
@@ -131,6 +140,7 @@ class LocalLoggedLoss:
         return local / max(sum(mb.supervised for mb in window), 1)
 
 
+@control(Target("parity", "uneven"), "per_microbatch_mean")
 class PerMicrobatchMean:
     """Each microbatch's own token mean (``reduction="mean"``), divided by the microbatch count: the loop most
     tutorials write. Every microbatch weighs the same whatever its token count, and DDP averages the ranks."""
@@ -147,6 +157,7 @@ class PerMicrobatchMean:
         return None
 
 
+@control(Target("parity", "long"), "dropped")
 class TwoMicrobatchLoop:
     """Written for windows of exactly two microbatches: the first under ``no_sync()``, then the last. Right at k=2;
     a one-microbatch window counts its only microbatch twice, and a longer one drops the middle."""
@@ -162,6 +173,7 @@ class TwoMicrobatchLoop:
         return None
 
 
+@control(Target("one_sync", "long"), "correct")
 class SyncKeyedToFirstMicrobatch:
     """Enters ``no_sync()`` for "the first microbatch" instead of "all but the last": k-1 synchronizations, which is
     the right count only when k=2 (k=1 never synchronizes at all)."""
@@ -176,6 +188,7 @@ class SyncKeyedToFirstMicrobatch:
         return None
 
 
+@control(Target("parity", "uneven"), "global_scale")
 class CountFromOneMicrobatch:
     """Estimates the window's count as (first microbatch's count) x (number of microbatches): right only when every
     microbatch of a rank holds the same number of supervised tokens."""
@@ -189,6 +202,7 @@ class CountFromOneMicrobatch:
         return None
 
 
+@control(Target("parity", "varying"), "global_scale", only_its_scenario=True)
 class CachedCount:
     """Computes the global count on its first window and keeps it on the recipe: every later window is normalized
     by the first window's count."""
@@ -206,6 +220,7 @@ class CachedCount:
         return None
 
 
+@control(Target("parity", "long"), "dropped", only_its_scenario=True)
 class FixedAccumulationSteps:
     """Loops over ``range(accumulation_steps)`` from its own configuration (4) instead of over the window: a window
     of five microbatches loses its fifth, silently."""
@@ -221,6 +236,7 @@ class FixedAccumulationSteps:
         return None
 
 
+@control(Target("one_sync", "single"), "not_synchronized", only_its_scenario=True)
 class FirstMicrobatchNeverSyncs:
     """Decides "first microbatch: enter no_sync" before "last microbatch: synchronize": right for every window of two
     or more, but a one-microbatch window (a short final window) never synchronizes its gradients."""
@@ -251,6 +267,7 @@ def _masked_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return -logp * mask
 
 
+@control(Target("parity", "one_empty"), "nonfinite", only_its_scenario=True)
 class NanOnEmptyRank:
     """Takes this rank's masked token mean and rescales it by ``local * W / N``: the correct gradient, except on a rank
     without supervised tokens, where the mean divides by zero and DDP spreads the NaN gradient to every rank."""
@@ -268,6 +285,7 @@ class NanOnEmptyRank:
         return None
 
 
+@control(Target("parity", "sparse"), "nonfinite", only_its_scenario=True)
 class NanOnEmptyMicrobatch:
     """Guards a rank without tokens, but not a microbatch without tokens: each microbatch's masked mean (0/0 over no
     token) is rescaled by its count, and its NaN gradient reaches every weight."""
@@ -289,6 +307,7 @@ class NanOnEmptyMicrobatch:
         return None
 
 
+@control(Target("empty_window", "all_empty"), None, only_its_scenario=True)
 class SilentEmptyWindow:
     """Right on every window with tokens; on a window without any it backpropagates zero and returns, so a training
     loop steps its optimizer (momentum, weight decay, the schedule) on nothing."""
@@ -301,6 +320,7 @@ class SilentEmptyWindow:
         return None
 
 
+@control(Target("empty_window", "all_empty"), None)
 class NanGradientsThenRaise:
     """Backpropagates first and checks the count after: its masked token loss is divided by the all-reduced count
     tensor, which is right on every window with tokens; on a window without any it raises the contract's ValueError,
@@ -322,6 +342,7 @@ class NanGradientsThenRaise:
         return None
 
 
+@control(Target("hygiene", "uneven"), "correct")
 class PythonRandomShuffle:
     """Shuffles the microbatch order with Python's global ``random``: the gradient is unchanged, but the caller's
     random stream (its data order, its augmentation) is not."""
@@ -336,6 +357,7 @@ class PythonRandomShuffle:
         return None
 
 
+@control(Target("hygiene", "uneven"), "correct")
 class NumpyRandomDraw:
     """Draws a keep mask from numpy's global generator (and ignores it): the caller's numpy stream moves."""
 
@@ -346,6 +368,7 @@ class NumpyRandomDraw:
         return GlobalTokenMean().backward_window(model, window)
 
 
+@control(Target("hygiene", "uneven"), "correct")
 class TorchRandomDraw:
     """Permutes the microbatches with ``torch.randperm`` on the global generator: the caller's torch stream moves."""
 
@@ -375,6 +398,7 @@ def _hf_window(model: nn.Module, window: Sequence[dict[str, torch.Tensor]],
     return global_sum(local) / total
 
 
+@control(Target("parity", "uneven", batch_format=HF), "unexplained")
 class HfShiftTwice:
     """Shifts labels that the loss shifts again: the batch's labels are moved one step left "to align them" (as if
     they were the harness's pre-shifted labels), then the HF loss pairs ``logits[:, :-1]`` with ``labels[:, 1:]``, so
@@ -390,6 +414,7 @@ class HfShiftTwice:
         return _hf_window(model, window, twice)
 
 
+@control(Target("parity", "uneven", batch_format=HF), "unexplained")
 class HfNoShift:
     """Takes the unshifted labels as aligned: ``logits[:, t]`` against ``labels[:, t]``, the token at ``t`` itself,
     which position ``t`` already sees (the harness's aligned labels used in the hf convention)."""
@@ -400,6 +425,7 @@ class HfNoShift:
         return _hf_window(model, window, lambda logits, labels: (logits, labels))
 
 
+@control(Target("parity", "uneven", batch_format=HF), "global_scale")
 class HfCountBeforeShift:
     """The correct hf loop (sums, ``no_sync``, the shift once in the loss) whose count is taken *before* the shift:
     ``(labels != -100).sum()`` over the unshifted labels, as transformers' ``Trainer._get_num_items_in_batch``
@@ -425,6 +451,7 @@ class HfCountBeforeShift:
         return global_sum(local) / total
 
 
+@control(Target("parity", "uneven"), "per_sequence_mean")
 class PerSequenceMean:
     """Each sequence's own token mean, averaged over the rank's sequences (the "mean over each sequence, then over the
     batch" loss of sequence-level training loops); DDP averages the ranks. A sequence weighs the same whatever its
@@ -445,6 +472,7 @@ class PerSequenceMean:
         return None
 
 
+@control(Target("parity", "uneven"), "double_counted")
 class LastMicrobatchTwice:
     """Runs every microbatch inside ``no_sync()``, then runs the last one again outside it to get the one
     synchronization: the count of synchronizations is right, and the last microbatch's tokens count twice."""
@@ -471,6 +499,7 @@ def _decay_weights(model: nn.Module) -> None:
             p.mul_(1 - 0.1 * WEIGHT_DECAY)
 
 
+@control(Target("weights_unchanged", "uneven"), "weights_edited")
 class WeightDecayAfterBackward:
     """The correct window, then decoupled weight decay applied in place (``p.mul_(1 - lr * wd)``), as a training
     step written as one function does before ``optimizer.step()``. The gradient is right; the weights the optimizer
@@ -485,6 +514,7 @@ class WeightDecayAfterBackward:
         return None
 
 
+@control(Target("weights_unchanged", "uneven"), "weights_edited")
 class WeightDecayBetweenMicrobatches:
     """Weight decay applied in place after every microbatch's backward (an accumulation loop that decays as if each
     microbatch were a step): every microbatch after the first is differentiated at other weights."""
@@ -533,99 +563,19 @@ weight_decay_after_backward = WeightDecayAfterBackward()
 weight_decay_between_microbatches = WeightDecayBetweenMicrobatches()
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where a negative control must be rejected: the check, the scenario and the precision that see its mistake,
-    and how the mistake shows (``"numbers"``: the check's own comparison fails; ``"desync"``: ranks stop matching
-    collectives, and the run is stopped with the rank that left)."""
-
-    check: str
-    scenario: str
-    precision: str = "fp32"
-    shows_as: str = "numbers"
-    batch_format: str = HARNESS
-    """The batch convention the control is written for (``"hf"``: the dict a Hugging Face loop sees)."""
-
-
-CONTROLS: dict[str, Target] = {
-    "mean_of_local_means": Target("parity", "uneven"),
-    "extra_microbatch_division": Target("parity", "long"),
-    "no_world_size_factor": Target("parity", "uneven"),
-    "per_microbatch_mean": Target("parity", "uneven"),
-    "skip_backward_when_empty": Target("parity", "one_empty", shows_as="desync"),
-    "local_count_guard": Target("parity", "one_empty", shows_as="desync"),
-    "never_no_sync": Target("one_sync", "uneven"),
-    "float32_loss": Target("parity", "uneven", precision="fp64"),
-    "local_logged_loss": Target("logged_loss", "uneven"),
-    "two_microbatch_loop": Target("parity", "long"),
-    "sync_keyed_to_first_microbatch": Target("one_sync", "long"),
-    "count_from_one_microbatch": Target("parity", "uneven"),
-    "cached_count": Target("parity", "varying"),
-    "fixed_accumulation_steps": Target("parity", "long"),
-    "first_microbatch_never_syncs": Target("one_sync", "single"),
-    "nan_on_empty_rank": Target("parity", "one_empty"),
-    "nan_on_empty_microbatch": Target("parity", "sparse"),
-    "silent_empty_window": Target("empty_window", "all_empty"),
-    "nan_gradients_then_raise": Target("empty_window", "all_empty"),
-    "python_random_shuffle": Target("hygiene", "uneven"),
-    "numpy_random_draw": Target("hygiene", "uneven"),
-    "torch_random_draw": Target("hygiene", "uneven"),
-    "hf_shift_twice": Target("parity", "uneven", batch_format=HF),
-    "hf_no_shift": Target("parity", "uneven", batch_format=HF),
-    "hf_count_before_shift": Target("parity", "uneven", batch_format=HF),
-    "per_sequence_mean": Target("parity", "uneven"),
-    "last_microbatch_twice": Target("parity", "uneven"),
-    "weight_decay_after_backward": Target("weights_unchanged", "uneven"),
-    "weight_decay_between_microbatches": Target("weights_unchanged", "uneven"),
-}
-"""Every negative control in this module (``harness.recipes:<name>``) and where the battery must reject it."""
+CONTROLS: dict[str, Target] = targets()
+"""Every negative control in this module (``harness.recipes:<name>``) and where the battery must reject it, derived
+from the ``@control`` each class carries."""
 
 NEGATIVE_CONTROLS = tuple(CONTROLS)
 
-DIAGNOSES: dict[str, str | None] = {
-    "mean_of_local_means": "mean_of_local_means",
-    "extra_microbatch_division": "global_scale",
-    "no_world_size_factor": "global_scale",
-    "per_microbatch_mean": "per_microbatch_mean",
-    "skip_backward_when_empty": None,
-    "local_count_guard": None,
-    "never_no_sync": "correct",
-    "float32_loss": "float32_computation",
-    "local_logged_loss": "correct",
-    "two_microbatch_loop": "dropped",
-    "sync_keyed_to_first_microbatch": "correct",
-    "count_from_one_microbatch": "global_scale",
-    "cached_count": "global_scale",
-    "fixed_accumulation_steps": "dropped",
-    "first_microbatch_never_syncs": "not_synchronized",
-    "nan_on_empty_rank": "nonfinite",
-    "nan_on_empty_microbatch": "nonfinite",
-    "silent_empty_window": None,
-    "nan_gradients_then_raise": None,
-    "python_random_shuffle": "correct",
-    "numpy_random_draw": "correct",
-    "torch_random_draw": "correct",
-    "hf_shift_twice": "unexplained",
-    "hf_no_shift": "unexplained",
-    "hf_count_before_shift": "global_scale",
-    "per_sequence_mean": "per_sequence_mean",
-    "last_microbatch_twice": "double_counted",
-    "weight_decay_after_backward": "weights_edited",
-    "weight_decay_between_microbatches": "weights_edited",
-}
+DIAGNOSES: dict[str, str | None] = diagnoses()
 """The signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must give each control on its target: its
 weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).
 A control whose mistake is not in the gradient (a sync count, a random generator, the logged loss) reads
 ``correct``: the diagnosis never blames the weights for what another check catches."""
 
-SCENARIO_CONTROLS = {
-    "single": "first_microbatch_never_syncs",
-    "long": "fixed_accumulation_steps",
-    "varying": "cached_count",
-    "sparse": "nan_on_empty_microbatch",
-    "one_empty": "nan_on_empty_rank",
-    "all_empty": "silent_empty_window",
-}
+SCENARIO_CONTROLS: dict[str, str] = scenario_controls()
 """For each scenario but the base one (``uneven``), the control that only that scenario catches: it passes every
 other scenario of the battery (``tests/distributed/test_negative_controls.py`` shows both)."""
 

@@ -1,0 +1,88 @@
+"""The negative controls' catalog: each control is one class that declares, where it is defined, where the battery
+must reject it (:class:`Target`) and what the diagnosis must read in its gradient; :func:`control` registers it.
+
+``harness.recipes.CONTROLS``, ``DIAGNOSES`` and ``SCENARIO_CONTROLS`` are derived from the registry, so adding a
+control is one decorated class and its instance; ``tests/unit/test_control_catalog.py`` fails on a control class that
+is not registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from harness.core.formats import HARNESS
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a negative control must be rejected: the check, the scenario and the precision that see its mistake,
+    and how the mistake shows (``"numbers"``: the check's own comparison fails; ``"desync"``: ranks stop matching
+    collectives, and the run is stopped with the rank that left)."""
+
+    check: str
+    scenario: str
+    precision: str = "fp32"
+    shows_as: str = "numbers"
+    batch_format: str = HARNESS
+    """The batch convention the control is written for (``"hf"``: the dict a Hugging Face loop sees)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered control: its class, its target, the signature its gradient's diagnosis must give there (None where
+    the run leaves no gradient to read), and whether it is the control only its scenario catches."""
+
+    cls: type
+    target: Target
+    diagnosis: str | None
+    only_its_scenario: bool = False
+
+
+REGISTRY: dict[str, Entry] = {}
+"""Every control by name (``harness.recipes:<name>``), in the order they are defined."""
+
+C = TypeVar("C", bound=type)
+
+
+def control(target: Target, diagnosis: str | None, *, only_its_scenario: bool = False) -> Callable[[C], C]:
+    """Register the decorated class under its ``name``: rejected on ``target``, its gradient diagnosed as
+    ``diagnosis``; ``only_its_scenario`` marks the control that passes every other scenario of the battery."""
+
+    def register(cls: C) -> C:
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str):
+            msg = f"{cls.__name__} needs a str `name` to be registered as a control"
+            raise TypeError(msg)
+        if name in REGISTRY:
+            msg = f"control {name!r} is registered twice ({REGISTRY[name].cls.__name__} and {cls.__name__})"
+            raise ValueError(msg)
+        REGISTRY[name] = Entry(cls, target, diagnosis, only_its_scenario)
+        cls.target = target  # type: ignore[attr-defined]
+        return cls
+
+    return register
+
+
+def targets() -> dict[str, Target]:
+    return {name: e.target for name, e in REGISTRY.items()}
+
+
+def diagnoses() -> dict[str, str | None]:
+    return {name: e.diagnosis for name, e in REGISTRY.items()}
+
+
+def scenario_controls() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, e in REGISTRY.items():
+        if e.only_its_scenario:
+            if e.target.scenario in out:
+                first = out[e.target.scenario]
+                msg = f"scenario {e.target.scenario!r} has two controls only it catches: {first}, {name}"
+                raise ValueError(msg)
+            out[e.target.scenario] = name
+    return out
+
+
+__all__ = ["REGISTRY", "Entry", "Target", "control", "diagnoses", "scenario_controls", "targets"]

@@ -1,0 +1,66 @@
+"""The controls' catalog registers itself: a control is one decorated class, and the tables come from the classes."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+
+from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS, catalog, controls
+from harness.recipes.catalog import Target, control
+
+
+def unregistered(module: types.ModuleType) -> list[str]:
+    """Classes of ``module`` shaped like a recipe (a ``backward_window`` and a ``name``) that no ``@control``
+    registered."""
+    registered = {e.cls for e in catalog.REGISTRY.values()}
+    return sorted(name for name, obj in vars(module).items()
+                  if inspect.isclass(obj) and obj.__module__ == module.__name__
+                  and callable(getattr(obj, "backward_window", None)) and isinstance(getattr(obj, "name", None), str)
+                  and obj not in registered)
+
+
+def test_every_control_class_is_registered() -> None:
+    """No control in harness.recipes.controls is defined and silently never run."""
+    assert [] == unregistered(controls)
+
+
+def test_the_registration_check_finds_a_control_without_its_decorator() -> None:
+    """Its negative control: a recipe-shaped class without @control is reported by name."""
+    fake = types.ModuleType("fake_controls")
+    exec("class Forgotten:\n    name = 'forgotten'\n    def backward_window(self, model, window): pass\n",
+         fake.__dict__)
+    assert ["Forgotten"] == unregistered(fake)
+
+
+def test_every_registered_control_is_importable_by_its_name_and_in_every_table() -> None:
+    """harness.recipes:<name> names it, and CONTROLS and DIAGNOSES hold it: the negative-control tests, which
+    iterate CONTROLS, run every registered control."""
+    import harness.recipes
+
+    for name, entry in catalog.REGISTRY.items():
+        obj = getattr(harness.recipes, name)
+        assert obj is entry.cls or isinstance(obj, entry.cls), name
+        assert entry.target == CONTROLS[name] == entry.cls.target  # type: ignore[attr-defined]
+        assert entry.diagnosis == DIAGNOSES[name]
+    assert set(CONTROLS) == set(catalog.REGISTRY)
+
+
+def test_each_scenario_but_the_base_one_has_the_control_only_it_catches() -> None:
+    """Derived from the classes' declarations: one per scenario, each targeting its own scenario."""
+    assert {"single", "long", "varying", "sparse", "one_empty", "all_empty"} == set(SCENARIO_CONTROLS)
+    for scenario, name in SCENARIO_CONTROLS.items():
+        assert scenario == CONTROLS[name].scenario
+
+
+def test_a_second_control_under_a_taken_name_is_refused() -> None:
+    """Two classes cannot claim one name: the second registration raises, naming both."""
+    class Twin:
+        name = "mean_of_local_means"
+
+        def backward_window(self, model: object, window: object) -> None:
+            return None
+
+    with pytest.raises(ValueError, match="registered twice"):
+        control(Target("parity", "uneven"), "mean_of_local_means")(Twin)
