@@ -325,6 +325,29 @@ def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch
     return sig, params
 
 
+def _per_rank_notes(run: Run, window: int, rank: int, rows: list[dx.ParameterRow],
+                    sizes: list[int]) -> list[dx.ParameterRow]:
+    """Name the tensors that hold no gradient on some ranks only (a parameter DDP never synchronized, one a branch
+    skipped on those ranks): every rank's synchronized gradient of the window is read, not only the fitted one."""
+    assert run.records is not None
+    grads: dict[int, torch.Tensor] = {}
+    for r, recs in enumerate(run.records):
+        got = recs[window].grad if window < len(recs) else None
+        if got is not None:
+            grads[r] = got
+    if len(grads) < 2:
+        return rows
+    out, offset = [], 0
+    for row, n in zip(rows, sizes):
+        empty = sorted(r for r, gr in grads.items() if n and float(gr[offset : offset + n].abs().max()) == 0)
+        offset += n
+        if empty and len(empty) < len(grads) and row.note != "no gradient (none expected)":
+            which = f"rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
+            row = dataclasses.replace(row, note=f"no gradient on {which} only (rank {rank}'s is the one fitted)")
+        out.append(row)
+    return out
+
+
 def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis | None:
     assert run.records is not None
     rec = run.records[rank][window]
@@ -350,7 +373,7 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     if first is not None:
         again = _column(run, model, run.windows[window][blocks[first].rank][blocks[first].microbatch])
         fixed = compare(again / n, a[:, first] / n, atol=atol, rtol=rtol).passed
-    params = dx.parameter_table(g, expected, names, sizes, atol, rtol)
+    params = _per_rank_notes(run, window, rank, dx.parameter_table(g, expected, names, sizes, atol, rtol), sizes)
     location = dx.locate(params)
     common = dict(recipe=run.recipe, scenario=run.scenario, world_size=run.world_size, precision=run.precision,
                   window=window, rank=rank, blocks=tuple(blocks), parameters=tuple(params), location=location)

@@ -169,3 +169,13 @@ def test_ddps_unused_parameter_error_gets_the_parameter_names_beside_its_indices
     assert not verdict.passed
     assert "find_unused_parameters=True" in verdict.message
     assert "are the model's value_head.weight, value_head.bias" in verdict.message
+
+
+def test_the_per_parameter_view_names_a_tensor_with_no_gradient_on_some_ranks_only() -> None:
+    """The expert hidden from DDP holds a gradient on rank 1 (long rows) and none on rank 0: its rows say so, every
+    other tensor's do not."""
+    verdict = checks.parity(runner.run(CORRECT, "uneven", 2, model=_model("routed_expert_hidden_from_ddp")))
+    assert not verdict.passed and verdict.diagnosis is not None
+    notes = {p["name"]: p["note"] for p in verdict.diagnosis["parameters"]}  # type: ignore[union-attr]
+    assert notes["experts.1.weight"].startswith("no gradient on rank 0 only")
+    assert [] == [n for n, note in notes.items() if "rank 0 only" in note and not n.startswith("experts.1.")]

@@ -77,6 +77,15 @@ class RoutedLM(_Base):
         return x + out
 
 
+def routed_expert_hidden_from_ddp() -> RoutedLM:
+    """The routed model with its long-row expert hidden from DDP (``_ddp_params_and_buffers_to_ignore``, as code
+    that manages an expert's gradients itself does): never synchronized, its gradient is zero on a rank with no long
+    row and nonzero on the others."""
+    model = RoutedLM()
+    model._ddp_params_and_buffers_to_ignore = ["experts.1.weight", "experts.1.bias"]
+    return model
+
+
 class CountingLM(_Base):
     """A forward that reads a buffer it updates (a call counter scaling the hidden state): the same input gives
     another output on every call, so the single-device reference (one call per microbatch of every rank) and the
