@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harness.battery import checks, runner, scenarios
+from harness.battery.diagnose import worst
 from harness.battery.table import run_controls
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS
 
@@ -29,13 +30,22 @@ def control(name: str) -> str:
 @pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
 @pytest.mark.parametrize("name", list(CONTROLS))
 def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name: str, world_size: int) -> None:
-    """The targeted check fails, and it fails on the control's behaviour (numbers or desync), not on a crash."""
+    """The targeted check fails, and it fails on the control's behaviour (numbers or desync), not on a crash; its
+    gradient reads its declared diagnosis, and a failing parity verdict on the same run never reads correct."""
     (result,) = run_controls([name], [world_size])
     assert result.rejected, result.verdict.message
     assert result.verdict.check == CONTROLS[name].check
     # The same run, diagnosed: the weights name the control's own mistake (harness.recipes.DIAGNOSES).
     line = result.diagnosis["line"] if result.diagnosis else "no gradient to read"
     assert DIAGNOSES[name] == result.signature, line
+    # One truth, on the same cached run: a parity verdict that fails never reads "correct" (a control whose own check
+    # is another reads "correct" only where parity passes).
+    target = CONTROLS[name]
+    run = runner.run(control(name), target.scenario, world_size, target.precision, batch_format=target.batch_format)
+    if run.failure is None and worst(run) is not None:
+        parity = checks.parity(run)
+        if not parity.passed and parity.diagnosis is not None:
+            assert "correct" != parity.diagnosis["signature"], parity.message
 
 
 def _failing_checks(name: str, scenario: str, world_size: int = 2) -> list[str]:
