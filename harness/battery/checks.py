@@ -178,7 +178,7 @@ def _failed_run(check: str, run: Run) -> Verdict | None:
             lines += [f"  rank {rank}: {ln}" for ln in stack[:3]]
     if err.kind == "deadline":
         lines.insert(1, f"  the time ran out {deadline_phase(err, len(run.windows))}")
-        lines.append(f"  raise it with --deadline SECONDS (command line) or --battery-deadline SECONDS (pytest); "
+        lines.append(f"  raise it with --battery-deadline SECONDS (pytest and the command line alike); "
                      f"this run had {'?' if err.deadline is None else f'{err.deadline:g}'} s")
     return _failed(check, run, f"the run {what}: " + "\n".join(lines), cause=_KIND_CAUSE.get(err.kind, err.kind),
                    details=str(err))

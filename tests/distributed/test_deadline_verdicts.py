@@ -17,5 +17,5 @@ def test_a_recipe_past_a_short_deadline_is_told_its_window_and_the_option(recipe
     verdict = checks.parity(run)
     assert ("fail", "deadline") == (verdict.status, verdict.cause), verdict.message
     assert f"the time ran out {phase}" in verdict.message
-    assert verdict.message.endswith("raise it with --deadline SECONDS (command line) or --battery-deadline SECONDS "
-                                    "(pytest); this run had 3 s")
+    assert verdict.message.endswith("raise it with --battery-deadline SECONDS (pytest and the command line alike); "
+                                    "this run had 3 s")
