@@ -73,10 +73,11 @@ class ModelFacts:
         """The lowest floating dtype the forward computes in when it is below the model's own (None otherwise)."""
         return self.lower_precision[0].split(" ")[0] if self.lower_precision else None
 
-    def notes(self) -> tuple[str, ...]:
-        """Sentences for the user about their model (empty for a model the battery can take as it is)."""
+    def notes(self, unused: bool = True) -> tuple[str, ...]:
+        """Sentences for the user about their model (empty for a model the battery can take as it is); ``unused=False``
+        leaves out the parameters without a gradient (a run says those per window, rank and microbatch)."""
         out = []
-        if self.unused:
+        if self.unused and unused:
             out.append(f"the model's parameter{'s' if len(self.unused) > 1 else ''} {_names(self.unused)} "
                        f"require{'' if len(self.unused) > 1 else 's'} grad but get{'' if len(self.unused) > 1 else 's'}"
                        " no gradient from a battery microbatch (no forward uses "

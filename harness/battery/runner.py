@@ -500,8 +500,7 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
         spec = ModelSpec(model, batch_format, init_seed, precision, digest=weights_digest(spec.build()))
         found = probe_model(ModelSpec(model, batch_format, init_seed, precision))
         computes_in = found.computes_in
-        notes = tuple(n for n in found.notes()
-                      if "no gradient from a battery microbatch" not in n)  # the chain below says it per window
+        notes = found.notes(unused=False)  # the chain below says which parameters miss a gradient, and where
     chain = compute_chain(windows, precision, init_seed, spec)
     common = dict(init_seed=init_seed, model_path=model, batch_format=batch_format, computes_in=computes_in,
                   reference_starts=chain.starts)
