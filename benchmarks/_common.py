@@ -2,8 +2,11 @@
 
 Imported by ``launch_bench.py``, ``preload_bench.py`` and ``resume_trio.py`` as ``_common`` (a script's own folder is
 first on ``sys.path``). Importing it puts the repository root on ``sys.path``, so that ``harness`` imports from the
-checkout without installing it. Every result file is JSON under ``benchmarks/results/`` with the command that made it,
-a machine note (cores, Python, torch) and the date, next to the figures; the README cites these files.
+checkout without installing it, and ``tests/`` after it, so that the test code a benchmark launches imports as
+``support.<module>`` (``tests/support/``) in the caller and in every rank: the launcher's forkserver copies
+``sys.path`` when it starts, so import this module before the first launch. Every result file is JSON under
+``benchmarks/results/`` with the command that made it, a machine note (cores, Python, torch) and the date, next to the
+figures; the README and docs/ cite these files.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -21,8 +25,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+TESTS = ROOT / "tests"
+for _path in (TESTS, ROOT):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 
 def timed(fn: Callable[[], Any], n: int) -> list[float]:
@@ -67,3 +73,20 @@ def write_result(out: str | Path, result: dict[str, Any]) -> str:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text + "\n")
     return text
+
+
+SUMMARY = re.compile(r"(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s")
+
+
+def pytest_summary(text: str) -> dict[str, Any]:
+    """pytest's last line (``1167 passed, 92 skipped in 305.67s (0:05:05)``) as counts and seconds; empty when the
+    run printed none."""
+    found = None
+    for line in text.splitlines():
+        m = SUMMARY.search(line)
+        if m:
+            found = m
+    if found is None:
+        return {}
+    counts = {w: int(n) for n, w in re.findall(r"(\d+) (\w+)", found["counts"])}
+    return {"counts": counts, "pytest_s": float(found["seconds"])}

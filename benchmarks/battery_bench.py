@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _RUN = """
 import os, sys, time
 from harness.battery import plan, runner
+from harness.battery.options import BatteryOptions
 from harness.battery.layouts import drawn_verdict
 from harness.battery.table import run_cases
 if os.environ.get("BENCH_NO_PRELOAD") == "1":
@@ -37,7 +38,7 @@ recipe, examples = sys.argv[1], int(sys.argv[2])
 start = time.monotonic()
 verdicts = run_cases(recipe, plan.cases())
 if examples:
-    verdicts.append(drawn_verdict(recipe, examples, derandomize=True))
+    verdicts.append(drawn_verdict(recipe, BatteryOptions(examples=examples), derandomize=True))
 failed = [v for v in verdicts if not v.passed]
 print(f"RESULT {len(verdicts)} {len(failed)} {time.monotonic() - start:.3f}")
 """

@@ -143,7 +143,7 @@ PY
   section "probe: measured errors and wall times"
   # A file, not stdin: the launcher's ranks re-import the main module by its path.
   cat >"$work/gpu_probe.py" <<'PY'
-"""Measured numbers for the README: CUDA fp32 reference vs CPU fp64, and two ranks sharing one GPU over gloo."""
+"""Measured numbers for docs/gpu.md: CUDA fp32 reference vs CPU fp64, and two ranks sharing one GPU over gloo."""
 
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
     python benchmarks/launch_bench.py [--warm 20] [--spawn 3] [--out benchmarks/results/launch.json]
 
-Times the first launch (it starts the forkserver, which imports torch once), then ``--warm`` launches through the
-warm forkserver, then ``--spawn`` launches of the same step the plain way (a fresh interpreter per rank). Writes the
-median wall time per launch of each way, their ranges and their ratio, measured in the same run, as JSON and prints
-it. The machine is shared and noisy: read the ratio, not the absolute figures. Not a test: nothing here asserts a
-speed.
+Times the first launch (it starts the forkserver, which imports torch once, and with ``preload=`` the step's module
+``support.probes``, ``tests/support/probes.py``), then ``--warm`` launches through the warm forkserver (which import
+nothing), then ``--spawn`` launches of the same step the plain way (a fresh interpreter per rank). Writes the median
+wall time per launch of each way, their ranges and their ratio, measured in the same run, as JSON and prints it. The
+machine is shared and noisy: read the ratio, not the absolute figures. Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import statistics
 import tempfile
 
 from _common import RESULTS, command, machine, now, summary, timed, write_result
+from support import probes
 
-from harness.distributed import probes
 from harness.distributed.launcher import launch
+
+PRELOAD = (probes.__name__,)
+"""The step's module (``tests/support/probes.py``), imported once by the forkserver: a warm launch imports nothing."""
 
 
 def _spawn_rank(rank: int, world: int, store_dir: str, out: object) -> None:
@@ -59,13 +62,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "launch.json"))
     args = parser.parse_args()
 
-    first = timed(lambda: launch(probes.ddp_step, 2), 1)[0]
-    warm = timed(lambda: launch(probes.ddp_step, 2), args.warm)
+    first = timed(lambda: launch(probes.ddp_step, 2, preload=PRELOAD), 1)[0]
+    warm = timed(lambda: launch(probes.ddp_step, 2, preload=PRELOAD), args.warm)
     spawn = timed(spawn_once, args.spawn)
     result = {
         "command": command("benchmarks/launch_bench.py"),
-        "what": "wall time per launch of one 2-rank gloo DDP step (harness.distributed.probes.ddp_step): through the "
-        "launcher's warm forkserver, and with a fresh spawn of each rank",
+        "what": "wall time per launch of one 2-rank gloo DDP step (support.probes.ddp_step, tests/support/probes.py): "
+        "through the launcher's warm forkserver (the step's module preloaded), and with a fresh spawn of each rank",
         "world_size": 2,
         "machine": machine(),
         "date": now(),

@@ -23,8 +23,8 @@ from typing import Any
 
 from _common import RESULTS, command, machine, now, timed, write_result
 
-from harness.distributed import probes
 from harness.distributed.launcher import launch
+from harness.distributed.probes import all_reduce_rank
 
 _BODY = '''
 
@@ -73,7 +73,7 @@ def main() -> None:
             Path(folder, f"{name}.py").write_text(source.format(sleep=args.sleep))
             names[case] = name
         sys.path.insert(0, folder)
-        launch(probes.identity, 2, None)  # start the forkserver: not part of any figure
+        launch(all_reduce_rank, 2)  # start the forkserver: not part of any figure
         cases = {case: measure(name, args.launches) for case, name in names.items()}
 
     result = {

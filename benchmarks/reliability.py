@@ -29,12 +29,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+# The checkout, and tests/ for the failure-injecting rank bodies (support.probes, tests/support/probes.py): both before
+# the first launch, since the launcher's forkserver copies sys.path when it starts.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from support import probes
 
-from harness.distributed import probes, scratch
+from harness.distributed import scratch
 from harness.distributed.launcher import LaunchError, launch
+
+PRELOAD = (probes.__name__,)
+"""The bodies' module, imported once by the forkserver: a timed launch imports nothing."""
 
 HANG_SLACK = 30.0
 """Seconds past a run's deadline after which it counts as a hang (and the benchmark stops that mode)."""
@@ -118,7 +125,7 @@ def run_once(mode: str) -> dict[str, Any]:
 
     def target() -> None:
         try:
-            launch(fn, 2, *args, deadline=deadline, **kwargs)
+            launch(fn, 2, *args, deadline=deadline, preload=PRELOAD, **kwargs)
             outcome["kind"] = "returned"
         except LaunchError as exc:
             outcome["kind"] = exc.kind

@@ -23,7 +23,7 @@ from _common import RESULTS, ROOT, command, machine, now, write_result
 
 from harness.data.config import load_config
 from harness.distributed.launcher import launch
-from harness.distributed.probes import identity
+from harness.distributed.probes import all_reduce_rank
 from harness.training.trainer import launched_run, state_difference
 
 
@@ -66,7 +66,7 @@ def main() -> int:
     if args.repeat < 1:
         p.error(f"--repeat={args.repeat} must be at least 1")
     t = time.perf_counter()
-    launch(identity, 2, None, deadline=args.deadline)
+    launch(all_reduce_rank, 2, deadline=args.deadline)
     start = time.perf_counter() - t
     print(f"forkserver start (first launch, not part of the trio): {start:.2f} s")
     trios = []

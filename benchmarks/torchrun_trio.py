@@ -2,7 +2,7 @@
 
     python benchmarks/torchrun_trio.py [--repeats 20] [--config configs/minimum.yaml] [--timeout 180]
 
-Each trio is the README's three command lines, in a fresh temporary directory: ``torchrun --nnodes=1
+Each trio is docs/training-and-resume.md's three command lines, in a fresh temporary directory: ``torchrun --nnodes=1
 --nproc-per-node=2 -m harness.train --config ...`` stopped at 50, ``--continuous`` to 100, and ``--resume
 stopped/step-0050`` to 100, started the way ``tests/distributed/test_resume.py`` starts them (static rendezvous on
 127.0.0.1, a free port, a new port when the one found free was taken). Every torchrun runs in its own process group
@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT / "tests", ROOT):  # tests/ for support.ports (tests/support/ports.py)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
+from support.ports import HOST, free_port, port_taken  # noqa: E402
 
-from harness.distributed.ports import HOST, free_port, port_taken  # noqa: E402
 from harness.training.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
 from harness.training.evaluation import EVAL_FILE  # noqa: E402
 from harness.training.trainer import state_difference  # noqa: E402

@@ -1,7 +1,7 @@
 """Verification harness for distributed gradient semantics.
 
-The public recipe contract (see README): a recipe's ``backward_window(model, window)`` must leave in ``.grad``, after
-DDP's synchronization, the gradient of the mean over every supervised token of every rank's window.
+The public recipe contract (see docs/recipe-contract.md): a recipe's ``backward_window(model, window)`` must leave in
+``.grad``, after DDP's synchronization, the gradient of the mean over every supervised token of every rank's window.
 
 The public names are imported on first use (PEP 562), so that importing a submodule that needs no torch (the pytest
 plugin, loaded in every pytest run of an environment that has the package) does not import torch.

@@ -165,7 +165,7 @@ class ModelError(ValueError):
 
 
 _MODEL_FIX = ("--model wants 'package.module:attr' naming a zero-argument callable that returns a torch.nn.Module, or "
-              "an nn.Module class built with no argument (see the README's 'Your model')")
+              "an nn.Module class built with no argument (see docs/your-model.md)")
 
 
 def load_model_factory(path: str) -> Callable[[], nn.Module]:

@@ -4,6 +4,7 @@ initialized in the pytest process, a child process alive, or the global RNG stat
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import sys
 from collections.abc import Iterator
@@ -14,11 +15,41 @@ import pytest
 import torch
 import torch.distributed as dist
 
-# Recipes written as users write them (tests/user_recipes) are imported by ranks as ``user_recipes.<module>``: the
-# folder must be on sys.path before the launcher's forkserver starts, which copies sys.path once.
+# Recipes written as users write them (tests/user_recipes) are imported by ranks as ``user_recipes.<module>``, and the
+# test-only rank bodies and helpers (tests/support) as ``support.<module>``: the folder must be on sys.path before the
+# launcher's forkserver starts, which copies sys.path once.
 _TESTS = str(Path(__file__).parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+def _warm_forkserver() -> None:
+    """Every module of tests/user_recipes and tests/support is imported by the forkserver when it first starts, in
+    each xdist worker: otherwise each new module a test launches restarts the server cold (seconds each)."""
+    from harness.distributed.launcher import warm
+
+    names = [f"{pkg}.{p.stem}" for pkg in ("user_recipes", "support")
+             for p in sorted(Path(_TESTS, pkg).glob("*.py")) if p.stem != "__init__"]
+    warm(*names)
+
+
+_warm_forkserver()
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: each computes on one thread. With torch's default (one thread per core) a worker's
+    # intra-op threads spin against the other worker's ranks, and a 5 ms fit in tests/unit took seconds.
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The shipped battery's cases at W=4 (the most expensive launches) run in this repository's slow tier: the test
+    command keeps W=1, 2 and 3 of every check and scenario, and CI runs the slow tier too. Users' own sessions
+    (``pytest --pyargs harness.battery``) are not affected: this conftest is the repository's."""
+    for item in items:
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        if item.nodeid.startswith("harness/battery/test_battery.py") and getattr(case, "world_size", None) == 4:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -237,27 +237,70 @@ def _usage_error(check: str, run: Run) -> Verdict | None:
     return None
 
 
-def _check(fn: Callable[[Run], Verdict]) -> Callable[[Run], Verdict]:
-    """What every check does before and after its own comparison: a case the model cannot run is n/a with the model's
-    own error; a recipe that broke the contract so that nothing can be judged is a usage error; what the harness
-    found about the model (:attr:`Run.notes`) travels with the verdict, and a failure's message ends with it."""
-    name = fn.__name__
+SCENARIO_SETS = ("with_tokens", "all_empty", "every")
+"""Where a check runs: every scenario with supervised tokens (the default), only ``all_empty`` (no token anywhere in
+the window), or every scenario."""
 
-    @functools.wraps(fn)
-    def judged(run: Run) -> Verdict:
-        if run.model_error is not None:
-            return _verdict(name, run, NOT_APPLICABLE, f"{run.model_error}. A property of the model, not of the "
-                            "recipe: this case is not judged on this model (the README's 'Your model' says what a "
-                            "model must allow)", notes=run.notes)
-        verdict = _usage_error(name, run) or fn(run)
-        if not run.notes:
-            return verdict
-        message = verdict.message
-        if verdict.status == FAIL:
-            message += "".join(f"\n  model: {n}" for n in run.notes)
-        return replace(verdict, message=message, notes=verdict.notes + run.notes)
 
-    return judged
+@dataclass(frozen=True)
+class CheckInfo:
+    """A registered check: its name, the function, whether it runs in every selected precision (the numbers depend on
+    it) or in the first only, and where it runs (:data:`SCENARIO_SETS`)."""
+
+    name: str
+    fn: Callable[[Run], Verdict]
+    per_precision: bool
+    scenarios: str
+
+    def runs_on(self, scenario: str) -> bool:
+        if self.scenarios == "every":
+            return True
+        return (scenario == "all_empty") == (self.scenarios == "all_empty")
+
+
+REGISTRY: dict[str, CheckInfo] = {}
+"""Every check, in the order the battery reports them (the order they are defined below)."""
+
+CHECKS: dict[str, Callable[[Run], Verdict]] = {}
+"""Every check by name, in :data:`REGISTRY`'s order (the plan, the command line and the controls' targets name them)."""
+
+
+def check(*, per_precision: bool = False, scenarios: str = "with_tokens") -> Callable[[Callable[[Run], Verdict]],
+                                                                                       Callable[[Run], Verdict]]:
+    """Register a check: the plan (:func:`harness.battery.plan.cases`), the command line and the pytest lane find it
+    here, in definition order. What every check does around its own comparison: a case the model cannot run is n/a
+    with the model's own error; a recipe that broke the contract so that nothing can be judged is a usage error; what
+    the harness found about the model (:attr:`Run.notes`) travels with the verdict, and a failure's message ends with
+    it."""
+    if scenarios not in SCENARIO_SETS:
+        msg = f"scenarios={scenarios!r} must be one of {', '.join(SCENARIO_SETS)}"
+        raise ValueError(msg)
+
+    def register(fn: Callable[[Run], Verdict]) -> Callable[[Run], Verdict]:
+        name = fn.__name__
+        if name in REGISTRY:
+            msg = f"a check named {name!r} is already registered ({REGISTRY[name].fn.__module__}); pick another name"
+            raise ValueError(msg)
+
+        @functools.wraps(fn)
+        def judged(run: Run) -> Verdict:
+            if run.model_error is not None:
+                return _verdict(name, run, NOT_APPLICABLE, f"{run.model_error}. A property of the model, not of the "
+                                "recipe: this case is not judged on this model (docs/your-model.md says what a "
+                                "model must allow)", notes=run.notes)
+            verdict = _usage_error(name, run) or fn(run)
+            if not run.notes:
+                return verdict
+            message = verdict.message
+            if verdict.status == FAIL:
+                message += "".join(f"\n  model: {n}" for n in run.notes)
+            return replace(verdict, message=message, notes=verdict.notes + run.notes)
+
+        REGISTRY[name] = CheckInfo(name, judged, per_precision, scenarios)
+        CHECKS[name] = judged
+        return judged
+
+    return register
 
 
 def _broken(check: str, run: Run) -> Verdict | None:
@@ -296,7 +339,7 @@ def _relative_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).norm()) / norm if norm > 0 else float("inf")
 
 
-@_check
+@check(per_precision=True)
 def parity(run: Run) -> Verdict:
     """Every rank's synchronized gradient equals the single-device reference, window by window."""
     bad = _broken("parity", run)
@@ -353,23 +396,7 @@ def parity(run: Run) -> Verdict:
                    **numbers)
 
 
-@_check
-def ranks_agree(run: Run) -> Verdict:
-    """After each optimizer step the parameters are bitwise identical on every rank."""
-    bad = _single_rank("ranks_agree", run, "one rank has no peer to agree with") or _broken("ranks_agree", run)
-    if bad:
-        return bad
-    assert run.records is not None
-    for k in range(len(run.records[0])):
-        for rank in range(1, run.world_size):
-            d = max_abs_difference([run.records[0][k].params_after], [run.records[rank][k].params_after])
-            if d != 0.0:
-                return _failed("ranks_agree", run, f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} "
-                               "after the step", k, max_error=d)
-    return _passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
-
-
-@_check
+@check()
 def one_sync(run: Run) -> Verdict:
     """Exactly one gradient synchronization per window: the earlier microbatches ran inside ``no_sync()``."""
     bad = _single_rank("one_sync", run, "one rank has nothing to synchronize (skipping no_sync() is right here)")
@@ -387,7 +414,23 @@ def one_sync(run: Run) -> Verdict:
     return _passed("one_sync", run, "one synchronization per window on every rank")
 
 
-@_check
+@check()
+def ranks_agree(run: Run) -> Verdict:
+    """After each optimizer step the parameters are bitwise identical on every rank."""
+    bad = _single_rank("ranks_agree", run, "one rank has no peer to agree with") or _broken("ranks_agree", run)
+    if bad:
+        return bad
+    assert run.records is not None
+    for k in range(len(run.records[0])):
+        for rank in range(1, run.world_size):
+            d = max_abs_difference([run.records[0][k].params_after], [run.records[rank][k].params_after])
+            if d != 0.0:
+                return _failed("ranks_agree", run, f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} "
+                               "after the step", k, max_error=d)
+    return _passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
+
+
+@check()
 def logged_loss(run: Run) -> Verdict:
     """When the recipe returns a loss, it is the global token mean at the weights the recipe started the window
     from (its own, right or wrong), the same on every rank."""
@@ -422,7 +465,7 @@ def logged_loss(run: Run) -> Verdict:
     return _passed("logged_loss", run, "the logged loss is the global token mean on every rank", max_error=worst)
 
 
-@_check
+@check(per_precision=True)
 def hygiene(run: Run) -> Verdict:
     """The recipe leaves the model's mode and the global random generators (Python's ``random``, numpy, torch CPU and
     CUDA) alone, and keeps gradients in the model's dtype. Thread count and environment changes are notes: they
@@ -448,7 +491,7 @@ def hygiene(run: Run) -> Verdict:
     return _passed("hygiene", run, detail, notes=tuple(notes))
 
 
-@_check
+@check(scenarios="all_empty")
 def empty_window(run: Run) -> Verdict:
     """A window without any supervised token: every rank raises ValueError, none hangs, and the recipe leaves no
     gradient other than zero and no weight changed (what a training loop would otherwise step on)."""
@@ -488,7 +531,7 @@ def empty_window(run: Run) -> Verdict:
     return _passed("empty_window", run, "every rank raised ValueError and left no gradient and no weight changed")
 
 
-@_check
+@check(scenarios="every")
 def weights_unchanged(run: Run) -> Verdict:
     """``backward_window`` leaves every weight bitwise as it found it: stepping, weight decay and any other edit of
     the weights belong to the training loop, after the gradient the battery checks."""
@@ -509,14 +552,3 @@ def weights_unchanged(run: Run) -> Verdict:
     return _passed("weights_unchanged", run, "every call left every weight bitwise unchanged on every rank",
                    max_error=0.0)
 
-
-CHECKS: dict[str, Callable[[Run], Verdict]] = {
-    "parity": parity,
-    "ranks_agree": ranks_agree,
-    "one_sync": one_sync,
-    "logged_loss": logged_loss,
-    "hygiene": hygiene,
-    "empty_window": empty_window,
-    "weights_unchanged": weights_unchanged,
-}
-"""Every check by name (the battery plan, the command line and the controls' targets name them)."""

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from harness.battery import checks, plan, runner
+from harness.battery import checks, runner
 from harness.battery.checks import FAIL, PASS, Verdict
 from harness.battery.facts import ModelFacts
+from harness.battery.options import BatteryOptions
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
@@ -188,8 +189,6 @@ def shrink(layout: Layout, fails: Callable[[Layout], bool], budget: int = 10,
 DRAWN_CHECKS = ("parity", "one_sync", "logged_loss")
 """What every drawn layout is checked for."""
 
-DEFAULT_EXAMPLES = 12
-"""Drawn layouts per recipe by default: each is one multi-rank launch."""
 
 
 class _LayoutFailed(AssertionError):
@@ -199,48 +198,43 @@ class _LayoutFailed(AssertionError):
         super().__init__("\n".join(v.message for v in verdicts))
 
 
-def judge_layout(recipe: str, layout: Layout, *, model: str | None = None,
-                 batch_format: str = "harness", deadline: float = runner.DEADLINE,
-                 find_unused: str = "auto") -> list[Verdict]:
-    """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), on ``model`` (None: the
-    built-in one) with ``batch_format``, each launch within ``deadline`` seconds."""
-    run = runner.run_windows(recipe, layout.build(), "fp32", scenario="drawn", init_seed=layout.init_seed,
-                             model=model, batch_format=batch_format, deadline=deadline, find_unused=find_unused)
+def judge_layout(recipe: str, layout: Layout, options: BatteryOptions) -> list[Verdict]:
+    """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), under ``options`` (the
+    model, batch format, strategy, find_unused policy and each launch's deadline)."""
+    spec = replace(options.spec(recipe, "drawn", layout.world_size, "fp32"), init_seed=layout.init_seed)
+    run = runner.launch_run(spec, layout.build())
     return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
 
 
-def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bool = False, *,
-                  model: str | None = None, batch_format: str = "harness", deadline: float = runner.DEADLINE,
-                  world_sizes: Sequence[int] | None = None, find_unused: str = "auto") -> Verdict:
-    """Check ``recipe`` on ``examples`` drawn layouts; one verdict, whose failure message shows the drawn layout, a
-    shrunk one that still fails, and the failing checks' messages. Needs Hypothesis. ``model``, ``batch_format``,
-    ``deadline`` (seconds per launch) and ``find_unused`` as in :func:`harness.battery.runner.run_windows`;
-    ``world_sizes`` (default 1 to 4) are the world sizes drawn from, the shrunk layout's included.
+def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False) -> Verdict:
+    """Check ``recipe`` on ``options.examples`` drawn layouts (at the world sizes of ``options``, the shrunk layout's
+    included; default :class:`~harness.battery.options.BatteryOptions`); one verdict, whose failure message shows the
+    drawn layout, a shrunk one that still fails, and the failing checks' messages. Needs Hypothesis.
 
     The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
     ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32)"; a failure's message names the failing layout's world size."""
     import hypothesis
 
-    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
-        msg = f"examples={examples!r} must be a positive number of drawn layouts"
+    options = options or BatteryOptions()
+    examples, worlds = options.examples, options.world_sizes
+    if examples < 1:
+        msg = f"--battery-examples={examples!r} must be a positive number of drawn layouts here"
         raise ValueError(msg)
-    worlds = plan.check_world_sizes(list(world_sizes or range(1, MAX_WORLD_SIZE + 1)), "world_sizes")
     label = f"drawn ({examples} layouts, W in {','.join(map(str, sorted(worlds)))}, fp32)"
 
     facts: ModelFacts | None = None
-    if model is not None:
+    if options.model is not None:
         from harness.battery.facts import probe_model
         from harness.battery.spec import ModelSpec
 
-        facts = probe_model(ModelSpec(model, batch_format))
+        facts = probe_model(ModelSpec(options.model, options.batch_format))
 
     @hypothesis.settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
                          print_blob=True, phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate),
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(layout=layouts(facts=facts, world_sizes=worlds))
     def every_layout(layout: Layout) -> None:
-        failed = judge_layout(recipe, layout, model=model, batch_format=batch_format, deadline=deadline,
-                              find_unused=find_unused)
+        failed = judge_layout(recipe, layout, options)
         if failed:
             raise _LayoutFailed(layout, failed)
 
@@ -253,12 +247,9 @@ def drawn_verdict(recipe: str, examples: int = DEFAULT_EXAMPLES, derandomize: bo
             # Every smaller layout would cost a whole deadline too, and the size of a layout is rarely the reason.
             shown, message = exc.verdicts, head + "not shrunk (the run hit its deadline)\n"
         else:
-            small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(
-                recipe, lay, model=model, batch_format=batch_format, deadline=deadline, find_unused=find_unused)),
-                facts=facts,
-                world_sizes=worlds)
-            shown = judge_layout(recipe, small, model=model, batch_format=batch_format, deadline=deadline,
-                                 find_unused=find_unused) or exc.verdicts
+            small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(recipe, lay, options)), facts=facts,
+                                  world_sizes=worlds)
+            shown = judge_layout(recipe, small, options) or exc.verdicts
             message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n"
         message += "\n".join(v.message for v in shown)
         return Verdict("drawn", recipe, "drawn", 0, "fp32", FAIL, message, cause=shown[0].cause,

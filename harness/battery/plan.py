@@ -10,18 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.battery import scenarios
-
-WORLD_SIZES = (1, 2, 3, 4)
-"""World sizes every recipe runs at: 1 is the sanity lane, 2-4 the data-parallel ones."""
-
-PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "both": ("fp32", "fp64")}
-"""``--precision``: the float32 lane (tolerances atol 1e-6, rtol 1e-4), the strict float64 lane, or both."""
-
-NUMERIC_CHECKS = ("parity", "hygiene")
-"""Checks that run in every selected precision (the gradient and its dtype depend on it)."""
-
-ONCE_CHECKS = ("one_sync", "ranks_agree", "logged_loss", "weights_unchanged")
-"""Checks that run in the first selected precision only (a synchronization count does not depend on it)."""
+from harness.battery.checks import REGISTRY
+from harness.battery.options import (
+    PRECISION_CHOICES,
+    WORLD_SIZES,
+    BatteryOptions,
+    check_world_sizes,
+    parse_world_sizes,
+    precisions,
+)
 
 
 @dataclass(frozen=True)
@@ -41,50 +38,30 @@ class Case:
         return self.id
 
 
-def parse_world_sizes(text: str, option: str = "--battery-world-sizes") -> tuple[int, ...]:
-    """``"1,2,4"`` -> ``(1, 2, 4)``, validated; ValueError naming the option and the fix otherwise."""
-    try:
-        worlds = [int(w) for w in str(text).split(",")]
-    except ValueError:
-        msg = f"{option}={text!r} must be comma-separated world sizes from 1 to {scenarios.MAX_WORLD_SIZE}, e.g. 1,2"
-        raise ValueError(msg) from None
-    return check_world_sizes(worlds, option)
-
-
-def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
-    """Validate world sizes against what the scenarios can be built for."""
-    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int)
-           or not 1 <= w <= scenarios.MAX_WORLD_SIZE]
-    if bad or not world_sizes:
-        msg = (f"{option}={','.join(map(str, world_sizes))!r} must be world sizes between 1 and "
-               f"{scenarios.MAX_WORLD_SIZE}, e.g. 1,2,3,4")
-        raise ValueError(msg)
-    return tuple(dict.fromkeys(world_sizes))
-
-
-def precisions(choice: str, option: str = "--precision") -> tuple[str, ...]:
-    if choice not in PRECISION_CHOICES:
-        msg = f"{option}={choice!r} must be one of {', '.join(PRECISION_CHOICES)}"
-        raise ValueError(msg)
-    return PRECISION_CHOICES[choice]
-
-
 def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
           checks: Sequence[str] | None = None) -> list[Case]:
-    """Every case of the battery, in a stable order (by check, then scenario, world size and precision)."""
+    """Every case of the battery, in a stable order: by check (:data:`harness.battery.checks.REGISTRY`'s order, each
+    check where and in the precisions it registered for), then scenario, world size and precision."""
     lanes = precisions(precision)
     worlds = check_world_sizes(world_sizes)
     out = []
-    for scenario in scenarios.BATTERY_SCENARIOS:
-        for world in worlds:
-            if scenario in scenarios.MULTI_RANK_ONLY and world == 1:
-                continue  # one rank of one is every rank: that is the all_empty scenario
-            if scenario == "all_empty":
-                out.append(Case("empty_window", scenario, world, lanes[0]))
-                out.append(Case("weights_unchanged", scenario, world, lanes[0]))
+    for info in REGISTRY.values():  # the checks' order: the order they are defined in
+        if checks is not None and info.name not in checks:
+            continue
+        for scenario in scenarios.BATTERY_SCENARIOS:
+            if not info.runs_on(scenario):
                 continue
-            out += [Case(c, scenario, world, p) for c in NUMERIC_CHECKS for p in lanes]
-            out += [Case(c, scenario, world, lanes[0]) for c in ONCE_CHECKS]
-    order = ("parity", "one_sync", "ranks_agree", "logged_loss", "hygiene", "empty_window", "weights_unchanged")
-    out.sort(key=lambda c: order.index(c.check))
-    return [c for c in out if checks is None or c.check in checks]
+            for world in worlds:
+                if scenario in scenarios.MULTI_RANK_ONLY and world == 1:
+                    continue  # one rank of one is every rank: that is the all_empty scenario
+                out += [Case(info.name, scenario, world, p) for p in (lanes if info.per_precision else lanes[:1])]
+    return out
+
+
+def session_cases(options: BatteryOptions, checks: Sequence[str] | None = None) -> list[Case]:
+    """The cases a battery session runs under ``options`` (its world sizes and precision lanes)."""
+    return cases(options.world_sizes, options.precision, checks)
+
+
+__all__ = ["PRECISION_CHOICES", "WORLD_SIZES", "BatteryOptions", "Case", "cases", "check_world_sizes",
+           "parse_world_sizes", "precisions", "session_cases"]

@@ -17,14 +17,16 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from harness.battery import scenarios
+from harness.battery.options import DEADLINE, FIND_UNUSED, RunSpec, check_find_unused
 from harness.battery.spec import ModelSpec, model_modules, weights_digest
-from harness.core.compare import PRECISIONS, flat_params
-from harness.core.formats import HARNESS, check_batch_format
+from harness.core.compare import flat_params
+from harness.core.formats import HARNESS
 from harness.core.microbatch import Microbatch
 from harness.core.reference import Reference, reference_gradient
 from harness.distributed import launcher
@@ -33,9 +35,6 @@ from harness.recipes import recipe_module
 
 LR = 0.1
 """SGD step between windows (plain SGD: the battery checks gradients, not optimizer state)."""
-
-DEADLINE = 30.0
-"""Seconds one battery run may take; a recipe that hangs is reported at this deadline, never waited on longer."""
 
 LOCKSTEP_GRACE = 2.0
 """Seconds a rank may lag behind a peer that finished (or refused) the same window before the run is stopped as a
@@ -104,6 +103,8 @@ class Run:
     computes_in: str | None = None
     """``"torch.float32"`` when the user's model computes part of its forward below the run's precision (found by
     :func:`harness.battery.facts.probe_model`): parity then judges at that dtype's tolerances."""
+    run_spec: RunSpec | None = None
+    """What was run (None for a run assembled by hand, e.g. a test's skewed copy)."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
@@ -215,12 +216,11 @@ def _autocast_dtype(device_type: str) -> torch.dtype:
         return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
 
 
-def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, device: str, reduction: str = "mean",
-              init_seed: int | None = None, spec: ModelSpec | None = None,
-              find_unused: bool = False, strategy: str = "ddp") -> list[WindowRecord]:
-    """Runs on every rank: the recipe on the model wrapped by ``strategy`` (counting synchronizations), window after
-    window (``spec``: the model and batch convention; None: the built-in model with harness batches;
-    ``find_unused``: parameters may miss a gradient in a backward)."""
+def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
+              find_unused: bool = False) -> list[WindowRecord]:
+    """Runs on every rank: ``run``'s recipe on its model wrapped by its strategy (counting synchronizations), window
+    after window; ``digest`` is the fingerprint of the initial weights every rank must rebuild (None: the built-in
+    model, deterministic), ``find_unused`` whether parameters may miss a gradient in a backward."""
     import torch.distributed as dist
 
     from harness.distributed import strategies
@@ -228,9 +228,9 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation
 
     rank = dist.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    recipe = load_recipe(recipe_path)
-    spec = spec or ModelSpec(None, HARNESS, init_seed, precision)
+    dev = torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" else torch.device("cpu")
+    recipe = load_recipe(run.recipe)
+    spec = ModelSpec.of(run, digest)
     model = spec.build()
     spec.check_weights(model, f"rank {rank}")
     model = model.to(dev)
@@ -238,8 +238,8 @@ def rank_body(recipe_path: str, windows: scenarios.Windows, precision: str, devi
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
 
-    wrapped = strategies.get(strategy).wrap(model, dev, find_unused=find_unused, reduction=reduction,
-                                            on_comm_hook=refuse_comm_hook)
+    wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused, reduction=run.reduction,
+                                                on_comm_hook=refuse_comm_hook)
     ddp = wrapped.module
     autocast = _AutocastSeen(dev.type)
     model.register_forward_pre_hook(autocast)
@@ -436,40 +436,48 @@ def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     return total / count
 
 
-_CACHE: dict[tuple[object, ...], Run] = {}
-
-FIND_UNUSED = ("auto", "on", "off")
-"""``--find-unused-parameters``: ``auto`` (the default) wraps the ranks' DDP with ``find_unused_parameters=True`` when
-the reference finds a parameter without a gradient in some microbatch, and says so; ``on`` always; ``off`` never (a
-model that needs it then fails with DDP's own error and the parameters named)."""
+_CACHE: dict[RunSpec, Run] = {}
 
 
-def check_find_unused(value: str, option: str = "find_unused") -> str:
-    if value not in FIND_UNUSED:
-        msg = f"{option}={value!r} must be one of {', '.join(FIND_UNUSED)} (auto: on when a parameter gets no gradient)"
-        raise ValueError(msg)
-    return value
-
-
-def run(recipe: str, scenario: str, world_size: int, precision: str = "fp32", *, model: str | None = None,
-        batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo", deadline: float = DEADLINE,
-        reduction: str = "mean", find_unused: str = "auto", strategy: str = "ddp") -> Run:
-    """Launch ``recipe`` on the named ``scenario`` (cached per arguments for the session)."""
-    key = (recipe, scenario, world_size, precision, model, batch_format, device, backend, deadline, reduction,
-           find_unused, strategy)
-    if key not in _CACHE:
-        windows = scenarios.build(scenario, world_size)
-        _CACHE[key] = run_windows(recipe, windows, precision, scenario=scenario, model=model,
-                                  batch_format=batch_format, device=device, backend=backend, deadline=deadline,
-                                  reduction=reduction, find_unused=find_unused, strategy=strategy)
-    return _CACHE[key]
+def run(recipe: str | RunSpec, scenario: str | None = None, world_size: int | None = None, precision: str = "fp32",
+        **options: object) -> Run:
+    """Launch a run on its named scenario, cached per :class:`~harness.battery.options.RunSpec` for the session:
+    ``run(spec)``, or ``run(recipe, scenario, world_size, precision, **options)`` with the spec's other fields as
+    keywords (``model``, ``batch_format``, ``strategy``, ``find_unused``, ``deadline``, ...)."""
+    if isinstance(recipe, RunSpec):
+        spec = recipe
+    else:
+        if scenario is None or world_size is None:
+            msg = "run(recipe, scenario, world_size, ...) needs the scenario and the world size (or pass a RunSpec)"
+            raise TypeError(msg)
+        spec = RunSpec(recipe, scenario, world_size, precision, **options)  # type: ignore[arg-type]
+    if spec not in _CACHE:
+        _CACHE[spec] = launch_run(spec, scenarios.build(spec.scenario, spec.world_size), share_chain=True)
+    return _CACHE[spec]
 
 
 def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32", *, scenario: str = "custom",
-                model: str | None = None, batch_format: str = HARNESS, device: str = "cpu", backend: str = "gloo",
-                deadline: float = DEADLINE, reduction: str = "mean", init_seed: int | None = None,
-                env: dict[str, str] | None = None, find_unused: str = "auto", strategy: str = "ddp") -> Run:
+                env: dict[str, str] | None = None, **options: object) -> Run:
     """Launch ``recipe`` on explicit ``windows[k][rank][microbatch]`` (world size = ranks per window); not cached.
+    ``options`` are :class:`~harness.battery.options.RunSpec`'s other fields (``model``, ``batch_format``,
+    ``init_seed``, ``reduction``, ``strategy``, ``find_unused``, ``deadline``, ``device``, ``backend``)."""
+    if not windows or len({len(w) for w in windows}) != 1:
+        msg = "windows must be a non-empty list of windows with the same number of ranks each"
+        raise ValueError(msg)
+    spec = RunSpec(recipe, scenario, len(windows[0]), precision, **options)  # type: ignore[arg-type]
+    return launch_run(spec, windows, env=env)
+
+
+_CHAINS: dict[tuple[object, ...], Chain] = {}
+"""Reference chains of named scenarios, by (scenario, world size, model spec): every recipe judged on one case (the
+recipe under test and each negative control) is compared with the same reference, computed once per process."""
+
+
+def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
+               share_chain: bool = False) -> Run:
+    """Launch ``spec`` on ``windows``: the reference chain first, then the ranks (not cached). ``share_chain``:
+    ``windows`` are the named scenario's own (:func:`harness.battery.scenarios.build`), so the reference chain computed
+    for another recipe on the same case is reused.
 
     ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
     ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
@@ -479,54 +487,55 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
     (:mod:`harness.distributed.strategies`). A user's model that cannot run one of the microbatches gives a run with
     ``model_error`` set and no launch.
     """
-    if precision not in PRECISIONS:
-        msg = f"precision={precision!r} must be one of {sorted(PRECISIONS)}"
+    if spec.world_size != len(windows[0]):
+        msg = f"spec.world_size={spec.world_size} but the windows have {len(windows[0])} ranks"
         raise ValueError(msg)
-    if not windows or len({len(w) for w in windows}) != 1:
-        msg = "windows must be a non-empty list of windows with the same number of ranks each"
-        raise ValueError(msg)
-    check_batch_format(batch_format)
-    check_find_unused(find_unused)
     from harness.distributed import strategies
 
-    strategies.get(strategy)  # an unknown name is refused here, not in every rank
-    world_size = len(windows[0])
-    spec = ModelSpec(model, batch_format, init_seed, precision)
+    strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
+    model = ModelSpec.of(spec)
+    digest: str | None = None
     notes: tuple[str, ...] = ()
     computes_in = None
-    if model is not None:  # every rank must rebuild the weights the reference starts from
+    if spec.model is not None:  # every rank must rebuild the weights the reference starts from
         from harness.battery.facts import probe_model
 
-        spec = ModelSpec(model, batch_format, init_seed, precision, digest=weights_digest(spec.build()))
-        found = probe_model(ModelSpec(model, batch_format, init_seed, precision))
+        digest = weights_digest(model.build())
+        found = probe_model(model)
         computes_in = found.computes_in
         notes = found.notes(unused=False)  # the chain below says which parameters miss a gradient, and where
-    chain = compute_chain(windows, precision, init_seed, spec)
-    common = dict(init_seed=init_seed, model_path=model, batch_format=batch_format, computes_in=computes_in,
-                  reference_starts=chain.starts)
+        model = ModelSpec.of(spec, digest)
+    key = (spec.scenario, spec.world_size, model)
+    chain = _CHAINS.get(key) if share_chain else None
+    if chain is None:
+        chain = compute_chain(windows, spec.precision, spec.init_seed, model)
+        if share_chain and len(_CHAINS) < 64:
+            _CHAINS[key] = chain
+
+    def made(records: list[list[WindowRecord]] | None, **fields: Any) -> Run:
+        return Run(spec.recipe, spec.scenario, spec.world_size, spec.precision, windows, records, chain.references,
+                   init_seed=spec.init_seed, model_path=spec.model, batch_format=spec.batch_format,
+                   computes_in=computes_in, reference_starts=chain.starts, run_spec=spec, **fields)
+
     if chain.model_error is not None:
-        return Run(recipe, scenario, world_size, precision, windows, None, chain.references,
-                   model_error=chain.model_error, notes=notes, **common)  # type: ignore[arg-type]
+        return made(None, model_error=chain.model_error, notes=notes)
     needs, unused = unused_notes(chain)
-    wrap = find_unused == "on" or (find_unused == "auto" and needs)
+    wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and needs)
     if needs:
         how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs it "
                "too, or every parameter a gradient" if wrap else
                "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
                "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
         notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
-    preload = tuple(m for m in (recipe_module(recipe), *model_modules(model)) if m)
-    args: tuple[object, ...] = (recipe, windows, precision, device, reduction, init_seed, spec, wrap, strategy)
+    preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
-        records = launch(rank_body, world_size, *args, deadline=deadline, backend=backend, device=device, env=env,
-                         preload=preload, lockstep_grace=LOCKSTEP_GRACE)
-        return Run(recipe, scenario, world_size, precision, windows, records, chain.references, notes=notes,
-                   find_unused=wrap, **common)  # type: ignore[arg-type]
+        records = launch(rank_body, spec.world_size, spec, windows, digest, wrap, deadline=spec.deadline,
+                         backend=spec.backend, device=spec.device, env=env, preload=preload,
+                         lockstep_grace=LOCKSTEP_GRACE)
+        return made(records, notes=notes, find_unused=wrap)
     except LaunchError as exc:
-        return Run(recipe, scenario, world_size, precision, windows, None, chain.references, failure=exc,
-                   notes=notes + _named_indices(exc, chain.trainable), find_unused=wrap,
-                   **common)  # type: ignore[arg-type]
+        return made(None, failure=exc, notes=notes + _named_indices(exc, chain.trainable), find_unused=wrap)
 
 
-__all__ = ["FIND_UNUSED", "Chain", "Run", "WindowRecord", "compute_chain", "rank_body", "reference_chain", "run",
-           "run_windows", "token_mean_at", "unused_notes"]
+__all__ = ["DEADLINE", "FIND_UNUSED", "Chain", "Run", "RunSpec", "WindowRecord", "check_find_unused", "compute_chain",
+           "launch_run", "rank_body", "reference_chain", "run", "run_windows", "token_mean_at", "unused_notes"]

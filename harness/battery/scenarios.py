@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import torch
 
+from harness.battery.options import MAX_WORLD_SIZE
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.data.batching import collate
 from harness.data.config import Config
@@ -27,9 +28,6 @@ Windows = list[list[list[Microbatch]]]
 
 BATTERY_CONFIG = Config(dropout=0.0)
 """The battery's model and data: the minimum config's, with dropout 0 (the contract's train-mode-without-noise)."""
-
-MAX_WORLD_SIZE = 4
-"""The largest world size the battery's scenarios are built for (the corpus's length bands hold enough rows)."""
 
 
 @lru_cache(maxsize=4)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from harness.battery import scenarios
+from harness.battery.options import RunSpec
 from harness.core.compare import PRECISIONS, flat_params
 from harness.core.formats import HARNESS, HF, batch_as, check_batch_format, logits_of, shifted_loss_sum, to_hf
 from harness.core.loss import loss_sum
@@ -45,6 +46,12 @@ class ModelSpec:
         if self.precision not in PRECISIONS:
             msg = f"precision={self.precision!r} must be one of {sorted(PRECISIONS)}"
             raise ValueError(msg)
+
+    @classmethod
+    def of(cls, run: RunSpec, digest: str | None = None) -> ModelSpec:
+        """The model of a battery run (its path, batch format, seed and precision), with the initial weights'
+        fingerprint ``digest`` when the ranks must reproduce it."""
+        return cls(run.model, run.batch_format, run.init_seed, run.precision, digest)
 
     @property
     def seed(self) -> int:

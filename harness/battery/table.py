@@ -13,6 +13,7 @@ from pathlib import Path
 from harness.battery import checks, plan, runner
 from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
 from harness.battery.diagnose import diagnose
+from harness.battery.options import BatteryOptions
 from harness.recipes import CONTROLS
 
 Progress = Callable[[str], None]
@@ -21,19 +22,19 @@ SCHEMA = "harness.battery-report/1"
 """The ``--json`` and ``--battery-report`` format (the pytest plugin writes the same)."""
 
 
-def run_cases(recipe: str, cases: Sequence[plan.Case], deadline: float = runner.DEADLINE,
-              progress: Progress | None = None, *, model: str | None = None,
-              batch_format: str = "harness", find_unused: str = "auto") -> list[Verdict]:
-    """Every case for one recipe under test (on ``model`` with ``batch_format``); runs shared by several checks
-    launch once. Whatever one case does, the others still run: an error of the harness itself on a case becomes
-    that case's failing verdict (cause ``"error"``, the traceback in ``details``), never a lost battery."""
+def run_cases(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions | None = None,
+              progress: Progress | None = None) -> list[Verdict]:
+    """Every case for one recipe under test, under ``options`` (default
+    :class:`~harness.battery.options.BatteryOptions`); runs shared by several checks launch once. Whatever one case
+    does, the others still run: an error of the harness itself on a case becomes that case's failing verdict (cause
+    ``"error"``, the traceback in ``details``), never a lost battery."""
+    options = options or BatteryOptions()
     verdicts = []
     for case in cases:
         if progress:
             progress(f"{recipe.split(':')[-1]}: {case.check} ({case.id})")
         try:
-            run = runner.run(recipe, case.scenario, case.world_size, case.precision, model=model,
-                             batch_format=batch_format, deadline=deadline, find_unused=find_unused)
+            run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision))
             verdicts.append(checks.CHECKS[case.check](run))
         except Exception as exc:
             verdicts.append(error_verdict(recipe, case, exc))
@@ -76,10 +77,11 @@ class ControlResult:
                 "verdict": self.verdict.to_dict(), "diagnosis": self.diagnosis}
 
 
-def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: float = runner.DEADLINE,
-                 progress: Progress | None = None, *, model: str | None = None) -> list[ControlResult]:
-    """Each control on its target (check, scenario, precision, batch format) at each world size where its mistake can
-    show (2+), on ``model`` (None: the built-in one)."""
+def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
+                 progress: Progress | None = None) -> list[ControlResult]:
+    """Each control on its target (check, scenario, precision, batch format) at each of ``options.world_sizes``
+    where its mistake can show (2+), under ``options`` (its model included: None, the built-in one)."""
+    options = options or BatteryOptions()
     unknown = [n for n in names if n not in CONTROLS]
     if unknown:
         msg = f"--battery-controls: {', '.join(unknown)} not among the negative controls: {', '.join(CONTROLS)}"
@@ -87,13 +89,14 @@ def run_controls(names: Sequence[str], world_sizes: Sequence[int], deadline: flo
     out = []
     for name in names:
         target = CONTROLS[name]
-        for world in world_sizes:
+        for world in options.world_sizes:
             if world == 1:
                 continue  # several controls are right at W=1 (no rank to average over): they target W >= 2
             if progress:
                 progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
-            run = runner.run(f"harness.recipes:{name}", target.scenario, world, target.precision, model=model,
-                             batch_format=target.batch_format, deadline=deadline)
+            spec = options.spec(f"harness.recipes:{name}", target.scenario, world, target.precision,
+                                batch_format=target.batch_format)
+            run = runner.run(spec)
             verdict = checks.CHECKS[target.check](run)
             found = verdict.diagnosis
             if found is None:

@@ -16,6 +16,7 @@ import pytest
 
 from harness.battery import checks, plan, runner
 from harness.battery.checks import Verdict
+from harness.battery.options import BatteryOptions
 
 pytestmark = pytest.mark.recipe
 
@@ -36,22 +37,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     name = getattr(metafunc.function, "battery_check_name", None)
     if name is None or "case" not in metafunc.fixturenames:
         return
-    worlds = plan.parse_world_sizes(metafunc.config.getoption("battery_world_sizes"), "--battery-world-sizes")
-    cases = plan.cases(worlds, metafunc.config.getoption("precision"), checks=(name,))
+    from harness.battery.options import from_pytest
+
+    cases = plan.session_cases(from_pytest(metafunc.config), checks=(name,))
     # One xdist group per launch: with --dist loadgroup the checks sharing a run stay on the worker that ran it.
     params = [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(c.run_key)) for c in cases]
     metafunc.parametrize("case", params)
 
 
 @pytest.fixture
-def judge(recipe_path: str, model_path: str | None, batch_format: str, find_unused: str, battery_deadline: float,
-          battery_check: Check) -> Callable[[plan.Case], None]:
-    """``judge(case)``: run (or reuse) the case's launch on ``--model`` with ``--batch-format`` within
-    ``--battery-deadline`` seconds, apply its check, and pass, fail or skip as n/a."""
+def judge(recipe_path: str, battery_options: BatteryOptions, battery_check: Check) -> Callable[[plan.Case], None]:
+    """``judge(case)``: run (or reuse) the case's launch under the session's options (``--model``,
+    ``--batch-format``, ``--battery-deadline``, ...), apply its check, and pass, fail or skip as n/a."""
 
     def apply(case: plan.Case) -> None:
-        run = runner.run(recipe_path, case.scenario, case.world_size, case.precision, model=model_path,
-                         batch_format=batch_format, find_unused=find_unused, deadline=battery_deadline)
+        run = runner.run(battery_options.spec(recipe_path, case.scenario, case.world_size, case.precision))
         battery_check(checks.CHECKS[case.check](run))
 
     return apply

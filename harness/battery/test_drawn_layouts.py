@@ -16,23 +16,19 @@ from collections.abc import Callable
 import pytest
 
 from harness.battery.checks import Verdict
+from harness.battery.options import BatteryOptions
 
 pytestmark = pytest.mark.recipe
 
 
 def test_drawn_layouts_keep_parity_one_sync_and_the_logged_loss(
-    recipe_path: str, model_path: str | None, batch_format: str, battery_deadline: float, find_unused: str,
-    pytestconfig: pytest.Config, battery_check: Callable[[Verdict], None]
+    recipe_path: str, battery_options: BatteryOptions, battery_check: Callable[[Verdict], None]
 ) -> None:
     """On every drawn layout the recipe's gradient is the reference's, one sync per window, the right logged loss."""
-    examples = int(pytestconfig.getoption("battery_examples"))
-    if examples == 0:
+    if battery_options.examples == 0:
         pytest.skip("--battery-examples 0: no drawn layouts")
     pytest.importorskip("hypothesis", reason="the drawn-layout lane needs hypothesis (the harness's [test] extra)")
-    from harness.battery import plan
     from harness.battery.layouts import drawn_verdict
 
-    worlds = plan.parse_world_sizes(pytestconfig.getoption("battery_world_sizes"), "--battery-world-sizes")
     ci = os.environ.get("CI", "").strip().lower() == "true"
-    battery_check(drawn_verdict(recipe_path, examples, derandomize=ci, model=model_path, batch_format=batch_format,
-                                deadline=battery_deadline, world_sizes=worlds, find_unused=find_unused))
+    battery_check(drawn_verdict(recipe_path, battery_options, derandomize=ci))

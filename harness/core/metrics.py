@@ -7,6 +7,8 @@ accuracies weights every rank equally instead of every example. Seed 004: rank 0
 
 The distributed functions all-reduce on :func:`harness.core.loss.count_device` (CPU for gloo, the current CUDA device
 for NCCL) in float64, so counts up to 2**53 are exact; outside a process group a single process is the whole world.
+The distributed negative control (all-reduced per-rank accuracies) and the rank body the tests launch live in
+``tests/support/metrics_bodies.py``.
 """
 
 from __future__ import annotations
@@ -71,33 +73,10 @@ def global_accuracy(correct: int, total: int) -> float:
     return accuracy(*global_counts(correct, total))
 
 
-def mean_of_rank_accuracies(correct: int, total: int) -> float:
-    """NEGATIVE CONTROL, distributed: all-reduce each rank's accuracy and divide by the world size."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    local = accuracy(correct, total)
-    if not dist.is_initialized():
-        return local
-    t = torch.tensor(local, dtype=torch.float64, device=count_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t) / world
-
-
-def metrics_rank_body(per_rank: Sequence[tuple[int, int]]) -> dict[str, float]:
-    """Rank body for :func:`harness.distributed.launcher.launch`: rank r holds ``per_rank[r]``; returns both
-    combinations."""
-    correct, total = per_rank[dist.get_rank()]
-    out = {"from_counts": global_accuracy(correct, total)}
-    if all(t > 0 for _, t in per_rank):
-        out["mean_of_accuracies"] = mean_of_rank_accuracies(correct, total)
-    return out
-
-
 __all__ = [
     "accuracy",
     "combine_counts",
     "global_accuracy",
     "global_counts",
     "mean_of_accuracies",
-    "mean_of_rank_accuracies",
-    "metrics_rank_body",
 ]

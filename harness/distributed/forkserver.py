@@ -32,6 +32,12 @@ _server_started = False
 _active_launches = 0
 _restarting = False
 _CONTEXT: Any = None
+_starts = [0]
+
+
+def starts() -> int:
+    """How many times this process has started (or restarted) its server: each is a cold start of seconds."""
+    return _starts[0]
 
 
 def _context() -> Any:
@@ -72,6 +78,8 @@ def running(preload: tuple[str, ...]) -> Iterator[Any]:
         path = [p for p in sys.path if isinstance(p, str)]
         os.environ[_preload.ENV] = json.dumps({"modules": list(_server_modules), "sys_path": path})
         try:
+            if not _alive(server):
+                _starts[0] += 1
             server.ensure_running()
         finally:
             os.environ.pop(_preload.ENV, None)
@@ -83,6 +91,19 @@ def running(preload: tuple[str, ...]) -> Iterator[Any]:
         with _SERVER:
             _active_launches -= 1
             _SERVER.notify_all()
+
+
+def warm(modules: tuple[str, ...]) -> None:
+    """Have the server import ``modules`` too when it (re)starts: called before a process's first launch, a
+    session that will ask for many modules starts its server once with all of them instead of restarting it for each
+    new one (each restart is a cold start). A server already running keeps its modules until its next restart."""
+    global _server_modules
+    with _SERVER:
+        _server_modules = tuple(dict.fromkeys((*_server_modules, *modules)))
+
+
+def _alive(server: Any) -> bool:
+    return getattr(server, "_forkserver_pid", None) is not None
 
 
 def _can_stop(server: Any) -> bool:

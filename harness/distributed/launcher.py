@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -63,10 +64,30 @@ from harness.distributed import forkserver, output, rank, scratch, watch
 from harness.distributed.errors import Expected, LaunchError
 from harness.distributed.forkserver import PRELOAD
 
-__all__ = ["DEFAULT_DEADLINE", "PRELOAD", "Expected", "LaunchError", "Results", "launch", "progress"]
+__all__ = ["DEFAULT_DEADLINE", "PRELOAD", "Expected", "LaunchError", "Results", "launch", "launches", "progress",
+           "warm"]
 
 DEFAULT_DEADLINE = 60.0
 """Seconds a whole run may take by default."""
+
+_LAUNCHES = [0]
+
+
+def warm(*modules: str) -> None:
+    """Import ``modules`` in the forkserver when it starts, as if a launch had asked for them with ``preload=``: call
+    it before the first launch of a process that will launch with many modules' functions (a test session), and the
+    server starts once, warm, instead of restarting cold for each new module."""
+    bad = [m for m in modules if not isinstance(m, str) or not all(p.isidentifier() for p in m.split("."))]
+    if bad:
+        msg = f"modules={bad!r} must be module names (e.g. 'mypkg.recipes')"
+        raise ValueError(msg)
+    forkserver.warm(tuple(modules))
+
+
+def launches() -> int:
+    """How many launches this process has started (valid arguments, whatever their outcome): what a run cache saves
+    shows here (``benchmarks/suite_bench.py`` counts them per test)."""
+    return _LAUNCHES[0]
 
 
 def progress(step: int, note: str = "") -> None:
@@ -136,6 +157,7 @@ def launch(
     :class:`LaunchError`.
     """
     _check_launch_args(fn, world_size, deadline, backend, device, expect, threads, env, lockstep_grace, preload)
+    _LAUNCHES[0] += 1
     if not isinstance(relay_output, bool):
         msg = f"relay_output={relay_output!r} must be True (print the ranks' output once) or False (only return it)"
         raise TypeError(msg)
@@ -145,6 +167,9 @@ def launch(
     # Start-up (rendezvous and first barrier) may use the whole deadline where the process-group timeout can be
     # changed afterwards; a late rank on a loaded machine is not a stuck collective.
     startup_timeout = max(pg_timeout, float(deadline)) if rank.set_pg_timeout_fn() is not None else pg_timeout
+    # The function and its arguments are pickled once, with plain pickle (tensors by value), for every rank: through
+    # multiprocessing's own pickler, torch would move each tensor through a shared-memory segment, per rank.
+    call = pickle.dumps((fn, args))
     with forkserver.running(tuple(preload)) as ctx:
         ends_at = time.time() + deadline
         environ = dict(os.environ)
@@ -162,7 +187,7 @@ def launch(
                 }
                 spec = rank.RankSpec(r, world_size, backend, device, pg_timeout, startup_timeout, tmp, rank_env,
                                      expect, threads, ends_at, caller=os.getpid())
-                p = ctx.Process(target=rank.rank_main, args=(spec, fn, args, writer), name=f"harness-rank{r}",
+                p = ctx.Process(target=rank.rank_main, args=(spec, call, writer), name=f"harness-rank{r}",
                                 daemon=True)
                 p.start()
                 writer.close()

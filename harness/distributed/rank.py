@@ -163,7 +163,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection) -> None:
+def rank_main(spec: RankSpec, call: bytes, conn: Connection) -> None:
     global CHANNEL
     _die_with_parent()
     stack_file = open(os.path.join(spec.tmp, f"stack-{spec.rank}.txt"), "w")  # noqa: SIM115 (lives until exit)
@@ -175,6 +175,9 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple[Any, ...], con
         import torch.distributed as dist
 
         torch.set_num_threads(spec.threads)
+        # Part of start-up (the rendezvous waits for it): unpickling imports the function's module, in the caller's
+        # environment, which is this process's by now (see RankSpec).
+        fn, args = pickle.loads(call)
         if spec.device == "cuda":
             torch.cuda.set_device(spec.rank % torch.cuda.device_count())
         store = dist.FileStore(os.path.join(spec.tmp, "store"), spec.world_size)

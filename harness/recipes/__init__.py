@@ -5,9 +5,9 @@ over ranks) and ``window`` this rank's microbatches for one optimizer step. It m
 ``(sum of per-token cross-entropy over every supervised token of every rank's window) / (number of those tokens)``.
 
 ``contract`` holds the protocol and the one loader, ``helpers`` what a recipe may use (``global_count``,
-``sync_context``, ``require_tokens``), ``correct`` the correct recipes, ``controls`` the negative controls,
-``reduction`` the summing-hook contract and ``symmetry`` the Join recipes. Every recipe and control is importable from
-here too, so ``--recipe=harness.recipes:<name>`` names any of them.
+``sync_context``, ``require_tokens``), ``correct`` the correct recipes and ``controls`` the negative controls. Every
+recipe and control is importable from here too, so ``--recipe=harness.recipes:<name>`` names any of them. (The
+summing-hook and Join recipes the tests use live in ``tests/support/``, outside the package.)
 """
 
 from __future__ import annotations

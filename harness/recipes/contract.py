@@ -40,7 +40,7 @@ COMM_HOOK_OWNED = (
 
 
 _FIX = "the recipe contract wants an instance, a class or a zero-argument factory whose result has "\
-       "backward_window(model, window) and a str name (see the README's recipe contract)"
+       "backward_window(model, window) and a str name (see docs/recipe-contract.md)"
 
 
 def split_recipe_path(path: str) -> tuple[str, str]:

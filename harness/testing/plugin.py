@@ -18,6 +18,7 @@ import pytest
 
 if TYPE_CHECKING:
     from harness.battery.checks import Verdict
+    from harness.battery.options import BatteryOptions
 
 MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
@@ -100,12 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
             _MODEL_NOTES[:] = probe(config.getoption("model"), config.getoption("batch_format")).notes()
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}") from None
-    examples = config.getoption("battery_examples")
-    if examples is not None and examples < 0:
-        raise pytest.UsageError(f"--battery-examples={examples} must be 0 (no drawn layouts) or a positive number")
-    deadline = config.getoption("battery_deadline")
-    if deadline is not None and not deadline > 0:
-        raise pytest.UsageError(f"--battery-deadline={deadline:g} must be a positive number of seconds, e.g. 120")
+    _OPTIONS["session"] = options_from(config)
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()
@@ -166,6 +162,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 _CONTROLLER_VERDICTS: list[dict[str, object]] = []
 _ERRORS: list[str] = []
 _SESSION: dict[str, int] = {}
+_OPTIONS: dict[str, BatteryOptions] = {}
+"""The session's battery options, parsed once at start-up (:func:`battery_options`)."""
 _MODEL_NOTES: list[str] = []
 """What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), for the report."""
 
@@ -176,12 +174,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     from harness.battery.table import report_payload, write_report
 
+    options = _OPTIONS["session"]
     write_report(path, report_payload(
         recipes=[chosen_recipe(session.config)], checks=_CONTROLLER_VERDICTS, expected=_SESSION.get("expected", 0),
-        exit_status=int(exitstatus), errors=_ERRORS, model=session.config.getoption("model"),
-        batch_format=session.config.getoption("batch_format"), model_notes=_MODEL_NOTES,
-        world_sizes=[int(w) for w in str(session.config.getoption("battery_world_sizes")).split(",")],
-        precision=session.config.getoption("precision"),
+        exit_status=int(exitstatus), errors=_ERRORS, model=options.model, batch_format=options.batch_format,
+        model_notes=_MODEL_NOTES, world_sizes=options.world_sizes, precision=options.precision,
     ))
 
 
@@ -201,34 +198,41 @@ def recipe_path(pytestconfig: pytest.Config) -> str:
     return chosen_recipe(pytestconfig)
 
 
+def options_from(config: pytest.Config) -> BatteryOptions:
+    """The battery's options from pytest's (:func:`harness.battery.options.from_pytest`: the command line's
+    :meth:`~harness.battery.options.BatteryOptions.parse`, pure Python); bad input is a usage error."""
+    from harness.battery.options import from_pytest
+
+    try:
+        return from_pytest(config)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 @pytest.fixture(scope="session")
-def model_path(pytestconfig: pytest.Config) -> str | None:
+def battery_options() -> BatteryOptions:
+    """The session's :class:`~harness.battery.options.BatteryOptions`, parsed once from ``--model``,
+    ``--batch-format``, ``--precision``, ``--battery-world-sizes``, ``--battery-examples``, ``--battery-deadline``,
+    ``--find-unused-parameters`` and ``--battery-report``."""
+    return _OPTIONS["session"]
+
+
+@pytest.fixture(scope="session")
+def model_path(battery_options: BatteryOptions) -> str | None:
     """``--model``: the ``package.module:factory`` of the user's model, or None for the built-in one."""
-    value = pytestconfig.getoption("model")
-    return None if value is None else str(value)
+    return battery_options.model
 
 
 @pytest.fixture(scope="session")
-def find_unused(pytestconfig: pytest.Config) -> str:
-    """``--find-unused-parameters``: ``"auto"``, ``"on"`` or ``"off"``."""
-    return str(pytestconfig.getoption("find_unused_parameters"))
+def battery_deadline(battery_options: BatteryOptions) -> float:
+    """``--battery-deadline``: seconds one battery run may take (default :data:`harness.battery.options.DEADLINE`)."""
+    return battery_options.deadline
 
 
 @pytest.fixture(scope="session")
-def battery_deadline(pytestconfig: pytest.Config) -> float:
-    """``--battery-deadline``: seconds one battery run may take (default :data:`harness.battery.runner.DEADLINE`)."""
-    value = pytestconfig.getoption("battery_deadline")
-    if value is None:
-        from harness.battery.runner import DEADLINE
-
-        return DEADLINE
-    return float(value)
-
-
-@pytest.fixture(scope="session")
-def batch_format(pytestconfig: pytest.Config) -> str:
+def batch_format(battery_options: BatteryOptions) -> str:
     """``--batch-format``: ``"harness"`` or ``"hf"``."""
-    return str(pytestconfig.getoption("batch_format"))
+    return battery_options.batch_format
 
 
 @pytest.fixture

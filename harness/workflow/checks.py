@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from harness.battery.options import BatteryOptions
 from harness.recipes import CORRECT_RECIPE
 from harness.workflow.commands import config_from, config_path_of, err, outputs_of
 from harness.workflow.outputs import BadInput, leftover_in_use
@@ -38,6 +39,18 @@ def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, 
         raise BadInput(f"--model: {exc}") from None
 
 
+def battery_options(args: argparse.Namespace) -> BatteryOptions:
+    """The battery's options from the command line, parsed once (the pytest plugin parses its own options through the
+    same :meth:`~harness.battery.options.BatteryOptions.parse`); bad input names the option."""
+    try:
+        return BatteryOptions.parse(
+            model=getattr(args, "model", None), batch_format=getattr(args, "batch_format", "harness"),
+            precision=args.precision, world_sizes=args.world_sizes, examples=args.examples, deadline=args.deadline,
+            find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
 def cmd_battery(args: argparse.Namespace) -> int:
     """Judge recipes under test on the battery's cases, and the negative controls on their targets.
 
@@ -49,11 +62,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
     from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
     from harness.recipes import CONTROLS, RecipeError, load_recipe
 
-    try:
-        worlds = plan.parse_world_sizes(args.world_sizes, "--battery-world-sizes")
-        cases = plan.cases(worlds, args.precision)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
+    options = battery_options(args)
+    cases = plan.session_cases(options)
+    worlds, model, batch_format = options.world_sizes, options.model, options.batch_format
     if args.controls is None:
         controls: list[str] = [] if args.recipe else list(CONTROLS)
     else:
@@ -67,28 +78,20 @@ def cmd_battery(args: argparse.Namespace) -> int:
             load_recipe(r)
         except RecipeError as exc:
             raise BadInput(f"--recipe: {exc}") from None
-    batch_format = getattr(args, "batch_format", "harness")
-    model = getattr(args, "model", None)
     found = model_notes(model, batch_format)
-    find_unused = getattr(args, "find_unused_parameters", "auto")
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
-    if args.examples < 0:
-        raise BadInput(f"--battery-examples={args.examples} must be 0 (no drawn layouts) or a positive number")
-    drawn = args.examples > 0 and importlib.util.find_spec("hypothesis") is not None
+    drawn = options.examples > 0 and importlib.util.find_spec("hypothesis") is not None
     verdicts = []
     for r in recipes:
-        verdicts += run_cases(r, cases, args.deadline, progress, model=model, batch_format=batch_format,
-                              find_unused=find_unused)
+        verdicts += run_cases(r, cases, options, progress)
         if drawn:
             from harness.battery.layouts import drawn_verdict
 
             if progress:
-                progress(f"{r.split(':')[-1]}: {args.examples} drawn layouts")
-            verdicts.append(drawn_verdict(r, args.examples, derandomize=os.environ.get("CI", "") == "true",
-                                          model=model, batch_format=batch_format, deadline=args.deadline,
-                                          world_sizes=worlds, find_unused=find_unused))
-    results = run_controls(controls, worlds, args.deadline, progress) if controls else []
+                progress(f"{r.split(':')[-1]}: {options.examples} drawn layouts")
+            verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true"))
+    results = run_controls(controls, options, progress) if controls else []
     if verdicts:
         print(format_table(verdicts))
     if results:
@@ -102,13 +105,13 @@ def cmd_battery(args: argparse.Namespace) -> int:
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed or unrejected else 0
     print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
-          f"{list(worlds)}, precision {args.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
-    for path in filter(None, (args.json,)):
+          f"{list(worlds)}, precision {options.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
+    for path in filter(None, (options.report,)):
         from harness.battery.table import write_report
 
         expected = (len(cases) + drawn) * len(recipes)
         write_report(path, report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
-                                       precision=args.precision, model=model, batch_format=batch_format,
+                                       precision=options.precision, model=model, batch_format=batch_format,
                                        model_notes=notes))
         print(f"report written to {path}")
     for v in failed:

@@ -83,6 +83,7 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 def _protocol(config: Config, config_path: str, outputs: Path, progress: Progress, scaling_worlds: Sequence[int],
               scaling_steps: int, chosen: Sequence[str], written: list[str]) -> Report:
     from harness.battery import plan
+    from harness.battery.options import BatteryOptions
     from harness.battery.table import format_controls, format_table, run_cases, run_controls
 
     start = time.monotonic()
@@ -117,9 +118,9 @@ def _protocol(config: Config, config_path: str, outputs: Path, progress: Progres
 
     step(4, "battery: the correct recipe on every case at W=2, every negative control on its target")
     progress(f"  battery: {CORRECT_RECIPE.split(':')[-1]}")
-    verdicts = run_cases(CORRECT_RECIPE, plan.cases([2]))
+    verdicts = run_cases(CORRECT_RECIPE, plan.cases([2]))  # default options: the built-in model, DDP
     progress(f"  battery: {len(chosen)} negative control(s)")
-    controls_run = run_controls(chosen, [2])
+    controls_run = run_controls(chosen, BatteryOptions(world_sizes=(2,)))
     r["battery"] = {"table": format_table(verdicts) + "\n\n" + format_controls(controls_run),
                     "verdicts": [v.to_dict() for v in verdicts], "controls": [c.to_dict() for c in controls_run]}
     correct_failed = [f"{v.check} ({v.scenario}, {v.precision})" for v in verdicts if not v.passed]

@@ -1,5 +1,5 @@
-"""Rank bodies for ``test_launcher.py`` that :mod:`harness.distributed.probes` does not have: lockstep progress, the
-environment a rank sees, and an argument that makes one rank late to start.
+"""Rank bodies for ``test_launcher.py`` that ``support.probes`` (``tests/support/probes.py``) does not have: lockstep
+progress, the environment a rank sees, and an argument that makes one rank late to start.
 
 Imported by plain name: the tests put this folder on ``sys.path``, which each rank inherits from the caller.
 """

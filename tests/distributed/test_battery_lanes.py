@@ -67,6 +67,7 @@ def test_the_command_line_judges_a_user_recipe_as_a_recipe_under_test(tmp_path: 
     assert "n/a" in done.stdout and "every check holds" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_bad_input_with_exit_2() -> None:
     """An unloadable recipe, a world size the scenarios cannot hold, an unknown control: exit 2 and the reason."""
     for args, says in ((["--recipe", "user_recipes.variants:RaisesOnEveryRank"], "calling RaisesOnEveryRank()"),

@@ -45,6 +45,7 @@ def test_exercise_shows_the_averages_move_and_only_the_mean_of_means_misses_at_1
     assert [line for line in out.splitlines() if "mean_of_local_means  tokens [12, 36]" in line and "MISSES" in line]
 
 
+@pytest.mark.slow
 def test_check_environment_dual_meets_two_ranks_and_says_why_gpu2_cannot_run() -> None:
     """--dual all-reduces across two gloo ranks and names what the gpu2 lane lacks (or that it can run)."""
     done = harness("check-environment", "--config", MINIMUM, "--dual")

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.groups import control_group
 
 from harness.battery import checks, runner
 from harness.battery.diagnose import diagnose
@@ -42,10 +43,12 @@ def test_every_control_declares_its_diagnosis() -> None:
     assert set(DIAGNOSES.values()) - {None} <= set(SIGNATURES)
 
 
-@pytest.mark.parametrize("name", list(PHRASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(control_group(n, 3)))
+                                  for n in PHRASES])
 def test_each_diagnosis_names_the_mistake_in_words(name: str) -> None:
+    """On the run the negative-control test judges (the same xdist group: one launch for both)."""
     t = CONTROLS[name]
-    found = diagnose(runner.run(f"harness.recipes:{name}", t.scenario, 3, t.precision))
+    found = diagnose(runner.run(f"harness.recipes:{name}", t.scenario, 3, t.precision, batch_format=t.batch_format))
     assert found is not None
     assert DIAGNOSES[name] == found.signature.name, found.line()
     assert PHRASES[name] in found.line(), found.line()
@@ -142,7 +145,7 @@ def _parity(recipe: str, scenario: str, world: int, precision: str = "fp32",
     return verdict
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp64", marks=pytest.mark.slow)])
 def test_an_auxiliary_l2_penalty_reads_extra_term_naming_its_layer(precision: str) -> None:
     verdict = _parity("user_recipes.diagnosed:auxiliary_l2_penalty", "uneven", 2, precision)
     found = verdict.diagnosis

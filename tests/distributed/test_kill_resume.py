@@ -37,11 +37,16 @@ class Kill:
 
 KILLS = [
     Kill(rank=1, step=37, point="in-window", resumes_at=30),
-    Kill(rank=1, step=40, point="after-rank-temp", resumes_at=30),
-    Kill(rank=0, step=40, point="after-rank-temp", resumes_at=30),
-    Kill(rank=0, step=40, point="before-manifest", resumes_at=30),
+    pytest.param(Kill(rank=1, step=40, point="after-rank-temp", resumes_at=30), marks=pytest.mark.slow),
+    pytest.param(Kill(rank=0, step=40, point="after-rank-temp", resumes_at=30), marks=pytest.mark.slow),
+    pytest.param(Kill(rank=0, step=40, point="before-manifest", resumes_at=30), marks=pytest.mark.slow),
     Kill(rank=1, step=40, point="after-manifest", resumes_at=40),
 ]
+"""A kill inside a window and one after a complete checkpoint run in the test command; the kills between a rank's
+temporary file and the manifest run in the slow tier."""
+
+# The uninterrupted control run is a module fixture: one worker computes it once for every kill.
+pytestmark = pytest.mark.xdist_group("kill-resume")
 
 
 @pytest.fixture(scope="module")

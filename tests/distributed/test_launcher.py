@@ -17,11 +17,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support import probes
 
-from harness.distributed import probes, scratch
+from harness.distributed import scratch
 from harness.distributed.launcher import Expected, LaunchError, launch, progress
+from harness.distributed.probes import all_reduce_rank
 
 HERE = Path(__file__).parent
+TESTS = HERE.parent
 
 
 @pytest.fixture
@@ -67,7 +70,7 @@ def test_each_rank_returns_its_own_value(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
 def test_collectives_reach_every_rank(world_size: int) -> None:
     """An all-reduce over the launched group sums every rank's contribution."""
-    assert [world_size * (world_size + 1) // 2] * world_size == launch(probes.all_reduce_rank, world_size)
+    assert [world_size * (world_size + 1) // 2] * world_size == launch(all_reduce_rank, world_size)
 
 
 def test_a_ddp_step_runs_and_tensors_come_back_by_value() -> None:
@@ -154,7 +157,9 @@ def test_no_rank_outlives_a_killed_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     script = textwrap.dedent(
         f"""
-        from harness.distributed import probes
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from support import probes
         from harness.distributed.launcher import launch
         launch(probes.sleep_on, 2, None, 3600.0, {str(pid_file)!r}, deadline=600)
         """
@@ -188,7 +193,7 @@ def test_two_runs_at_once_do_not_collide() -> None:
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        results[i] = launch(probes.all_reduce_rank, 2)
+        results[i] = launch(all_reduce_rank, 2)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
@@ -312,6 +317,7 @@ def test_progress_outside_a_launched_rank_does_nothing_but_checks_its_arguments(
 # --- start-up --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_rank_late_to_start_is_not_failed_by_the_process_group_timeout(bodies: ModuleType) -> None:
     """Rank 1 starts 8.5 s after rank 0. The process-group timeout for deadline=10 is 7.5 s: it applies from the
     first barrier on, while the rendezvous before it may take up to the deadline. (With the process-group timeout
@@ -321,6 +327,7 @@ def test_a_rank_late_to_start_is_not_failed_by_the_process_group_timeout(bodies:
     assert ["on time", "late"] == [r["value"] for r in results]
 
 
+@pytest.mark.slow
 def test_a_slow_start_leaves_the_collectives_less_time_not_the_deadline(bodies: ModuleType) -> None:
     """Rank 1 starts 2 s late, then rank 0 waits alone in an all-reduce. For deadline=5 the process-group timeout is
     3.75 s, which from a start at 2 s would end past the deadline (a kill, without a traceback); each rank cuts it to
@@ -372,6 +379,7 @@ def where():
 """
 
 
+@pytest.mark.slow
 def test_a_preloaded_module_is_imported_by_the_forkserver_before_it_forks(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Without preload, each rank imports the module of its function itself; with it, the forkserver (each rank's

@@ -4,8 +4,8 @@ accuracies is the negative control (seed 004: 0.8333 vs 0.70)."""
 from __future__ import annotations
 
 import pytest
+from support.metrics_bodies import metrics_rank_body
 
-from harness.core.metrics import metrics_rank_body
 from harness.distributed.launcher import launch
 
 

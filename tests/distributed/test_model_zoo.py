@@ -146,14 +146,15 @@ def test_a_harness_error_on_one_case_is_that_case_s_failing_verdict_and_the_othe
 ) -> None:
     """run_cases never loses the battery: an exception inside one case becomes a verdict with cause "error"."""
     from harness.battery import plan, table
+    from harness.battery.options import RunSpec
 
     cases = [c for c in plan.cases((2,), "fp32") if c.scenario in ("uneven", "single") and c.check == "parity"]
     real = runner.run
 
-    def flaky(recipe: str, scenario: str, *args: object, **kwargs: object) -> runner.Run:
-        if scenario == "single":
+    def flaky(spec: RunSpec) -> runner.Run:
+        if spec.scenario == "single":
             raise RuntimeError("boom inside the harness")
-        return real(recipe, scenario, *args, **kwargs)  # type: ignore[arg-type]
+        return real(spec)
 
     monkeypatch.setattr(runner, "run", flaky)
     verdicts = table.run_cases(CORRECT, cases)

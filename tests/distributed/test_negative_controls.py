@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.groups import control_group
 
 from harness.battery import checks, runner, scenarios
 from harness.battery.diagnose import worst
+from harness.battery.options import BatteryOptions
 from harness.battery.table import run_controls
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS
 
@@ -27,12 +29,14 @@ def control(name: str) -> str:
     return f"harness.recipes:{name}"
 
 
-@pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
-@pytest.mark.parametrize("name", list(CONTROLS))
+@pytest.mark.parametrize(("name", "world_size"), [
+    pytest.param(n, w, id=f"{n}-world{w}",
+                 marks=[pytest.mark.xdist_group(control_group(n, w)), *([pytest.mark.slow] if w == 3 else [])])
+    for n in CONTROLS for w in (2, 3)])
 def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name: str, world_size: int) -> None:
     """The targeted check fails, and it fails on the control's behaviour (numbers or desync), not on a crash; its
     gradient reads its declared diagnosis, and a failing parity verdict on the same run never reads correct."""
-    (result,) = run_controls([name], [world_size])
+    (result,) = run_controls([name], BatteryOptions(world_sizes=(world_size,)))
     assert result.rejected, result.verdict.message
     assert result.verdict.check == CONTROLS[name].check
     # The same run, diagnosed: the weights name the control's own mistake (harness.recipes.DIAGNOSES).
@@ -239,14 +243,16 @@ def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("name", ["cached_count", "fixed_accumulation_steps", "first_microbatch_never_syncs"])
+@pytest.mark.parametrize("name", [pytest.param("cached_count", marks=pytest.mark.slow),
+                                  pytest.param("fixed_accumulation_steps", marks=pytest.mark.slow),
+                                  "first_microbatch_never_syncs"])
 def test_the_drawn_lane_rejects_a_wrong_recipe_and_shows_a_shrunk_layout(name: str) -> None:
     """Drawn layouts (derandomized, 12 examples) find mistakes that need several windows, five microbatches or a
     one-microbatch window, and the message shows the drawn layout and a smaller one that still fails."""
     pytest.importorskip("hypothesis")
     from harness.battery.layouts import drawn_verdict
 
-    verdict = drawn_verdict(control(name), 12, derandomize=True)
+    verdict = drawn_verdict(control(name), BatteryOptions(examples=12), derandomize=True)
     assert "fail" == verdict.status
     assert "shrunk" in verdict.message and verdict.message.count("Layout(") == 2
 

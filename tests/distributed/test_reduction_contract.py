@@ -5,16 +5,16 @@ passes. The harness's one counting hook does both reductions (a DDP model takes 
 from __future__ import annotations
 
 import pytest
+from support.reduction import loss_scale
 
 from harness.battery import checks, runner
 from harness.battery.scenarios import build
 from harness.recipes import CORRECT_RECIPE as CORRECT
-from harness.recipes.reduction import loss_scale
 
-FOR_SUM = "harness.recipes.reduction:summing_hook_token_mean"
+FOR_SUM = "support.reduction:summing_hook_token_mean"
 
 
-@pytest.fixture(params=(2, 3), ids=lambda w: f"world{w}")
+@pytest.fixture(params=(2, pytest.param(3, marks=pytest.mark.slow)), ids=lambda w: f"world{w}")
 def world_size(request: pytest.FixtureRequest) -> int:
     return int(request.param)
 

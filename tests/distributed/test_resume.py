@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from support.ports import HOST, free_port, port_taken
 
 from harness.data.config import Config, load_config
 from harness.data.corpus import make_corpus, split_rows
 from harness.distributed.launcher import Expected, launch
-from harness.distributed.ports import HOST, free_port, port_taken
 from harness.model import build_model
 from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file, step_dir_name
 from harness.training.evaluation import EVAL_FILE, evaluate_model
@@ -28,6 +28,10 @@ from harness.training.trainer import RESUME_BUGS, launched_run, state_difference
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = ROOT / "configs" / "minimum.yaml"
 DEADLINE = 60.0
+
+
+# The module's runs (continuous, stopped at 50) are fixtures: one worker computes them once for every test here.
+pytestmark = pytest.mark.xdist_group("resume-minimum")
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ skipped collective is DDP's own gradient all-reduce, and the variants that do *n
 from __future__ import annotations
 
 import pytest
+from support import symmetry
 
 from harness.battery import checks, runner
 from harness.data.batching import collate
 from harness.data.corpus import Row
 from harness.distributed.launcher import LaunchError, launch
-from harness.recipes import symmetry
 
 # --- The agreed skip decision -------------------------------------------------------------------------------------
 
@@ -106,7 +106,7 @@ def uneven_microbatches(request: pytest.FixtureRequest) -> list:
 
 
 def _join_parity(recipe: str, windows: list) -> checks.Verdict:
-    return checks.parity(runner.run_windows(f"harness.recipes.symmetry:{recipe}", windows, deadline=10))
+    return checks.parity(runner.run_windows(f"support.symmetry:{recipe}", windows, deadline=10))
 
 
 def test_join_with_the_count_taken_before_it_keeps_the_global_token_mean(uneven_microbatches: list) -> None:

@@ -18,6 +18,7 @@ import pytest
 from user_recipes.guards import guarded_window
 
 from harness.battery import checks, plan, runner
+from harness.battery.options import BatteryOptions
 from harness.battery.table import run_cases, run_controls
 from harness.distributed.launcher import Expected, launch
 
@@ -28,7 +29,7 @@ FORMATS = ("harness", "hf")
 
 
 @pytest.mark.parametrize("batch_format", FORMATS)
-@pytest.mark.parametrize("world_size", (2, 3), ids=lambda w: f"world{w}")
+@pytest.mark.parametrize("world_size", (2, pytest.param(3, marks=pytest.mark.slow)), ids=lambda w: f"world{w}")
 def test_the_correct_recipe_passes_parity_and_one_sync_on_a_user_model(batch_format: str, world_size: int) -> None:
     """Identical initial weights on every rank and in the reference, dropout off: the gradient matches in float32
     and float64, with one synchronization per window."""
@@ -52,7 +53,7 @@ def test_the_mean_of_local_means_fails_parity_on_a_user_model(batch_format: str)
 @pytest.mark.parametrize("name", ["hf_shift_twice", "hf_no_shift"])
 def test_a_recipe_that_shifts_twice_or_not_at_all_fails_parity(name: str) -> None:
     """On the built-in model (its control target) and on the user's model: another objective, not rounding."""
-    (result,) = run_controls([name], [2])
+    (result,) = run_controls([name], BatteryOptions(world_sizes=(2,)))
     assert result.rejected, result.verdict.message
     run = runner.run(f"harness.recipes:{name}", "uneven", 2, model=MODEL, batch_format="hf")
     assert "numbers" == checks.parity(run).cause
@@ -60,14 +61,14 @@ def test_a_recipe_that_shifts_twice_or_not_at_all_fails_parity(name: str) -> Non
 
 def test_the_hf_recipe_passes_every_case_in_the_hf_format() -> None:
     """hf_global_token_mean on every check and scenario at W=2 (float32), on the built-in model."""
-    verdicts = run_cases(CORRECT["hf"], plan.cases([2], "fp32"), batch_format="hf")
+    verdicts = run_cases(CORRECT["hf"], plan.cases([2], "fp32"), BatteryOptions(batch_format="hf"))
     assert [] == [v.message for v in verdicts if not v.passed]
 
 
 @pytest.mark.slow
 def test_the_default_correct_recipe_passes_in_either_format_on_the_user_model() -> None:
     """global_token_mean reads the window it gets (Microbatch or hf dict): every case at W=2, float32."""
-    verdicts = run_cases(CORRECT["harness"], plan.cases([2], "fp32"), model=MODEL, batch_format="hf")
+    verdicts = run_cases(CORRECT["harness"], plan.cases([2], "fp32"), BatteryOptions(model=MODEL, batch_format="hf"))
     assert [] == [v.message for v in verdicts if not v.passed]
 
 
@@ -95,6 +96,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": path})
 
 
+@pytest.mark.slow
 def test_a_bad_model_option_is_a_usage_error_naming_it() -> None:
     """pytest exit 4 and the command line's exit 2, both naming --model, the value and the fix, before any rank."""
     done = _run("-m", "pytest", "-p", "no:cacheprovider", "-m", "recipe", "--model=user_recipes.models:missing",

@@ -8,13 +8,14 @@ import pytest
 from harness.battery import checks, plan, runner
 from harness.battery.table import run_cases
 
-# Each variant runs every float32 case at W=1 and 2 (about 20 launches): two in the fast tier, the rest in the slow
+# Each variant runs every float32 case at W=1 and 2 (about 20 launches): one in the fast tier, the rest in the slow
 # tier that CI runs, so every shape is still judged on every push.
 _SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("attr", ["ClassRecipe", "SkipsNoSyncOnOneProcess",
-                                  *(pytest.param(a, marks=_SLOW) for a in ("make_recipe", "CountsOnItsOwnGroup",
+@pytest.mark.parametrize("attr", ["SkipsNoSyncOnOneProcess",
+                                  *(pytest.param(a, marks=_SLOW) for a in ("ClassRecipe", "make_recipe",
+                                                                             "CountsOnItsOwnGroup",
                                                                              "SetsItsThreadCount", "Float32Loss"))])
 def test_a_correct_recipe_written_another_way_passes_every_float32_case(attr: str) -> None:
     """A class, a factory, no no_sync() on one process, setup() building a group, a changed thread count, and a

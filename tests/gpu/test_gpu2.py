@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.ports import HOST, free_port
 
 from harness.battery import checks
 from harness.distributed.launcher import launch
-from harness.distributed.ports import HOST, free_port
 from harness.testing.skips import requires_two_gpus
 from harness.training.checkpoint import MANIFEST, SHARED, rank_file
 from harness.training.evaluation import EVAL_FILE

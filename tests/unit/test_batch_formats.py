@@ -49,7 +49,8 @@ def test_the_hf_dict_follows_the_alignment_rule_exactly() -> None:
 
 
 def test_the_readme_example_rows_convert_as_the_readme_shows() -> None:
-    """The README's two rows, 5 tokens with a 2-token prompt and 4 without, in a microbatch whose longest row has 6."""
+    """docs/your-model.md's two rows, 5 tokens with a 2-token prompt and 4 without, in a microbatch whose longest row
+    has 6."""
     mb = collate([Row(0, "a", (11, 12, 13, 14, 15), 2), Row(1, "b", (21, 22, 23, 24), 0),
                   Row(2, "c", (1, 2, 3, 4, 5, 6), 0)])
     hf = to_hf(mb)

@@ -13,6 +13,7 @@ from hypothesis import given
 
 from harness.battery.checks import FAIL, PASS, Verdict
 from harness.battery.layouts import Layout, layouts, shrink
+from harness.battery.options import BatteryOptions
 from harness.battery.table import format_table, recipe_names
 from harness.testing.hypothesis_profiles import load_profile
 from harness.workflow.cli import main
@@ -29,6 +30,7 @@ def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_battery_examples_0_skips_the_drawn_test_with_its_reason() -> None:
     """pytest --battery-examples 0: the drawn-layout test is skipped, saying why, not failed."""
     done = _pytest("harness/battery/test_drawn_layouts.py", "-m", "recipe", "--battery-examples", "0")
@@ -107,11 +109,10 @@ def test_explain_files_carry_the_module_and_the_attribute() -> None:
 
 def _fake_judge(seen: list[tuple[int, float]], fail_at: int | None = None, options: list[str] | None = None
                 ) -> object:
-    def judge(recipe: str, layout: Layout, *, model: str | None = None, batch_format: str = "harness",
-              deadline: float = 0.0, find_unused: str = "auto") -> list[Verdict]:
-        seen.append((layout.world_size, deadline))
+    def judge(recipe: str, layout: Layout, battery: BatteryOptions) -> list[Verdict]:
+        seen.append((layout.world_size, battery.deadline))
         if options is not None:
-            options.append(find_unused)
+            options.append(battery.find_unused)
         if layout.world_size == fail_at:
             return [Verdict("parity", recipe, "drawn", layout.world_size, "fp32", FAIL, "parity off", cause="numbers")]
         return []
@@ -126,7 +127,8 @@ def test_the_drawn_lane_launches_with_the_given_deadline_and_world_sizes(monkeyp
     seen: list[tuple[int, float]] = []
     options: list[str] = []
     monkeypatch.setattr(lay, "judge_layout", _fake_judge(seen, options=options))
-    verdict = lay.drawn_verdict(CORRECT, 6, derandomize=True, deadline=120.0, world_sizes=(2, 3), find_unused="off")
+    verdict = lay.drawn_verdict(CORRECT, BatteryOptions.parse(examples=6, deadline=120.0, world_sizes="2,3",
+                                                              find_unused="off"), derandomize=True)
     assert (PASS, 0, "drawn (6 layouts, W in 2,3, fp32)") == (verdict.status, verdict.world_size, verdict.label)
     assert seen and {d for _, d in seen} == {120.0} and {w for w, _ in seen} <= {2, 3}
     assert {"off"} == set(options)  # --find-unused-parameters reaches the drawn lane too
@@ -137,7 +139,7 @@ def test_a_failing_drawn_verdict_keeps_the_row_and_names_the_world_size(monkeypa
     import harness.battery.layouts as lay
 
     monkeypatch.setattr(lay, "judge_layout", _fake_judge([], fail_at=3))
-    verdict = lay.drawn_verdict(CORRECT, 20, derandomize=True, world_sizes=(2, 3))
+    verdict = lay.drawn_verdict(CORRECT, BatteryOptions(examples=20, world_sizes=(2, 3)), derandomize=True)
     assert (FAIL, 0, "drawn (20 layouts, W in 2,3, fp32)") == (verdict.status, verdict.world_size, verdict.label)
     assert "a drawn layout at W=3 fails parity" in verdict.message
 
@@ -149,10 +151,10 @@ def test_the_command_line_gives_the_drawn_lane_its_deadline_and_world_sizes(
     import harness.battery.layouts as lay
     import harness.battery.table as table
 
-    calls: list[dict[str, object]] = []
+    calls: list[BatteryOptions] = []
 
-    def drawn(recipe: str, examples: int, derandomize: bool = False, **kwargs: object) -> Verdict:
-        calls.append(kwargs)
+    def drawn(recipe: str, options: BatteryOptions, derandomize: bool = False) -> Verdict:
+        calls.append(options)
         return _verdict(recipe, PASS, "drawn", "drawn (2 layouts, W in 2,3, fp32)")
 
     monkeypatch.setattr(table, "run_cases", lambda *args, **kwargs: [])
@@ -160,5 +162,5 @@ def test_the_command_line_gives_the_drawn_lane_its_deadline_and_world_sizes(
     assert 0 == main(["battery", "--recipe", CORRECT, "--battery-world-sizes", "2,3", "--battery-examples", "2",
                       "--battery-deadline", "120"])
     assert 1 == len(calls)
-    assert (120.0, (2, 3)) == (calls[0]["deadline"], calls[0]["world_sizes"])
+    assert (120.0, (2, 3), 2) == (calls[0].deadline, calls[0].world_sizes, calls[0].examples)
     assert "drawn (2 layouts, W in 2,3, fp32)" in capsys.readouterr().out

@@ -7,6 +7,7 @@ a recipe computed it" is built from chosen weights and rounded to float32 like a
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -59,9 +60,15 @@ class Window:
         return dx.classify(self.blocks, dx.fit_weights(self.columns, g), self.world, precision, rank=rank)
 
 
+@functools.cache
+def window(world: int) -> Window:
+    """The uneven window at ``world`` ranks, computed once per process."""
+    return Window(world)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
 def win(request: pytest.FixtureRequest) -> Window:
-    return Window(request.param)
+    return window(request.param)
 
 
 def test_the_right_weights_are_recovered_within_1e_5_from_a_float32_gradient(win: Window) -> None:
@@ -249,7 +256,7 @@ def test_the_world_size_twice_is_not_read_at_one_rank() -> None:
 
 
 def test_a_world_size_factor_written_for_two_ranks_is_named_at_three() -> None:
-    win = Window(3)
+    win = window(3)
     sig = win.classify([2 / 3] * len(win.blocks))
     assert "a world-size factor written for W=2" in sig.sentence, sig.sentence
     # Its negative control: at W=2 the same 2/3 is no world-size factor written for two ranks.

@@ -3,11 +3,15 @@
 Order, bottom to top: core < data < model < distributed < recipes < battery < training < testing < workflow.
 ``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias sit
 outside the order.
+
+Below every layer sits the test code (``tests/support/``, imported as ``support.<module>``): tests and benchmarks
+import the package, never the other way round, and what moved out of the package stays out.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -157,3 +161,64 @@ def test_the_circle_check_finds_a_type_only_circle_and_ignores_a_late_import(tmp
     assert [["harness.workflow.render", "harness.workflow.report"]] == circles(module_graph(tmp_path / "harness"))
     (fake / "render.py").write_text("def write(r):\n    from harness.workflow.report import Report\n")
     assert [] == circles(module_graph(tmp_path / "harness"))
+
+
+# --- test code stays out of the package ------------------------------------------------------------------------------
+
+MOVED_OUT = ("recipes/symmetry.py", "recipes/reduction.py", "data/sampling.py", "distributed/ports.py")
+"""Modules that only tests and benchmarks used, now in ``tests/support/`` (the test-only probes and the metrics rank
+body moved there too, out of modules that stay)."""
+
+_NAMES_SUPPORT = re.compile(r"(?<![\w/])support\.[A-Za-z_]|\bfrom\s+support\s+import\b|\bimport\s+support\b")
+"""``support.probes`` (an import, ``importlib.import_module("support.probes")``, a recipe path
+``support.symmetry:join_token_mean``), ``from support import ...``, ``import support``; not ``tests/support/...``,
+which a docstring may name."""
+
+
+def moved_back(root: Path = HARNESS) -> list[str]:
+    """The moved-out modules that exist under ``root`` again."""
+    return [m for m in MOVED_OUT if (root / m).exists()]
+
+
+def support_references(root: Path = HARNESS) -> list[str]:
+    """Every line under ``root`` that imports or names a ``tests/support`` module (``path:line: text``)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if _NAMES_SUPPORT.search(line):
+                out.append(f"{path.relative_to(root).as_posix()}:{n}: {line.strip()}")
+    return out
+
+
+def test_no_moved_out_module_is_back_in_the_package() -> None:
+    """Test-only code lives in tests/support/, not in the package users install."""
+    assert [] == moved_back()
+    assert all((Path(__file__).parents[1] / "support" / Path(m).name).is_file() for m in MOVED_OUT)
+
+
+def test_no_harness_module_imports_the_test_support_code() -> None:
+    """The product never depends on tests/support/ (which is not installed with it)."""
+    assert [] == support_references()
+
+
+def test_the_support_checks_reject_a_moved_module_and_a_harness_file_importing_support(tmp_path: Path) -> None:
+    """Their negative controls: a fake package holding recipes/symmetry.py is reported, and so is each way a harness
+    file can reach support (an import, from-import, a module name in a string); naming the folder in prose is not."""
+    fake = tmp_path / "harness"
+    (fake / "recipes").mkdir(parents=True)
+    (fake / "recipes" / "symmetry.py").write_text("")
+    assert ["recipes/symmetry.py"] == moved_back(fake)
+    (fake / "distributed").mkdir()
+    (fake / "distributed" / "probes.py").write_text(
+        "from support.probes import identity\n"
+        "import support\n"
+        "from support import ports\n"
+        "RECIPE = 'support.symmetry:join_token_mean'\n"
+        "# the test bodies live in tests/support/probes.py; we support. Nothing else.\n"
+    )
+    assert [
+        "distributed/probes.py:1: from support.probes import identity",
+        "distributed/probes.py:2: import support",
+        "distributed/probes.py:3: from support import ports",
+        "distributed/probes.py:4: RECIPE = 'support.symmetry:join_token_mean'",
+    ] == support_references(fake)

@@ -7,13 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[2]
 
-# Runs pytest in-process on the folder given, then says which heavy modules the whole session imported.
+# Runs pytest in-process on the folder given, then says which heavy modules the whole session imported (the battery's
+# options, harness.battery.options, are pure Python and parsed at start-up on every session: not heavy).
 SESSION = """
 import sys, pytest
 rc = pytest.main(["-q", "-p", "harness.testing.plugin", "-p", "no:cacheprovider", *sys.argv[1:]])
-heavy = sorted(m for m in ("torch", "harness.battery", "harness.recipes") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "harness.battery.runner", "harness.battery.checks", "harness.recipes")
+               if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
 sys.exit(int(rc))
 """
@@ -55,6 +59,7 @@ def test_a_bad_recipe_is_still_a_usage_error_before_anything_runs(tmp_path: Path
     assert "must not run" not in done.stdout
 
 
+@pytest.mark.slow
 def test_without_recipe_the_fixture_names_the_correct_recipe(tmp_path: Path) -> None:
     from harness.recipes import CORRECT_RECIPE
 

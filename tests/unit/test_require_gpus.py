@@ -115,6 +115,7 @@ def test_pytest_without_the_variable_skips_the_lane_with_its_reason(tmp_path: Pa
     assert "needs 2 CUDA devices, found 0" in done.stdout
 
 
+@pytest.mark.slow
 def test_pytest_with_the_variable_fails_the_lane_with_the_message(tmp_path: Path) -> None:
     """HARNESS_REQUIRE_GPUS=2 on a machine with 0 visible devices: the gpu2 test fails at setup, before any fixture
     starts ranks (pytest counts it as an error), and the run fails."""

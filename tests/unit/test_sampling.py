@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.sampling import audit, epoch_plan, epoch_shards, rank_seeded_shards
 
 from harness.testing.hypothesis_profiles import load_profile
 
@@ -13,7 +14,6 @@ load_profile()
 
 from harness.data.config import Config  # noqa: E402
 from harness.data.corpus import make_corpus, split_rows  # noqa: E402
-from harness.data.sampling import audit, epoch_plan, epoch_shards, rank_seeded_shards  # noqa: E402
 
 
 @pytest.fixture(params=(2, 3), ids=lambda w: f"world{w}")

@@ -43,10 +43,10 @@ def _builds_ddp(source: str) -> bool:
 
 
 def test_ddp_is_built_in_exactly_one_place_of_the_product() -> None:
-    """Only strategies/ddp.py constructs a DistributedDataParallel (the symmetry recipes' and the rank probes' own
-    one-layer DDPs are test bodies, not the product's seam)."""
+    """Only strategies/ddp.py constructs a DistributedDataParallel inside the package (the one-layer DDPs of the
+    symmetry bodies and the DDP probe are test code, in tests/support/)."""
     builders = sorted(str(p.relative_to(HARNESS)) for p in HARNESS.rglob("*.py") if _builds_ddp(p.read_text()))
-    assert ["distributed/probes.py", "distributed/strategies/ddp.py", "recipes/symmetry.py"] == builders
+    assert ["distributed/strategies/ddp.py"] == builders
 
 
 def test_the_ddp_check_sees_a_construction() -> None:

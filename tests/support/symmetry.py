@@ -14,9 +14,10 @@ rank body for each:
 The fix is a decision every rank takes together: :func:`agreed_max` all-reduces with MAX, so every rank compares the
 same number with the threshold and every rank skips, or none does (seed 004's ``p2_max_loss.py``).
 
-The module also holds a harness-owned recipe for windows with *different numbers of microbatches per rank* through
-``Join`` (outside the recipe contract, which keeps microbatch counts equal), with the divisor made explicit; see
-:class:`JoinTokenMean`.
+The module also holds a recipe for windows with *different numbers of microbatches per rank* through ``Join``
+(outside the recipe contract, which keeps microbatch counts equal), with the divisor made explicit; see
+:class:`JoinTokenMean`, and its negative controls. Test code, not the product's: ranks import it as
+``support.symmetry`` (``tests/`` on ``sys.path``), and the Join recipes are named ``support.symmetry:<name>``.
 """
 
 from __future__ import annotations
@@ -273,7 +274,6 @@ join_accumulating_in_grad = JoinAccumulatingInGrad()
 join_without_broadcast = JoinWithoutBroadcast()
 join_logged_loss_inside = JoinLoggedLossInside()
 join_local_means = JoinLocalMeans()
-
 
 
 __all__ = [

@@ -12,7 +12,7 @@ Seed 004's facts, all reproduced here and checked by ``tests/unit/test_sampling.
 
 The sampler is built with explicit ``num_replicas`` and ``rank``, so no process group is needed: the plan for every
 rank is computed in one process, exactly as each rank would compute its own. It draws from a private generator and
-never touches the global RNG state.
+never touches the global RNG state. Test code, not the product's: no harness module uses it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A TCP port for a rendezvous that needs one (``torchrun --rdzv-backend=static --master-port=...``).
 
 The launcher needs none (its rendezvous is a FileStore, :mod:`harness.distributed.launcher`); these helpers serve the
-command lines that start ``torchrun`` themselves: the resume tests, the GPU tests and ``benchmarks/torchrun_trio.py``.
+command lines that start ``torchrun`` themselves: the resume tests, the GPU tests and ``benchmarks/torchrun_trio.py``
+(each imports it as ``support.ports``, with ``tests/`` on ``sys.path``).
 A port found free can be taken by another process before torchrun binds it, so callers try again with a new port when
 :func:`port_taken` recognizes the failure in torchrun's output.
 """

@@ -9,19 +9,23 @@ Rank r backpropagates ``c * S_r`` (``S_r`` its loss sum); the hook combines the 
   averaging hook is W times too large under it; at W = 1 the two hooks, and the two scales, coincide.
 
 The harness's one comm hook (``harness.distributed.hooks``, which also counts synchronizations; DDP takes a single
-hook) does either: ``run_windows(..., reduction="sum")`` selects the sum.
+hook) does either: ``run_windows(..., reduction="sum")`` selects the sum. Test code, not the product's
+(``tests/distributed/test_reduction_contract.py``): ranks import it as ``support.reduction`` (``tests/`` on
+``sys.path``), and its recipe is named ``support.reduction:summing_hook_token_mean``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
 from torch import nn
 
 from harness.core.loss import check_global_count
 from harness.core.microbatch import Microbatch
 from harness.core.validate import positive_int
 from harness.distributed.hooks import REDUCTIONS
+from harness.recipes import accumulate, window_count
 
 
 def loss_scale(reduction: str, global_count: int, world_size: int) -> float:
@@ -46,10 +50,6 @@ class SummingHookTokenMean:
     reduction = "sum"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        import torch.distributed as dist
-
-        from harness.recipes import accumulate, window_count
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         scale = loss_scale(self.reduction, window_count(window), world)
         accumulate(model, window, lambda s: s * scale)

@@ -1,0 +1,203 @@
+"""The battery's options, decided once: :class:`BatteryOptions` from the command line (``python -m harness battery``) or
+from pytest's options (the plugin), and :class:`RunSpec`, one run of one recipe on one case.
+
+A ``RunSpec`` is what keys the runner's cache and what travels to the ranks: the recipe reference, the model and its
+batch format, the strategy, precision, world size and scenario, and how the run is launched. Both surfaces validate
+through :meth:`BatteryOptions.parse`, so a bad value gets the same message, naming the option both surfaces share.
+
+Pure Python: the pytest plugin validates options here at start-up without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+DEADLINE = 30.0
+"""Seconds one battery run (one launch) may take (``--battery-deadline``)."""
+
+MAX_WORLD_SIZE = 4
+"""The largest world size the battery's scenarios are built for (the corpus's length bands hold enough rows)."""
+
+WORLD_SIZES = (1, 2, 3, 4)
+"""World sizes every recipe runs at: 1 is the sanity lane, 2-4 the data-parallel ones."""
+
+PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "both": ("fp32", "fp64")}
+"""``--precision``: the float32 lane (tolerances atol 1e-6, rtol 1e-4), the strict float64 lane, or both."""
+
+BATCH_FORMATS = ("harness", "hf")
+"""``--batch-format``: the harness's Microbatch with aligned labels, or the dict a Hugging Face loop sees."""
+
+FIND_UNUSED = ("auto", "on", "off")
+"""``--find-unused-parameters``: ``auto`` (the default) wraps the ranks' DDP with ``find_unused_parameters=True`` when
+the reference finds a parameter without a gradient in some microbatch, and says so; ``on`` always; ``off`` never (a
+model that needs it then fails with DDP's own error and the parameters named)."""
+
+DEFAULT_EXAMPLES = 12
+"""Drawn layouts the property lane checks (``--battery-examples``)."""
+
+REDUCTIONS = ("mean", "sum")
+"""How the harness's comm hook combines the ranks' gradients: DDP's average, or a sum."""
+
+
+def parse_world_sizes(text: str | Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``, validated; ValueError naming the option and the fix otherwise."""
+    if not isinstance(text, str):
+        return check_world_sizes(list(text), option)
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        msg = f"{option}={text!r} must be comma-separated world sizes from 1 to {MAX_WORLD_SIZE}, e.g. 1,2"
+        raise ValueError(msg) from None
+    return check_world_sizes(worlds, option)
+
+
+def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
+    """Validate world sizes against what the scenarios can be built for."""
+    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WORLD_SIZE]
+    if bad or not world_sizes:
+        msg = (f"{option}={','.join(map(str, world_sizes))!r} must be world sizes between 1 and {MAX_WORLD_SIZE}, "
+               "e.g. 1,2,3,4")
+        raise ValueError(msg)
+    return tuple(dict.fromkeys(world_sizes))
+
+
+def precisions(choice: str, option: str = "--precision") -> tuple[str, ...]:
+    if choice not in PRECISION_CHOICES:
+        msg = f"{option}={choice!r} must be one of {', '.join(PRECISION_CHOICES)}"
+        raise ValueError(msg)
+    return PRECISION_CHOICES[choice]
+
+
+def check_find_unused(value: str, option: str = "--find-unused-parameters") -> str:
+    if value not in FIND_UNUSED:
+        msg = f"{option}={value!r} must be one of {', '.join(FIND_UNUSED)} (auto: on when a parameter gets no gradient)"
+        raise ValueError(msg)
+    return value
+
+
+def _choice(value: object, choices: Sequence[str], option: str) -> str:
+    if value not in choices:
+        msg = f"{option}={value!r} must be one of {', '.join(choices)}"
+        raise ValueError(msg)
+    return str(value)
+
+
+def _deadline(value: object, option: str = "--battery-deadline") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        msg = f"{option}={value!r} must be a positive number of seconds, e.g. 120"
+        raise ValueError(msg)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One battery run: ``recipe`` (``"pkg.mod:attr"``) on ``scenario`` at ``world_size`` in ``precision``, on
+    ``model`` (``"pkg.mod:factory"``; None: the built-in model) with ``batch_format``, the initial weights of
+    ``init_seed`` (None: the battery config's), wrapped by ``strategy``; ``reduction``, ``find_unused``, ``device``,
+    ``backend`` and ``deadline`` say how it is launched. Hashable: the runner caches one run per spec, and it is what
+    the ranks receive."""
+
+    recipe: str
+    scenario: str = "custom"
+    world_size: int = 2
+    precision: str = "fp32"
+    model: str | None = None
+    batch_format: str = "harness"
+    init_seed: int | None = None
+    strategy: str = "ddp"
+    reduction: str = "mean"
+    find_unused: str = "auto"
+    device: str = "cpu"
+    backend: str = "gloo"
+    deadline: float = DEADLINE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recipe, str) or ":" not in self.recipe:
+            msg = f"recipe={self.recipe!r} must be a 'package.module:attr' string"
+            raise ValueError(msg)
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            msg = f"world_size={self.world_size!r} must be a positive number of ranks"
+            raise ValueError(msg)
+        _choice(self.precision, ("fp32", "fp64"), "precision")
+        _choice(self.batch_format, BATCH_FORMATS, "batch_format")
+        _choice(self.reduction, REDUCTIONS, "reduction")
+        check_find_unused(self.find_unused, "find_unused")
+        _deadline(self.deadline, "deadline")
+
+    def at(self, scenario: str, world_size: int, precision: str) -> RunSpec:
+        """The same run on another case."""
+        return replace(self, scenario=scenario, world_size=world_size, precision=precision)
+
+
+@dataclass(frozen=True)
+class BatteryOptions:
+    """What a battery session runs with, parsed once (:meth:`parse`) from either surface: the model and batch format,
+    the strategy, the precision lanes, the world sizes, the drawn-layout budget, each run's deadline, DDP's
+    ``find_unused_parameters`` policy and the report's path."""
+
+    model: str | None = None
+    batch_format: str = "harness"
+    strategy: str = "ddp"
+    precision: str = "both"
+    world_sizes: tuple[int, ...] = WORLD_SIZES
+    examples: int = DEFAULT_EXAMPLES
+    deadline: float = DEADLINE
+    find_unused: str = "auto"
+    report: str | None = None
+
+    @classmethod
+    def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
+              precision: str = "both", world_sizes: str | Sequence[int] = WORLD_SIZES,
+              examples: int | None = DEFAULT_EXAMPLES, deadline: float | None = None, find_unused: str = "auto",
+              report: str | None = None) -> BatteryOptions:
+        """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
+        precisions(precision)
+        if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
+            msg = f"--battery-examples={examples} must be 0 (no drawn layouts) or a positive number"
+            raise ValueError(msg)
+        if model is not None and (not isinstance(model, str) or ":" not in model):
+            msg = f"--model={model!r} must be 'package.module:factory'"
+            raise ValueError(msg)
+        return cls(model=model, batch_format=_choice(batch_format, BATCH_FORMATS, "--batch-format"),
+                   strategy=strategy, precision=precision,
+                   world_sizes=parse_world_sizes(world_sizes), examples=examples,
+                   deadline=DEADLINE if deadline is None else _deadline(deadline),
+                   find_unused=check_find_unused(find_unused), report=report)
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        return PRECISION_CHOICES[self.precision]
+
+    def spec(self, recipe: str, scenario: str, world_size: int, precision: str, *,
+             batch_format: str | None = None) -> RunSpec:
+        """The run of ``recipe`` on one case under these options (``batch_format``: a control written for another
+        format than the session's)."""
+        return RunSpec(recipe, scenario, world_size, precision, model=self.model,
+                       batch_format=batch_format or self.batch_format, strategy=self.strategy,
+                       find_unused=self.find_unused, deadline=self.deadline)
+
+
+PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "precision": "precision",
+                  "world_sizes": "battery_world_sizes", "examples": "battery_examples",
+                  "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report"}
+"""Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
+
+_CACHED = "_harness_battery_options"
+
+
+def from_pytest(config: Any) -> BatteryOptions:
+    """The session's options from a ``pytest.Config``, parsed on first use and kept on the config (the plugin at
+    start-up, the battery's collection hooks after it); ValueError as :meth:`BatteryOptions.parse`."""
+    cached = getattr(config, _CACHED, None)
+    if isinstance(cached, BatteryOptions):
+        return cached
+    options = BatteryOptions.parse(**{arg: config.getoption(dest) for arg, dest in PYTEST_OPTIONS.items()})
+    setattr(config, _CACHED, options)
+    return options
+
+
+__all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_WORLD_SIZE", "PRECISION_CHOICES",
+           "PYTEST_OPTIONS", "WORLD_SIZES", "BatteryOptions", "RunSpec", "check_find_unused", "check_world_sizes",
+           "from_pytest", "parse_world_sizes", "precisions"]

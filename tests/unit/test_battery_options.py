@@ -1,0 +1,95 @@
+"""The battery's options are decided once: both surfaces parse through one function into one value, and one
+``RunSpec`` per run keys the cache and travels to the ranks."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from harness.battery import plan
+from harness.battery.options import DEADLINE, BatteryOptions, RunSpec
+from harness.testing.plugin import options_from
+from harness.workflow.checks import battery_options
+from harness.workflow.cli import build_parser
+from harness.workflow.outputs import BadInput
+
+FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
+         "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
+         "--battery-report": "out.json"}
+
+
+class _Config:
+    """The part of pytest.Config the plugin reads: its options by dest, after pytest's own defaults."""
+
+    def __init__(self, pytester_args: dict[str, str]) -> None:
+        self.values: dict[str, object] = {
+            "model": None, "batch_format": "harness", "precision": "both", "battery_world_sizes": "1,2,3,4",
+            "battery_examples": 12, "battery_deadline": None, "find_unused_parameters": "auto", "battery_report": None}
+        for flag, value in pytester_args.items():
+            dest = flag.lstrip("-").replace("-", "_")
+            self.values[dest] = int(value) if dest == "battery_examples" else (
+                float(value) if dest == "battery_deadline" else value)
+
+    def getoption(self, name: str) -> object:
+        return self.values[name]
+
+
+def _cli(flags: dict[str, str]) -> BatteryOptions:
+    argv = ["battery", *(x for kv in flags.items() for x in kv)]
+    return battery_options(build_parser().parse_args(argv))
+
+
+def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
+    cli, pytest_side = _cli(FLAGS), options_from(_Config(FLAGS))  # type: ignore[arg-type]
+    assert cli == pytest_side
+    assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
+                                 find_unused="off", report="out.json")
+    assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--battery-world-sizes", "5", "--battery-world-sizes='5' must be world sizes between 1 and 4"),
+    ("--battery-world-sizes", "two", "--battery-world-sizes='two' must be comma-separated world sizes"),
+    ("--battery-examples", "-1", "--battery-examples=-1 must be 0 (no drawn layouts) or a positive number"),
+    ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
+])
+def test_a_bad_value_gets_one_message_on_both_surfaces(flag: str, value: str, says: str) -> None:
+    """The command line's bad input (exit 2) and pytest's usage error carry the same words, naming the shared
+    option."""
+    with pytest.raises(BadInput) as cli:
+        _cli({flag: value})
+    with pytest.raises(pytest.UsageError) as pyt:
+        options_from(_Config({flag: value}))  # type: ignore[arg-type]
+    assert says in str(cli.value)
+    assert str(cli.value) == str(pyt.value)
+
+
+def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
+    """The session's spec for a case equals the one a test builds by hand, so the two share one launch; it survives
+    the trip to the ranks."""
+    options = BatteryOptions()
+    (case, *_) = plan.session_cases(options, checks=("parity",))
+    spec = options.spec("harness.recipes:global_token_mean", case.scenario, case.world_size, case.precision)
+    assert spec == RunSpec("harness.recipes:global_token_mean", case.scenario, case.world_size, case.precision)
+    assert hash(spec) == hash(pickle.loads(pickle.dumps(spec)))
+    assert spec.deadline == DEADLINE
+    assert spec.at("long", 3, "fp64") == RunSpec("harness.recipes:global_token_mean", "long", 3, "fp64")
+    # Its negative control: any field that changes what runs gives another key.
+    assert spec != options.spec("harness.recipes:global_token_mean", case.scenario, case.world_size, "fp64")
+    assert spec != BatteryOptions(find_unused="on").spec("harness.recipes:global_token_mean", case.scenario,
+                                                         case.world_size, case.precision)
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"recipe": "no_colon"}, "recipe='no_colon' must be a 'package.module:attr' string"),
+    ({"world_size": 0}, "world_size=0 must be a positive number of ranks"),
+    ({"precision": "bf16"}, "precision='bf16' must be one of fp32, fp64"),
+    ({"batch_format": "json"}, "batch_format='json' must be one of harness, hf"),
+    ({"find_unused": "maybe"}, "find_unused='maybe' must be one of auto, on, off"),
+    ({"deadline": -1}, "deadline=-1 must be a positive number of seconds"),
+])
+def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
+    base: dict[str, object] = {"recipe": "harness.recipes:global_token_mean"}
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        RunSpec(**{**base, **fields})  # type: ignore[arg-type]
