@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +23,26 @@ def unregistered(module: types.ModuleType) -> list[str]:
 
 
 def test_every_control_class_is_registered() -> None:
-    """No control in harness.recipes.controls is defined and silently never run."""
-    assert [] == unregistered(controls)
+    """No control in any family module of harness.recipes.controls is defined and silently never run."""
+    assert [] == [f"{m.__name__}.{n}" for m in controls.FAMILIES for n in unregistered(m)]
+
+
+def unlisted(folder: Path, families: tuple[types.ModuleType, ...]) -> list[str]:
+    """Modules in the controls package's folder that :data:`harness.recipes.controls.FAMILIES` does not import (their
+    classes would never register)."""
+    listed = {m.__name__.rsplit(".", 1)[-1] for m in families}
+    return sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__" and p.stem not in listed)
+
+
+def test_every_family_module_is_imported(tmp_path: Path) -> None:
+    """A new family file must be listed in FAMILIES; the control: a copy of the folder with one more file is
+    reported."""
+    folder = Path(controls.__file__).parent
+    assert [] == unlisted(folder, controls.FAMILIES)
+    for f in folder.glob("*.py"):
+        (tmp_path / f.name).write_text(f.read_text())
+    (tmp_path / "optimizers.py").write_text("")
+    assert ["optimizers"] == unlisted(tmp_path, controls.FAMILIES)
 
 
 def test_the_registration_check_finds_a_control_without_its_decorator() -> None:

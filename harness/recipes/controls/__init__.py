@@ -1,0 +1,51 @@
+"""Negative controls: each reproduces a mistake real projects made and names where the battery must reject it.
+
+One module per family (:data:`FAMILIES`): how the loss is normalized, how microbatches are accumulated, when gradients
+synchronize, windows without tokens, what a step must leave alone (hygiene), and the hf batch format. A control is one
+class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
+here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
+``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
+``tests/unit/test_control_catalog.py`` fails on a family module not listed here or a recipe-shaped class without
+its decorator.
+
+Mistakes outside the recipe contract have their controls beside what they break: the resume mistakes are
+``harness.training.trainer.RESUME_BUGS``; rank symmetry (a skipped collective, Join) and sampling are in
+``tests/support/`` (``symmetry.py``, ``sampling.py``).
+"""
+
+from __future__ import annotations
+
+from harness.recipes.catalog import REGISTRY, Target, diagnoses, scenario_controls, targets
+from harness.recipes.controls import accumulation, empty, hf, hygiene, normalization, sync
+
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf)
+"""Every module that defines controls, in the order the battery lists them."""
+
+CONTROLS: dict[str, Target] = targets()
+"""Every negative control (``harness.recipes:<name>``) and where the battery must reject it, derived from the
+``@control`` each class carries."""
+
+NEGATIVE_CONTROLS = tuple(CONTROLS)
+
+DIAGNOSES: dict[str, str | None] = diagnoses()
+"""The signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must give each control on its target: its
+weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).
+A control whose mistake is not in the gradient (a sync count, a random generator, the logged loss) reads
+``correct``: the diagnosis never blames the weights for what another check catches."""
+
+SCENARIO_CONTROLS: dict[str, str] = scenario_controls()
+"""For each scenario but the base one (``uneven``), the control that only that scenario catches: it passes every
+other scenario of the battery (``tests/distributed/test_negative_controls.py`` shows both)."""
+
+
+def control_class(name: str) -> type:
+    """The class registered as control ``name`` (or the class of that name); AttributeError naming the controls
+    otherwise."""
+    entry = REGISTRY.get(name) or next((e for e in REGISTRY.values() if e.cls.__name__ == name), None)
+    if entry is None:
+        msg = f"no negative control named {name!r}; the controls are: {', '.join(REGISTRY)}"
+        raise AttributeError(msg)
+    return entry.cls
+
+
+__all__ = ["CONTROLS", "DIAGNOSES", "FAMILIES", "NEGATIVE_CONTROLS", "SCENARIO_CONTROLS", "Target", "control_class"]

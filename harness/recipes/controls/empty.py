@@ -1,0 +1,134 @@
+"""Negative controls, empty family. Windows, ranks and microbatches without any supervised token: a rank that skips
+its backward (a desync), a guard on the local count, NaN from 0/0, an empty window that passes silently.
+
+Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
+:mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.core.loss import check_global_count, count_device, global_count, global_token_loss
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.recipes.catalog import Target, control
+from harness.recipes.correct import _sync_last, _world_size, accumulate, window_count
+
+
+@control(Target("parity", "one_empty", shows_as="desync"), None)
+class SkipBackwardWhenEmpty:
+    """A rank with no supervised token returns without forward or backward: its peers wait in DDP's all-reduce
+    (or, worse, pair with its next collective of the same size)."""
+
+    name = "skip_backward_when_empty"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        if sum(mb.supervised for mb in window) == 0:
+            return None
+        accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        return None
+
+
+@control(Target("parity", "one_empty", shows_as="desync"), None)
+class LocalCountGuard:
+    """Guards the empty window with this rank's own count: a rank without tokens raises ValueError and leaves, while
+    its peers, whose count is not zero, wait in DDP's all-reduce for it (the guard must use the global count)."""
+
+    name = "local_count_guard"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        if sum(mb.supervised for mb in window) == 0:
+            msg = "no supervised token in this window"
+            raise ValueError(msg)
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        return None
+
+
+def _masked_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood masked by *multiplication*, as hand-written losses (RL, preference tuning)
+    often do: gather the target's log-probability, then ``* mask``. Right where a denominator is non-zero; divided by
+    zero, the masked positions' ``0 * inf`` turns every gradient into NaN (``F.cross_entropy`` with ``ignore_index``
+    would have zeroed them instead)."""
+    mask = (labels != IGNORE_INDEX).to(logits.dtype)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return -logp * mask
+
+
+@control(Target("parity", "one_empty"), "nonfinite", only_its_scenario=True)
+class NanOnEmptyRank:
+    """Takes this rank's masked token mean and rescales it by ``local * W / N``: the correct gradient, except on a rank
+    without supervised tokens, where the mean divides by zero and DDP spreads the NaN gradient to every rank."""
+
+    name = "nan_on_empty_rank"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        local = sum(mb.supervised for mb in window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                rank_mean = _masked_token_losses(logits, mb.labels).sum() / torch.tensor(float(local))
+                (rank_mean * (local * world / total)).backward()
+        return None
+
+
+@control(Target("parity", "sparse"), "nonfinite", only_its_scenario=True)
+class NanOnEmptyMicrobatch:
+    """Guards a rank without tokens, but not a microbatch without tokens: each microbatch's masked mean (0/0 over no
+    token) is rescaled by its count, and its NaN gradient reaches every weight."""
+
+    name = "nan_on_empty_microbatch"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        local = sum(mb.supervised for mb in window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                if local == 0:
+                    loss = logits.sum() * 0.0  # the rank-level guard: keeps the backward (and DDP's sync) going
+                else:
+                    mean = _masked_token_losses(logits, mb.labels).sum() / torch.tensor(float(mb.supervised))
+                    loss = mean * (mb.supervised * world / total)
+                loss.backward()
+        return None
+
+
+@control(Target("empty_window", "all_empty"), None, only_its_scenario=True)
+class SilentEmptyWindow:
+    """Right on every window with tokens; on a window without any it backpropagates zero and returns, so a training
+    loop steps its optimizer (momentum, weight decay, the schedule) on nothing."""
+
+    name = "silent_empty_window"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = global_count(sum(mb.supervised for mb in window)), _world_size()
+        accumulate(model, window, lambda s: s * (world / max(total, 1)))
+        return None
+
+
+@control(Target("empty_window", "all_empty"), None)
+class NanGradientsThenRaise:
+    """Backpropagates first and checks the count after: its masked token loss is divided by the all-reduced count
+    tensor, which is right on every window with tokens; on a window without any it raises the contract's ValueError,
+    but only after 0/0 has left NaN in ``.grad`` for the next window to add to."""
+
+    name = "nan_gradients_then_raise"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        count = torch.tensor(float(sum(mb.supervised for mb in window)), dtype=torch.float64, device=count_device())
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        world = _world_size()
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                s = _masked_token_losses(logits, mb.labels).sum()
+                (s * world / count.to(s.device, s.dtype)).backward()
+        check_global_count(int(count))
+        return None

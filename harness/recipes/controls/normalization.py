@@ -1,0 +1,145 @@
+"""Negative controls, normalization family. How the loss is normalized: the wrong denominator (a local count, one
+microbatch's count, a count cached from an earlier window), a missing or extra factor (W, k), a mean per microbatch
+or per sequence, and a loss computed in float32.
+
+Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
+:mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.core.formats import supervised_tokens
+from harness.core.loss import check_global_count, global_count, global_token_loss
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.recipes.catalog import Target, control
+from harness.recipes.correct import _sync_last, _world_size, accumulate, window_count
+
+
+@control(Target("parity", "uneven"), "mean_of_local_means")
+class MeanOfLocalMeans:
+    """Seed 000's ``wrong=True``: each rank divides by its *local* count, and DDP averages the local means.
+
+    Right only when every rank holds the same number of tokens (or the same local mean), which is why the battery's
+    uneven fixture exists.
+    """
+
+    name = "mean_of_local_means"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        local = sum(supervised_tokens(mb) for mb in window)  # either batch format: the mistake is the same
+        accumulate(model, window, lambda s: s / max(local, 1))
+        return None
+
+
+@control(Target("parity", "long"), "global_scale")
+class ExtraMicrobatchDivision:
+    """The correct normalization, then divided again by the number of microbatches (seed 000: 2.5 becomes 1.25)."""
+
+    name = "extra_microbatch_division"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world) / len(window))
+        return None
+
+
+@control(Target("parity", "uneven"), "global_scale")
+class NoWorldSizeFactor:
+    """Each rank backpropagates ``S_r / N``: DDP's average then divides the gradient by W once too often."""
+
+    name = "no_world_size_factor"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total = window_count(window)
+        accumulate(model, window, lambda s: s / total)
+        return None
+
+
+@control(Target("parity", "uneven", precision="fp64"), "float32_computation")
+class Float32Loss:
+    """The correct recipe computing its loss in float32 (a stray ``.float()``, an autocast region).
+
+    Invisible at float32, where it changes nothing; the float64 lane sees the lost digits.
+    """
+
+    name = "float32_loss"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        accumulate(model, window, lambda s: global_token_loss(s, total, world), loss_dtype=torch.float32)
+        return None
+
+
+@control(Target("parity", "uneven"), "per_microbatch_mean")
+class PerMicrobatchMean:
+    """Each microbatch's own token mean (``reduction="mean"``), divided by the microbatch count: the loop most
+    tutorials write. Every microbatch weighs the same whatever its token count, and DDP averages the ranks."""
+
+    name = "per_microbatch_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        window_count(window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX)
+                (loss / len(window)).backward()
+        return None
+
+
+@control(Target("parity", "uneven"), "global_scale")
+class CountFromOneMicrobatch:
+    """Estimates the window's count as (first microbatch's count) x (number of microbatches): right only when every
+    microbatch of a rank holds the same number of supervised tokens."""
+
+    name = "count_from_one_microbatch"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total = global_count(window[0].supervised * len(window))
+        check_global_count(total)
+        accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))
+        return None
+
+
+@control(Target("parity", "varying"), "global_scale", only_its_scenario=True)
+class CachedCount:
+    """Computes the global count on its first window and keeps it on the recipe: every later window is normalized
+    by the first window's count."""
+
+    name = "cached_count"
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        if self.total is None:
+            self.total = window_count(window)
+        total = self.total
+        accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))
+        return None
+
+
+@control(Target("parity", "uneven"), "per_sequence_mean")
+class PerSequenceMean:
+    """Each sequence's own token mean, averaged over the rank's sequences (the "mean over each sequence, then over the
+    batch" loss of sequence-level training loops); DDP averages the ranks. A sequence weighs the same whatever its
+    length, so a long sequence's tokens weigh less than a short one's."""
+
+    name = "per_sequence_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        window_count(window)
+        rows = sum(mb.inputs.shape[0] for mb in window)
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                logits = model(mb.inputs)
+                per_token = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                            reduction="none").view(mb.labels.shape)
+                counts = (mb.labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+                ((per_token.sum(dim=1) / counts).sum() / rows).backward()
+        return None
