@@ -96,8 +96,9 @@ class RunSpec:
     """One battery run: ``recipe`` (``"pkg.mod:attr"``) on ``scenario`` at ``world_size`` in ``precision``, on
     ``model`` (``"pkg.mod:factory"``; None: the built-in model) with ``batch_format``, the initial weights of
     ``init_seed`` (None: the battery config's), wrapped by ``strategy``; ``reduction``, ``find_unused``, ``device``,
-    ``backend`` and ``deadline`` say how it is launched. Hashable: the runner caches one run per spec, and it is what
-    the ranks receive."""
+    ``backend``, ``deadline`` and ``nodes`` (how many nodes the ranks' environment says they are spread over:
+    :func:`harness.distributed.launcher.launch`) say how it is launched. Hashable: the runner caches one run per spec,
+    and it is what the ranks receive."""
 
     recipe: str
     scenario: str = "custom"
@@ -112,6 +113,7 @@ class RunSpec:
     device: str = "cpu"
     backend: str = "gloo"
     deadline: float = DEADLINE
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or ":" not in self.recipe:
@@ -125,6 +127,11 @@ class RunSpec:
         _choice(self.reduction, REDUCTIONS, "reduction")
         check_find_unused(self.find_unused, "find_unused")
         _deadline(self.deadline, "deadline")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
+                or self.world_size % self.nodes:
+            msg = (f"nodes={self.nodes!r} must be a positive number of nodes that divides world_size={self.world_size} "
+                   "(each node holds world_size // nodes consecutive ranks)")
+            raise ValueError(msg)
 
     def at(self, scenario: str, world_size: int, precision: str) -> RunSpec:
         """The same run on another case."""

@@ -114,6 +114,12 @@ def cmd_battery(args: argparse.Namespace) -> int:
                                        precision=options.precision, model=model, batch_format=batch_format,
                                        model_notes=notes))
         print(f"report written to {path}")
+    junit = getattr(args, "junit", None)
+    if junit:
+        from harness.battery.junit import write_junit
+
+        write_junit(junit, verdicts, results, duration_s=time.monotonic() - start)
+        print(f"junit written to {junit}")
     for v in failed:
         err(v.message)
     for c in unrejected:

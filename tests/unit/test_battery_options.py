@@ -88,6 +88,8 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
     ({"batch_format": "json"}, "batch_format='json' must be one of harness, hf"),
     ({"find_unused": "maybe"}, "find_unused='maybe' must be one of auto, on, off"),
     ({"deadline": -1}, "deadline=-1 must be a positive number of seconds"),
+    ({"nodes": 3}, "nodes=3 must be a positive number of nodes that divides world_size=2"),
+    ({"nodes": 0}, "nodes=0 must be a positive number of nodes"),
 ])
 def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
     base: dict[str, object] = {"recipe": "harness.recipes:global_token_mean"}
