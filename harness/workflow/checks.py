@@ -92,6 +92,10 @@ def cmd_battery(args: argparse.Namespace) -> int:
                 progress(f"{r.split(':')[-1]}: {options.examples} drawn layouts")
             verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true"))
     results = run_controls(controls, options, progress) if controls else []
+    elsewhere = [c for c in controls if CONTROLS[c].launch != "in-process"]
+    if elsewhere:
+        print(f"not run here (they need ranks on more than one node; run them under torchrun across nodes, "
+              f"python -m harness.battery.dist): {', '.join(elsewhere)}")
     if verdicts:
         print(format_table(verdicts))
     if results:

@@ -4,52 +4,20 @@ under ``timeout -k`` so no agent or worker outlives its test."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from support.ports import HOST, free_port, port_taken
+from support.battery_jobs import job
 
 from harness.battery import checks, runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun-agents")]
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-JOB_TIMEOUT = 240
-
-
-def _job(tmp_path: Path, *args: str, nodes: int = 2, per_node: int = 2) -> tuple[list[int], str, dict | None]:
-    """Start ``nodes`` torchrun agents of ``per_node`` workers each on one c10d rendezvous; return their exit
-    statuses, their output, and rank 0's JSON report (None where none was written)."""
-    report = tmp_path / f"report-{uuid.uuid4().hex[:6]}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    for _ in range(3):
-        port, run_id = free_port(), uuid.uuid4().hex[:8]
-        cmd = [TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={HOST}:{port}", f"--rdzv-id={run_id}", f"--local-addr={HOST}", "--max-restarts=0",
-               "-m", "harness.battery.dist", *args, "--battery-report", str(report)]
-        agents = [subprocess.Popen(["timeout", "-k", "5", str(JOB_TIMEOUT), *cmd], cwd=tmp_path, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                  for _ in range(nodes)]
-        outs = [a.communicate(timeout=JOB_TIMEOUT + 30)[0] for a in agents]
-        text = "\n".join(outs)
-        if not port_taken(text):
-            break
-    codes = [a.returncode for a in agents]
-    assert 124 not in codes and -9 not in codes, f"a job outlived {JOB_TIMEOUT} s:\n{text[-3000:]}"
-    return codes, text, json.loads(report.read_text()) if report.exists() else None
-
 
 def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path) -> None:
     junit = tmp_path / "battery.xml"
-    codes, text, report = _job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "fp32",
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "fp32",
                                "--battery-junit", str(junit))
     assert [0, 0] == codes, text[-3000:]
     assert report is not None and 0 == report["exit_status"] and [4] == report["world_sizes"]
@@ -60,7 +28,7 @@ def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path)
 
 def test_a_control_fails_the_same_check_with_the_same_diagnosis_as_in_process(tmp_path: Path) -> None:
     recipe = "harness.recipes:mean_of_local_means"
-    codes, text, report = _job(tmp_path, "--recipe", recipe, "--precision", "fp32", "--scenarios", "uneven")
+    codes, text, report = job(tmp_path, "--recipe", recipe, "--precision", "fp32", "--scenarios", "uneven")
     assert [1, 1] == codes, text[-3000:]
     assert report is not None and 1 == report["exit_status"]
     parity = next(c for c in report["checks"] if c["check"] == "parity")
@@ -70,7 +38,7 @@ def test_a_control_fails_the_same_check_with_the_same_diagnosis_as_in_process(tm
 
 
 def test_a_rank_that_raises_stops_every_worker_naming_it(tmp_path: Path) -> None:
-    codes, text, report = _job(tmp_path, "--recipe", "user_recipes.broken:CrashesOnRankOne", "--precision", "fp32",
+    codes, text, report = job(tmp_path, "--recipe", "user_recipes.broken:CrashesOnRankOne", "--precision", "fp32",
                                "--battery-deadline", "10")
     assert all(c != 0 for c in codes), text[-3000:]
     assert "FAILED: rank 1 of 4 raised KeyError: 'labels'" in text, text[-3000:]
@@ -78,9 +46,9 @@ def test_a_rank_that_raises_stops_every_worker_naming_it(tmp_path: Path) -> None
     assert {"crash", "stopped"} == {c["cause"] for c in report["checks"]}
 
 
-def test_a_worker_killed_mid_battery_ends_the_job(tmp_path: Path) -> None:
+def test_a_worker_killed_mid_battery_ends_thejob(tmp_path: Path) -> None:
     """torchrun stops the other workers of the job; nothing waits for the killed one past the job's timeout."""
-    codes, text, _ = _job(tmp_path, "--recipe", "user_recipes.broken:KilledOnRankThree", "--precision", "fp32",
+    codes, text, _ = job(tmp_path, "--recipe", "user_recipes.broken:KilledOnRankThree", "--precision", "fp32",
                           "--battery-deadline", "10")
     assert all(c != 0 for c in codes), text[-3000:]
     assert "SIGKILL" in text or "-9" in text, text[-3000:]
@@ -90,16 +58,16 @@ def test_a_count_over_the_node_local_ranks_fails_across_agents_and_passes_on_one
     """The bug torchrun across nodes exists to catch: the token count all-reduced over a node's ranks only."""
     recipe = "harness.recipes:count_over_local_ranks"
     args = ("--recipe", recipe, "--precision", "fp32", "--scenarios", "uneven")
-    codes, text, report = _job(tmp_path, *args)
+    codes, text, report = job(tmp_path, *args)
     assert [1, 1] == codes, text[-3000:]
     assert report is not None
     parity = next(c for c in report["checks"] if c["check"] == "parity")
     assert "fail" == parity["status"] and "subgroup_count" == parity["diagnosis"]["signature"], parity["message"]
-    codes, text, report = _job(tmp_path, *args, nodes=1, per_node=4)
+    codes, text, report = job(tmp_path, *args, nodes=1, per_node=4)
     assert [0] == codes, text[-3000:]
 
 
 def test_bad_input_exits_2_on_every_worker_before_any_joins(tmp_path: Path) -> None:
-    _, text, report = _job(tmp_path, "--recipe", "no.such.module:recipe", nodes=1)
+    _, text, report = job(tmp_path, "--recipe", "no.such.module:recipe", nodes=1)
     assert report is None
     assert "bad input: " in text and "exitcode  : 2" in text, text[-3000:]
