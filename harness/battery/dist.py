@@ -171,6 +171,19 @@ def _failure(results: dict[int, tuple[str, str, float]], world: int) -> LaunchEr
     return LaunchError("raised", raised, details, summary)
 
 
+def _desync(ahead: dict[int, str | None], errors: dict[int, tuple[str, str, float]], world: int) -> LaunchError:
+    """Ranks that ended the run (their recipe refused a window, or returned) while their peers went on into a
+    collective they never entered and waited in it until the deadline: the in-process launcher's ``desync``."""
+    leader = min(ahead)
+    left = sorted(errors)
+    did = f"refused a window alone ({ahead[leader]})" if ahead[leader] else "ended the run"
+    details = {r: errors[r][1] for r in left}
+    details[leader] = did
+    summary = (f"rank {leader} of {world} {did} while rank(s) {left} waited in a collective it never entered, "
+               "until the deadline; every worker stopped")
+    return LaunchError("desync", left, details, summary, leader)
+
+
 def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(options.deadline)
@@ -233,7 +246,11 @@ def _collect(store: dist.Store, i: int, ready: runner.Prepared, world: int, dead
     errors = {r: (v[0], v[1], v[2]) for r, v in results.items() if v[0] == "error"}
     if not errors:
         return ready.run([results[r][1] for r in range(world)]), None
-    failure = _failure(errors, world)
+    ahead = {r: next((rec.error for rec in v[1] if rec.error), None) for r, v in results.items() if v[0] == "ok"}
+    if ahead and all(_let_down(text) for _, text, _ in errors.values()):
+        failure = _desync(ahead, errors, world)
+    else:
+        failure = _failure(errors, world)
     s = ready.spec
     return ready.failed(failure), f"{failure.summary} (run {s.scenario}, W={world}, {s.precision})"
 
@@ -252,6 +269,9 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed else 0
     print(format_table(verdicts), flush=True)
+    notes = list(dict.fromkeys(n for v in verdicts for n in v.notes))
+    if notes:
+        print(f"\nabout the model {options.model or '(built-in)'}:\n" + "\n".join(f"  {n}" for n in notes), flush=True)
     print(f"\n{len(verdicts)} checks at W={world} under torchrun in {seconds:.1f} s", flush=True)
     if options.report:
         payload = report_json([recipe], verdicts, len(cases), status, world_sizes=options.world_sizes,

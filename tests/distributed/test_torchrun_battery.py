@@ -26,15 +26,23 @@ def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path)
     assert len(cases) == report["run"] and not ET.parse(junit).getroot().findall(".//failure")
 
 
-def test_a_control_fails_the_same_check_with_the_same_diagnosis_as_in_process(tmp_path: Path) -> None:
-    recipe = "harness.recipes:mean_of_local_means"
-    codes, text, report = job(tmp_path, "--recipe", recipe, "--precision", "fp32", "--scenarios", "uneven")
+@pytest.mark.parametrize(("name", "scenario", "cause"), [("mean_of_local_means", "uneven", "numbers"),
+                                                         ("skip_backward_when_empty", "one_empty", "desync")])
+def test_a_control_fails_the_same_check_the_same_way_as_in_process(tmp_path: Path, name: str, scenario: str,
+                                                                   cause: str) -> None:
+    """The numbers and their diagnosis; or a rank that refuses a window alone while its peers wait in a collective."""
+    recipe = f"harness.recipes:{name}"
+    codes, text, report = job(tmp_path, "--recipe", recipe, "--precision", "fp32", "--scenarios", scenario,
+                              "--battery-deadline", "10")
     assert [1, 1] == codes, text[-3000:]
     assert report is not None and 1 == report["exit_status"]
     parity = next(c for c in report["checks"] if c["check"] == "parity")
-    here = checks.parity(runner.run(recipe, "uneven", 4, "fp32"))
-    assert ("fail", "numbers") == (parity["status"], parity["cause"]) == (here.status, here.cause)
-    assert here.diagnosis is not None and parity["diagnosis"]["signature"] == here.diagnosis["signature"]
+    here = checks.parity(runner.run(recipe, scenario, 4, "fp32"))
+    assert ("fail", cause) == (parity["status"], parity["cause"]) == (here.status, here.cause)
+    if cause == "numbers":
+        assert here.diagnosis is not None and parity["diagnosis"]["signature"] == here.diagnosis["signature"]
+    else:
+        assert "rank 0 of 4 ended the run while rank(s) [1, 2, 3] waited" in parity["message"], parity["message"]
 
 
 def test_a_rank_that_raises_stops_every_worker_naming_it(tmp_path: Path) -> None:
