@@ -94,9 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     try:
-        options = BatteryOptions.parse(model=args.model, batch_format=args.batch_format, precision=args.precision,
-                                       world_sizes=[world], examples=0, deadline=args.deadline,
-                                       find_unused=args.find_unused, report=args.report)
+        if not 1 <= world <= scenarios.MAX_SCENARIO_WORLD_SIZE:
+            msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
+                   f"{scenarios.MAX_SCENARIO_WORLD_SIZE}")
+            raise ValueError(msg)
+        options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format,
+                                               precision=args.precision, world_sizes=[1], examples=0,
+                                               deadline=args.deadline, find_unused=args.find_unused,
+                                               report=args.report), world_sizes=(world,))
         names = _scenarios(args.scenarios, world)
         from harness.recipes import load_recipe
 
@@ -108,9 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # bad input: every worker finds it, the same, before any joins the group
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"bad input: {exc}", file=sys.stderr)
-        if "world sizes between" in str(exc):
-            print(f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
-                  f"{scenarios.MAX_WORLD_SIZE}", file=sys.stderr)
         return 2
     backend = args.backend or default_backend(local_world)
     if backend == "nccl":

@@ -17,8 +17,13 @@ from typing import Any
 DEADLINE = 30.0
 """Seconds one battery run (one launch) may take (``--battery-deadline``)."""
 
-MAX_WORLD_SIZE = 4
-"""The largest world size the battery's scenarios are built for (the corpus's length bands hold enough rows)."""
+MAX_WORLD_SIZE = 8
+"""The largest world size ``--battery-world-sizes`` accepts: the in-process launcher's ranks share this machine's
+cores (a larger job runs under torchrun, :mod:`harness.battery.dist`)."""
+
+MAX_SCENARIO_WORLD_SIZE = 32
+"""The largest world size the battery's scenarios are built for (``harness.battery.scenarios``: rank r reads the
+r-th of W length bands of the corpus, and past 32 the narrowest band holds no sequence)."""
 
 WORLD_SIZES = (1, 2, 3, 4)
 """World sizes every recipe runs at: 1 is the sanity lane, 2-4 the data-parallel ones."""
@@ -53,11 +58,13 @@ def parse_world_sizes(text: str | Sequence[int], option: str = "--battery-world-
     return check_world_sizes(worlds, option)
 
 
-def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
-    """Validate world sizes against what the scenarios can be built for."""
-    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WORLD_SIZE]
+def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes",
+                      limit: int = MAX_WORLD_SIZE) -> tuple[int, ...]:
+    """Validate world sizes: from 1 to ``limit`` (the in-process launcher's :data:`MAX_WORLD_SIZE` by default; the
+    scenarios' :data:`MAX_SCENARIO_WORLD_SIZE` under torchrun)."""
+    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= limit]
     if bad or not world_sizes:
-        msg = (f"{option}={','.join(map(str, world_sizes))!r} must be world sizes between 1 and {MAX_WORLD_SIZE}, "
+        msg = (f"{option}={','.join(map(str, world_sizes))!r} must be world sizes between 1 and {limit}, "
                "e.g. 1,2,3,4")
         raise ValueError(msg)
     return tuple(dict.fromkeys(world_sizes))
@@ -205,6 +212,6 @@ def from_pytest(config: Any) -> BatteryOptions:
     return options
 
 
-__all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_WORLD_SIZE", "PRECISION_CHOICES",
-           "PYTEST_OPTIONS", "WORLD_SIZES", "BatteryOptions", "RunSpec", "check_find_unused", "check_world_sizes",
-           "from_pytest", "parse_world_sizes", "precisions"]
+__all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_SCENARIO_WORLD_SIZE", "MAX_WORLD_SIZE",
+           "PRECISION_CHOICES", "PYTEST_OPTIONS", "WORLD_SIZES", "BatteryOptions", "RunSpec", "check_find_unused",
+           "check_world_sizes", "from_pytest", "parse_world_sizes", "precisions"]

@@ -49,7 +49,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--battery-world-sizes", "5", "--battery-world-sizes='5' must be world sizes between 1 and 4"),
+    ("--battery-world-sizes", "9", "--battery-world-sizes='9' must be world sizes between 1 and 8"),
     ("--battery-world-sizes", "two", "--battery-world-sizes='two' must be comma-separated world sizes"),
     ("--battery-examples", "-1", "--battery-examples=-1 must be 0 (no drawn layouts) or a positive number"),
     ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
