@@ -1,5 +1,6 @@
 """The battery at W=4 two ways, side by side: in-process (the launcher's forkserver, one machine) and inside torchrun as
-two agents of two workers each (c10d rendezvous on 127.0.0.1, gloo), on the correct recipe.
+two agents of two workers each (c10d rendezvous on 127.0.0.1, gloo), on the correct recipe; and the time per check
+at W=8 in-process.
 
     python benchmarks/torchrun_battery_bench.py [--repeats 3] [--precision fp32]
         [--out benchmarks/results/torchrun_battery.json]
@@ -49,6 +50,16 @@ def main() -> int:
         verdicts = run_cases(CORRECT_RECIPE, cases, options)
         inproc.append(time.perf_counter() - t)
         assert all(v.passed for v in verdicts), [v.message for v in verdicts if not v.passed]
+    wide = BatteryOptions.parse(precision=args.precision, world_sizes=[8], examples=0)
+    wide_cases = plan.session_cases(wide)
+    inproc8 = []
+    for _ in range(args.repeats):
+        runner._CACHE.clear()
+        runner._CHAINS.clear()
+        t = time.perf_counter()
+        verdicts = run_cases(CORRECT_RECIPE, wide_cases, wide)
+        inproc8.append(time.perf_counter() - t)
+        assert all(v.passed for v in verdicts), [v.message for v in verdicts if not v.passed]
     job_s, battery_s = [], []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
@@ -71,6 +82,9 @@ def main() -> int:
                                    "runs": [round(x, 2) for x in battery_s]},
         "per_check_in_process_ms": round(1000 * statistics.median(inproc) / len(cases), 1),
         "per_check_torchrun_ms": round(1000 * statistics.median(battery_s) / len(cases), 1),
+        "checks_w8": len(wide_cases),
+        "in_process_w8_s": {"median": round(statistics.median(inproc8), 2), "runs": [round(x, 2) for x in inproc8]},
+        "per_check_in_process_w8_ms": round(1000 * statistics.median(inproc8) / len(wide_cases), 1),
     }
     print(write_result(args.out, result))
     return 0
