@@ -17,8 +17,13 @@ from typing import Any
 DEADLINE = 30.0
 """Seconds one battery run (one launch) may take (``--battery-deadline``)."""
 
-MAX_WORLD_SIZE = 4
-"""The largest world size the battery's scenarios are built for (the corpus's length bands hold enough rows)."""
+MAX_WORLD_SIZE = 8
+"""The largest world size ``--battery-world-sizes`` accepts: the in-process launcher's ranks share this machine's
+cores (a larger job runs under torchrun, :mod:`harness.battery.dist`)."""
+
+MAX_SCENARIO_WORLD_SIZE = 32
+"""The largest world size the battery's scenarios are built for (``harness.battery.scenarios``: rank r reads the
+r-th of W length bands of the corpus, and past 32 the narrowest band holds no sequence)."""
 
 WORLD_SIZES = (1, 2, 3, 4)
 """World sizes every recipe runs at: 1 is the sanity lane, 2-4 the data-parallel ones."""
@@ -53,11 +58,13 @@ def parse_world_sizes(text: str | Sequence[int], option: str = "--battery-world-
     return check_world_sizes(worlds, option)
 
 
-def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
-    """Validate world sizes against what the scenarios can be built for."""
-    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WORLD_SIZE]
+def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world-sizes",
+                      limit: int = MAX_WORLD_SIZE) -> tuple[int, ...]:
+    """Validate world sizes: from 1 to ``limit`` (the in-process launcher's :data:`MAX_WORLD_SIZE` by default; the
+    scenarios' :data:`MAX_SCENARIO_WORLD_SIZE` under torchrun)."""
+    bad = [w for w in world_sizes if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= limit]
     if bad or not world_sizes:
-        msg = (f"{option}={','.join(map(str, world_sizes))!r} must be world sizes between 1 and {MAX_WORLD_SIZE}, "
+        msg = (f"{option}={','.join(map(str, world_sizes))!r} must be world sizes between 1 and {limit}, "
                "e.g. 1,2,3,4")
         raise ValueError(msg)
     return tuple(dict.fromkeys(world_sizes))
@@ -96,8 +103,9 @@ class RunSpec:
     """One battery run: ``recipe`` (``"pkg.mod:attr"``) on ``scenario`` at ``world_size`` in ``precision``, on
     ``model`` (``"pkg.mod:factory"``; None: the built-in model) with ``batch_format``, the initial weights of
     ``init_seed`` (None: the battery config's), wrapped by ``strategy``; ``reduction``, ``find_unused``, ``device``,
-    ``backend`` and ``deadline`` say how it is launched. Hashable: the runner caches one run per spec, and it is what
-    the ranks receive."""
+    ``backend``, ``deadline`` and ``nodes`` (how many nodes the ranks' environment says they are spread over:
+    :func:`harness.distributed.launcher.launch`) say how it is launched. Hashable: the runner caches one run per spec,
+    and it is what the ranks receive."""
 
     recipe: str
     scenario: str = "custom"
@@ -112,6 +120,7 @@ class RunSpec:
     device: str = "cpu"
     backend: str = "gloo"
     deadline: float = DEADLINE
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or ":" not in self.recipe:
@@ -125,6 +134,11 @@ class RunSpec:
         _choice(self.reduction, REDUCTIONS, "reduction")
         check_find_unused(self.find_unused, "find_unused")
         _deadline(self.deadline, "deadline")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
+                or self.world_size % self.nodes:
+            msg = (f"nodes={self.nodes!r} must be a positive number of nodes that divides world_size={self.world_size} "
+                   "(each node holds world_size // nodes consecutive ranks)")
+            raise ValueError(msg)
 
     def at(self, scenario: str, world_size: int, precision: str) -> RunSpec:
         """The same run on another case."""
@@ -198,6 +212,6 @@ def from_pytest(config: Any) -> BatteryOptions:
     return options
 
 
-__all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_WORLD_SIZE", "PRECISION_CHOICES",
-           "PYTEST_OPTIONS", "WORLD_SIZES", "BatteryOptions", "RunSpec", "check_find_unused", "check_world_sizes",
-           "from_pytest", "parse_world_sizes", "precisions"]
+__all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_SCENARIO_WORLD_SIZE", "MAX_WORLD_SIZE",
+           "PRECISION_CHOICES", "PYTEST_OPTIONS", "WORLD_SIZES", "BatteryOptions", "RunSpec", "check_find_unused",
+           "check_world_sizes", "from_pytest", "parse_world_sizes", "precisions"]

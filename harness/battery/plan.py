@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from harness.battery import scenarios
 from harness.battery.checks import REGISTRY
 from harness.battery.options import (
+    MAX_SCENARIO_WORLD_SIZE,
     PRECISION_CHOICES,
     WORLD_SIZES,
     BatteryOptions,
@@ -43,7 +44,7 @@ def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
     """Every case of the battery, in a stable order: by check (:data:`harness.battery.checks.REGISTRY`'s order, each
     check where and in the precisions it registered for), then scenario, world size and precision."""
     lanes = precisions(precision)
-    worlds = check_world_sizes(world_sizes)
+    worlds = check_world_sizes(world_sizes, "world_sizes", MAX_SCENARIO_WORLD_SIZE)  # options checked their own
     out = []
     for info in REGISTRY.values():  # the checks' order: the order they are defined in
         if checks is not None and info.name not in checks:

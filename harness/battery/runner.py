@@ -473,20 +473,43 @@ _CHAINS: dict[tuple[object, ...], Chain] = {}
 recipe under test and each negative control) is compared with the same reference, computed once per process."""
 
 
-def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
-               share_chain: bool = False) -> Run:
-    """Launch ``spec`` on ``windows``: the reference chain first, then the ranks (not cached). ``share_chain``:
-    ``windows`` are the named scenario's own (:func:`harness.battery.scenarios.build`), so the reference chain computed
-    for another recipe on the same case is reused.
+@dataclass(frozen=True)
+class Prepared:
+    """What the parent decides before any rank starts, for one run: the model the ranks build (with the fingerprint
+    of its initial weights when it is a user's), the reference chain, whether DDP needs ``find_unused_parameters``
+    (``wrap``), and what the harness found about the model (``notes``, ``computes_in``). Both launchers use it: the
+    in-process one (:func:`launch_run`) and torchrun's workers (:mod:`harness.battery.dist`)."""
 
-    ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
-    ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
-    (``"pkg.mod:factory"``) builds the user's model on every rank and for the reference, from the same seed;
-    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`. ``find_unused``: see
-    :data:`FIND_UNUSED`; ``strategy``: the data-parallel strategy the ranks wrap the model with
-    (:mod:`harness.distributed.strategies`). A user's model that cannot run one of the microbatches gives a run with
-    ``model_error`` set and no launch.
-    """
+    spec: RunSpec
+    windows: scenarios.Windows
+    model: ModelSpec
+    chain: Chain
+    wrap: bool
+    notes: tuple[str, ...]
+    computes_in: str | None
+
+    @property
+    def digest(self) -> str | None:
+        return self.model.digest
+
+    def run(self, records: list[list[WindowRecord]] | None = None, **fields: Any) -> Run:
+        """The :class:`Run` of this preparation with the ranks' ``records`` (or a ``failure`` / ``model_error``)."""
+        s, chain = self.spec, self.chain
+        fields.setdefault("notes", self.notes)
+        return Run(s.recipe, s.scenario, s.world_size, s.precision, self.windows, records, chain.references,
+                   init_seed=s.init_seed, model_path=s.model, batch_format=s.batch_format,
+                   computes_in=self.computes_in, reference_starts=chain.starts, run_spec=s,
+                   find_unused=self.wrap, **fields)
+
+    def failed(self, exc: LaunchError) -> Run:
+        """The run whose ranks failed with ``exc`` (DDP's parameter indices named)."""
+        return self.run(None, failure=exc, notes=self.notes + _named_indices(exc, self.chain.trainable))
+
+
+def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = False) -> Prepared:
+    """The parent's half of a run (:class:`Prepared`), before any rank starts. ``share_chain``: ``windows`` are the
+    named scenario's own (:func:`harness.battery.scenarios.build`), so the reference chain computed for another recipe
+    on the same case is reused."""
     if spec.world_size != len(windows[0]):
         msg = f"spec.world_size={spec.world_size} but the windows have {len(windows[0])} ranks"
         raise ValueError(msg)
@@ -494,7 +517,6 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
 
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
     model = ModelSpec.of(spec)
-    digest: str | None = None
     notes: tuple[str, ...] = ()
     computes_in = None
     if spec.model is not None:  # every rank must rebuild the weights the reference starts from
@@ -511,31 +533,44 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
         chain = compute_chain(windows, spec.precision, spec.init_seed, model)
         if share_chain and len(_CHAINS) < 64:
             _CHAINS[key] = chain
+    wrap = False
+    if chain.model_error is None:
+        needs, unused = unused_notes(chain)
+        wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and needs)
+        if needs:
+            how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs "
+                   "it too, or every parameter a gradient" if wrap else
+                   "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
+                   "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
+            notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
+    return Prepared(spec, windows, model, chain, wrap, notes, computes_in)
 
-    def made(records: list[list[WindowRecord]] | None, **fields: Any) -> Run:
-        return Run(spec.recipe, spec.scenario, spec.world_size, spec.precision, windows, records, chain.references,
-                   init_seed=spec.init_seed, model_path=spec.model, batch_format=spec.batch_format,
-                   computes_in=computes_in, reference_starts=chain.starts, run_spec=spec, **fields)
 
-    if chain.model_error is not None:
-        return made(None, model_error=chain.model_error, notes=notes)
-    needs, unused = unused_notes(chain)
-    wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and needs)
-    if needs:
-        how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs it "
-               "too, or every parameter a gradient" if wrap else
-               "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
-               "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
-        notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
+def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
+               share_chain: bool = False) -> Run:
+    """Launch ``spec`` on ``windows`` through the in-process launcher: :func:`prepare`, then the ranks (not cached).
+
+    ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
+    ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
+    (``"pkg.mod:factory"``) builds the user's model on every rank and for the reference, from the same seed;
+    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`. ``find_unused``: see
+    :data:`FIND_UNUSED`; ``strategy``: the data-parallel strategy the ranks wrap the model with
+    (:mod:`harness.distributed.strategies`). A user's model that cannot run one of the microbatches gives a run with
+    ``model_error`` set and no launch.
+    """
+    ready = prepare(spec, windows, share_chain=share_chain)
+    if ready.chain.model_error is not None:
+        return ready.run(None, model_error=ready.chain.model_error)
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
-        records = launch(rank_body, spec.world_size, spec, windows, digest, wrap, deadline=spec.deadline,
+        records = launch(rank_body, spec.world_size, spec, windows, ready.digest, ready.wrap, deadline=spec.deadline,
                          backend=spec.backend, device=spec.device, env=env, preload=preload,
-                         lockstep_grace=LOCKSTEP_GRACE)
-        return made(records, notes=notes, find_unused=wrap)
+                         lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
     except LaunchError as exc:
-        return made(None, failure=exc, notes=notes + _named_indices(exc, chain.trainable), find_unused=wrap)
+        return ready.failed(exc)
+    return ready.run(records)
 
 
-__all__ = ["DEADLINE", "FIND_UNUSED", "Chain", "Run", "RunSpec", "WindowRecord", "check_find_unused", "compute_chain",
-           "launch_run", "rank_body", "reference_chain", "run", "run_windows", "token_mean_at", "unused_notes"]
+__all__ = ["DEADLINE", "FIND_UNUSED", "Chain", "Prepared", "Run", "RunSpec", "WindowRecord", "check_find_unused",
+           "compute_chain", "launch_run", "prepare", "rank_body", "reference_chain", "run", "run_windows",
+           "token_mean_at", "unused_notes"]

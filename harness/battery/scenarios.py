@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from harness.battery.options import MAX_WORLD_SIZE
+from harness.battery.options import MAX_SCENARIO_WORLD_SIZE, MAX_WORLD_SIZE  # noqa: F401 (MAX_WORLD_SIZE: re-exported)
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.data.batching import collate
 from harness.data.config import Config
@@ -28,6 +28,22 @@ Windows = list[list[list[Microbatch]]]
 
 BATTERY_CONFIG = Config(dropout=0.0)
 """The battery's model and data: the minimum config's, with dropout 0 (the contract's train-mode-without-noise)."""
+
+
+SMALL_WORLD = 4
+"""Up to this world size the scenarios draw from :data:`BATTERY_CONFIG`'s corpus (every figure measured on them);
+past it, from :func:`corpus_config`'s."""
+
+
+def corpus_config(world_size: int) -> Config:
+    """The corpus rank r's length band is drawn from: :data:`BATTERY_CONFIG`'s up to :data:`SMALL_WORLD` ranks; for
+    more, the same model's corpus with sequences from 3 tokens (prompts up to 2) and ``train_size`` grown with W, so
+    that the narrowest band, ``(0, max_len / W]``, still holds a window's rows (up to
+    :data:`~harness.battery.options.MAX_SCENARIO_WORLD_SIZE`)."""
+    if world_size <= SMALL_WORLD:
+        return BATTERY_CONFIG
+    grow = -(-world_size // SMALL_WORLD)
+    return dataclasses.replace(BATTERY_CONFIG, min_len=3, prompt_max=2, train_size=BATTERY_CONFIG.train_size * grow)
 
 
 @lru_cache(maxsize=4)
@@ -67,11 +83,12 @@ def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbat
     """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
     the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts (made
     sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario)."""
+    corpus = corpus_config(world_size)
     config = dataclasses.replace(
-        BATTERY_CONFIG, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
+        corpus, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
         batch_size_per_rank=rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank,
     )
-    rows = _corpus(BATTERY_CONFIG)
+    rows = _corpus(corpus)
     plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
     drawn = [[[[rows[i] for i in ids] for ids in rank_ids[:k]] for rank_ids in step]
              for step, k in zip(plan, microbatches)]
@@ -114,7 +131,21 @@ def sparse(world_size: int) -> Windows:
         rank[1] = unsupervised(rank[1])
     last_empty = 1 if world_size > 1 else 0
     window[last_empty][-1] = unsupervised(window[last_empty][-1])
+    for rank in window:  # the microbatches left supervised must still hold different counts (narrow bands, large W)
+        kept = [i for i, mb in enumerate(rank) if mb.supervised > 0]
+        if len(kept) > 1 and len({rank[i].supervised for i in kept}) == 1:
+            rank[kept[-1]] = _first_target_masked(rank[kept[-1]])
     return [window]
+
+
+def _first_target_masked(mb: Microbatch) -> Microbatch:
+    """The same rows with the first supervised position of the row with the most masked, as a prompt one token longer
+    would: one supervised target fewer, the same tokens and shape."""
+    labels = mb.labels.clone()
+    row = int((labels != IGNORE_INDEX).sum(dim=1).argmax())
+    first = int((labels[row] != IGNORE_INDEX).nonzero()[0])
+    labels[row, first] = IGNORE_INDEX
+    return Microbatch(mb.inputs, labels)
 
 
 def one_empty(world_size: int) -> Windows:
@@ -171,7 +202,7 @@ def build(name: str, world_size: int) -> Windows:
     if name not in SCENARIOS:
         msg = f"scenario={name!r} is not one of {sorted(SCENARIOS)}"
         raise ValueError(msg)
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        msg = f"world_size={world_size!r} must be between 1 and {MAX_WORLD_SIZE} for the battery's scenarios"
+    if not 1 <= world_size <= MAX_SCENARIO_WORLD_SIZE:
+        msg = f"world_size={world_size!r} must be between 1 and {MAX_SCENARIO_WORLD_SIZE} for the battery's scenarios"
         raise ValueError(msg)
     return SCENARIOS[name](world_size)

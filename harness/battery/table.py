@@ -15,6 +15,7 @@ from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
 from harness.battery.diagnose import diagnose
 from harness.battery.options import BatteryOptions
 from harness.recipes import CONTROLS
+from harness.recipes.catalog import IN_PROCESS
 
 Progress = Callable[[str], None]
 
@@ -80,7 +81,12 @@ class ControlResult:
 def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
                  progress: Progress | None = None) -> list[ControlResult]:
     """Each control on its target (check, scenario, precision, batch format) at each of ``options.world_sizes``
-    where its mistake can show (2+), under ``options`` (its model included: None, the built-in one)."""
+    where its mistake can show (2+), under ``options`` (its model included: None, the built-in one).
+
+    A control whose target declares its world sizes (:attr:`harness.recipes.Target.world_sizes`: a mistake right at
+    the W its author tested) runs at those, whatever ``options.world_sizes`` holds: at another W it would pass, and
+    its result would say nothing. A control whose target needs ranks on several nodes (``launch="torchrun-nodes"``:
+    every in-process rank is on one node, where its mistake is right) is not run here; ``progress`` is told so."""
     options = options or BatteryOptions()
     unknown = [n for n in names if n not in CONTROLS]
     if unknown:
@@ -89,9 +95,13 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
     out = []
     for name in names:
         target = CONTROLS[name]
-        for world in options.world_sizes:
-            if world == 1:
-                continue  # several controls are right at W=1 (no rank to average over): they target W >= 2
+        if target.launch != IN_PROCESS:
+            if progress:
+                progress(f"{name}: skipped, its target needs launch={target.launch!r} (ranks on more than one node; "
+                         "every in-process rank is on one node, where its mistake is right)")
+            continue
+        # Several controls are right at W=1 (no rank to average over): they target W >= 2.
+        for world in target.judged_at(options.world_sizes):
             if progress:
                 progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
             spec = options.spec(f"harness.recipes:{name}", target.scenario, world, target.precision,
@@ -219,14 +229,19 @@ def report_payload(*, recipes: Sequence[str], checks: Sequence[Mapping[str, obje
 
 
 def write_report(path: str | Path, payload: Mapping[str, object]) -> Path:
-    """Write a report atomically: a temporary file beside ``path``, flushed to disk, then renamed over it (a reader
-    sees the old report or the new one, never half of one); its folder is made if missing."""
+    """Write a report atomically (:func:`write_text_atomic`) as indented JSON."""
+    return write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` atomically: a temporary file beside ``path``, flushed to disk, then renamed over it (a reader
+    sees the old file or the new one, never half of one); its folder is made if missing."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(out)

@@ -47,6 +47,8 @@ SIGNATURES: dict[str, str] = {
                                    "microbatch count k (a per-microbatch mean times k/K, or every weight 1/K)",
     "block_scaled": "the blocks of one microbatch index (or one rank) off by a count's factor, every other block "
                     "right: a count taken for that microbatch alone (a stale or local count)",
+    "subgroup_count": "each group of consecutive ranks' tokens weigh 1/N_g, its group's count: the count all-reduced "
+                      "over a sub-group (the ranks of one node) instead of every data-parallel rank",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }
@@ -334,6 +336,8 @@ def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
                                        f"missing (W={w})"))
     if w != 2:
         named.append((2 / w, f"a world-size factor written for W=2 (every weight is 2/W, here W={w})"))
+        named.append((w / 2, f"a count averaged over the ranks (divided by W) and multiplied by a factor 2 written for "
+                             f"W=2 (every weight is W/2, here W={w})"))
     # A constant K in place of k: the right loss divided by K (1/c = K), or, where every microbatch holds the same
     # count (a mean per microbatch is then a common scale), each microbatch's mean divided by K (k/c = K).
     equal = len({b.tokens for b in blocks if b.tokens}) == 1
@@ -459,6 +463,9 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         named = name_factor(c, blocks, world_size, other_counts)
         scale = "" if abs(c - 1) <= MATCH_TOLERANCE else f", and then {named}"
         return Signature(name, _describe(name, blocks, q, world_size) + scale, c, alternatives=others)
+    subgroup = _subgroup_count(blocks, q, world_size, other_counts)
+    if subgroup is not None:
+        return subgroup
     groups = _block_groups(blocks, q)
     if groups is not None:
         c, by = groups
@@ -524,6 +531,39 @@ def _blocks_scaled(blocks: Sequence[Block], q: Sequence[float], world_size: int,
         parts.append(f"{b.label()} weighs {v:.4g}x the right weight{named}")
     return Signature("block_scaled", f"{'; '.join(parts)}, every other block right: a count taken for that "
                      "microbatch alone (a stale or local count)", blocks=tuple(b.label() for b, _ in off))
+
+
+def _subgroup_count(blocks: Sequence[Block], q: Sequence[float], world_size: int,
+                    other_counts: Mapping[str, int] | None) -> Signature | None:
+    """``subgroup_count``: every block of a group of ``size`` consecutive ranks (``size`` a divisor of W between 1
+    and W: the ranks of one node) weighs ``N / N_g``, ``N_g`` the group's count, up to a common scale: the count was
+    all-reduced over the group, not over every rank. Groups of equal counts read as a common scale instead."""
+    n = sum(b.tokens for b in blocks)
+    per_rank = _rank_counts(blocks)
+    for size in range(2, world_size):
+        if world_size % size:
+            continue
+        group = {r: sum(per_rank.get(s, 0) for s in range(r // size * size, (r // size + 1) * size))
+                 for r in per_rank}
+        if len({c for c in group.values() if c > 0}) < 2:
+            continue
+        c, dev = _scale_fit(q, [n / group[b.rank] if group[b.rank] > 0 else math.nan for b in blocks])
+        if dev > MATCH_TOLERANCE:
+            continue
+        parts = []
+        for first in range(0, world_size, size)[:4]:
+            ng = group.get(first, 0)
+            if ng > 0:
+                parts.append(f"ranks {first}-{first + size - 1}'s tokens ({ng} of N={n}) weigh {c * n / ng:.3g}x "
+                             "the right weight")
+        more = "; and more groups" if world_size // size > 4 else ""
+        named = name_factor(c, blocks, world_size, other_counts)
+        scale = "" if abs(c - 1) <= MATCH_TOLERANCE else f", and then {named}"
+        return Signature("subgroup_count", f"each group of {size} consecutive ranks' tokens weigh 1/(its group's "
+                         f"count): the count was all-reduced over a sub-group of {size} ranks (the ranks of one node, "
+                         f"LOCAL_WORLD_SIZE={size}), not over every data-parallel rank; {'; '.join(parts)}{more}"
+                         f"{scale}", c)
+    return None
 
 
 def _own_blocks_only(blocks: Sequence[Block], q: Sequence[float], world_size: int,

@@ -124,6 +124,7 @@ def launch(
     lockstep_grace: float | None = None,
     preload: Sequence[str] = (),
     relay_output: bool = True,
+    nodes: int = 1,
 ) -> Results:
     """Call ``fn(*args)`` on ``world_size`` ranks inside an initialized default process group; return each rank's value.
 
@@ -131,9 +132,10 @@ def launch(
     back as an :class:`Expected` value for that rank instead of failing the run, so "every rank raised ValueError" is
     observable. Anything else a rank raises, a rank's death, or ``deadline`` seconds passing raises
     :class:`LaunchError` after every rank has been killed. ``device="cuda"`` gives rank r the CUDA device
-    ``r % device_count`` (``LOCAL_RANK``); each rank's environment is the caller's ``os.environ`` as of this call,
-    plus ``env``, plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``; ``threads`` sets each
-    rank's intra-op thread count (1 keeps W ranks from fighting over a 2-core machine).
+    ``r % device_count`` (``LOCAL_RANK`` on one node); each rank's environment is the caller's ``os.environ`` as of
+    this call, plus ``env``, plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``
+    (one node unless ``nodes``); ``threads`` sets each rank's intra-op thread count (1 keeps W ranks from fighting
+    over a 2-core machine).
 
     ``lockstep_grace`` (seconds): once any rank has reported step s through :func:`progress`, or has ended its
     function (returned, or raised an expected exception: that counts as every step), every other rank still running
@@ -155,8 +157,16 @@ def launch(
     most 200 distinct lines (:mod:`harness.distributed.output`). Either way each rank's whole text comes back as
     ``.output`` (rank -> text, ranks that printed nothing left out) of the returned list or of the
     :class:`LaunchError`.
+
+    ``nodes``: how many nodes the ranks' environment says they are spread over, as torchrun would set it for
+    ``nodes`` nodes of ``world_size // nodes`` consecutive ranks each: ``LOCAL_WORLD_SIZE`` ``world_size // nodes``,
+    ``LOCAL_RANK`` ``r % LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node) ``r // LOCAL_WORLD_SIZE``. Only the
+    environment changes (every rank still runs here, and ``device="cuda"`` still gives rank r device
+    ``r % device_count``): it lets code that builds node-local groups from those variables run as on several nodes.
+    It must divide ``world_size``.
     """
     _check_launch_args(fn, world_size, deadline, backend, device, expect, threads, env, lockstep_grace, preload)
+    local_world = _local_world_size(world_size, nodes)
     _LAUNCHES[0] += 1
     if not isinstance(relay_output, bool):
         msg = f"relay_output={relay_output!r} must be True (print the ranks' output once) or False (only return it)"
@@ -182,8 +192,8 @@ def launch(
             for r in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 rank_env = {
-                    **environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
-                    "LOCAL_WORLD_SIZE": str(world_size),
+                    **environ, "RANK": str(r), "LOCAL_RANK": str(r % local_world), "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(r // local_world),
                 }
                 spec = rank.RankSpec(r, world_size, backend, device, pg_timeout, startup_timeout, tmp, rank_env,
                                      expect, threads, ends_at, caller=os.getpid())
@@ -223,6 +233,16 @@ class Results(list[Any]):
     def __init__(self, values: Sequence[Any] = ()) -> None:
         super().__init__(values)
         self.output = {}
+
+
+def _local_world_size(world_size: int, nodes: Any) -> int:
+    """The ranks per node of ``world_size`` ranks over ``nodes`` nodes; ValueError naming ``nodes`` unless it is a
+    positive divisor of ``world_size``."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
+        msg = (f"nodes={nodes!r} must be a positive number of nodes that divides world_size={world_size} (each node "
+               "holds world_size // nodes consecutive ranks)")
+        raise ValueError(msg)
+    return world_size // nodes
 
 
 def _check_launch_args(

@@ -14,12 +14,18 @@ from typing import TypeVar
 
 from harness.core.formats import HARNESS
 
+IN_PROCESS = "in-process"
+TORCHRUN_NODES = "torchrun-nodes"
+LAUNCHES = (IN_PROCESS, TORCHRUN_NODES)
+"""How a control's ranks must be launched (:attr:`Target.launch`)."""
+
 
 @dataclass(frozen=True)
 class Target:
     """Where a negative control must be rejected: the check, the scenario and the precision that see its mistake,
     and how the mistake shows (``"numbers"``: the check's own comparison fails; ``"desync"``: ranks stop matching
-    collectives, and the run is stopped with the rank that left)."""
+    collectives, and the run is stopped with the rank that left); where the mistake shows only at some world sizes,
+    those (``world_sizes``), and how the ranks must be launched for it to show at all (``launch``)."""
 
     check: str
     scenario: str
@@ -27,6 +33,28 @@ class Target:
     shows_as: str = "numbers"
     batch_format: str = HARNESS
     """The batch convention the control is written for (``"hf"``: the dict a Hugging Face loop sees)."""
+    world_sizes: tuple[int, ...] = ()
+    """The world sizes at which it must be rejected (empty: every W >= 2 it is run at): a mistake that depends on W
+    (a factor written for W=2) is right at some world sizes, and is judged only where it shows."""
+    launch: str = IN_PROCESS
+    """How its ranks must be launched for the mistake to show: ``"in-process"`` (the battery's launcher, every rank
+    on this machine and on one node), or ``"torchrun-nodes"``: ranks on more than one node (a count reduced over
+    the node-local ranks is right while every rank is local), which the in-process battery skips, saying so."""
+
+    def __post_init__(self) -> None:
+        if self.launch not in LAUNCHES:
+            msg = f"Target(launch={self.launch!r}) must be one of {', '.join(map(repr, LAUNCHES))}"
+            raise ValueError(msg)
+        if not isinstance(self.world_sizes, tuple) or any(
+                isinstance(w, bool) or not isinstance(w, int) or w < 2 for w in self.world_sizes):
+            msg = (f"Target(world_sizes={self.world_sizes!r}) must be a tuple of world sizes >= 2 (where the mistake "
+                   "shows), or () for every one")
+            raise ValueError(msg)
+
+    def judged_at(self, world_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The world sizes it is judged at, of ``world_sizes`` offered: its declared ones whatever is offered (a
+        mistake right at the offered W proves nothing there), else the offered ones from 2 on."""
+        return self.world_sizes or tuple(w for w in world_sizes if w >= 2)
 
 
 @dataclass(frozen=True)
@@ -85,4 +113,5 @@ def scenario_controls() -> dict[str, str]:
     return out
 
 
-__all__ = ["REGISTRY", "Entry", "Target", "control", "diagnoses", "scenario_controls", "targets"]
+__all__ = ["IN_PROCESS", "LAUNCHES", "REGISTRY", "TORCHRUN_NODES", "Entry", "Target", "control", "diagnoses",
+           "scenario_controls", "targets"]

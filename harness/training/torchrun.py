@@ -20,12 +20,9 @@ done. :func:`main` itself returns (or raises) like any function, so tests can ca
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import os
-import sys
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -35,6 +32,7 @@ import torch.distributed as dist
 
 from harness.data.config import load_config
 from harness.data.corpus import data_lock, make_corpus
+from harness.distributed.worker import default_backend, exit_worker
 from harness.training.checkpoint import MANIFEST, load_checkpoint, read_manifest, step_dirs, step_of
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
@@ -58,13 +56,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.allow_older and not args.resume:
         p.error("--allow-older only applies to --resume RUN_DIR")
     return args
-
-
-def default_backend(local_world_size: int) -> str:
-    # NCCL refuses two ranks on one GPU, so it is the default only when every local rank has a device of its own.
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
-        return "nccl"
-    return "gloo"
 
 
 def resolve_resume(path: str, *, allow_older: bool = False, say: Callable[[str], None] = print) -> Path:
@@ -170,33 +161,10 @@ def _silent(_message: str) -> None:
     pass
 
 
-def _status(exc: SystemExit) -> int:
-    """The exit status the interpreter gives ``SystemExit(code)``, printing a non-integer code to stderr as it does."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
-
-
 def entry(argv: Sequence[str] | None = None) -> NoReturn:
-    """The torchrun worker: :func:`main`, then ``os._exit`` with its status, never the interpreter's teardown.
-
-    A ``SystemExit`` keeps its status (and its message on stderr); any other exception prints its traceback and
-    exits 1, so torchrun reports the failed rank. Never call this in-process: it ends the calling process.
-    """
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = _status(exc)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more can be written
-            stream.flush()
-    os._exit(code)
+    """The torchrun worker: :func:`main`, then ``os._exit`` with its status
+    (:func:`harness.distributed.worker.exit_worker`). Never call this in-process: it ends the calling process."""
+    exit_worker(main, argv)
 
 
 if __name__ == "__main__":

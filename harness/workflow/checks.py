@@ -92,6 +92,10 @@ def cmd_battery(args: argparse.Namespace) -> int:
                 progress(f"{r.split(':')[-1]}: {options.examples} drawn layouts")
             verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true"))
     results = run_controls(controls, options, progress) if controls else []
+    elsewhere = [c for c in controls if CONTROLS[c].launch != "in-process"]
+    if elsewhere:
+        print(f"not run here (they need ranks on more than one node; run them under torchrun across nodes, "
+              f"python -m harness.battery.dist): {', '.join(elsewhere)}")
     if verdicts:
         print(format_table(verdicts))
     if results:
@@ -114,6 +118,12 @@ def cmd_battery(args: argparse.Namespace) -> int:
                                        precision=options.precision, model=model, batch_format=batch_format,
                                        model_notes=notes))
         print(f"report written to {path}")
+    junit = getattr(args, "junit", None)
+    if junit:
+        from harness.battery.junit import write_junit
+
+        write_junit(junit, verdicts, results, duration_s=time.monotonic() - start)
+        print(f"junit written to {junit}")
     for v in failed:
         err(v.message)
     for c in unrejected:

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--battery-report", dest="json", metavar="PATH", help="write the battery report (expected and run "
                    "counts, verdicts, model notes, errors, exit status) as JSON, the format pytest's option writes")
     _deprecated(p, "--json", "--battery-report", dest="json")
+    p.add_argument("--battery-junit", dest="junit", metavar="PATH", default=None,
+                   help="write the verdicts and controls as JUnit XML, one test case each, for CI systems (pytest's "
+                   "lane: --junitxml=PATH)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each run as it starts")
     p.set_defaults(fn=cmd_battery)
 

@@ -1,8 +1,9 @@
 """Every negative control is diagnosed with its own signature on real ranks, failing verdicts carry the diagnosis
 in one line (message, table, JSON), and ``python -m harness explain`` prints and writes it.
 
-Each control's signature (``harness.recipes.DIAGNOSES``) is asserted on its target at W=2 and W=3 beside its
-rejection (``test_negative_controls.py``); here, the words for the ones whose sentence carries a count or a block.
+Each control's signature (``harness.recipes.DIAGNOSES``) is asserted on its target at W=2 and W=3 (or at the world
+sizes its target declares) beside its rejection (``test_negative_controls.py``); here, the words for the ones whose
+sentence carries a count, a block or a world size.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from harness.workflow.cli import main
 CORRECT_RECIPE_PATH = "harness.recipes:global_token_mean"
 
 PHRASES = {
-    # control: what its diagnosis must say, read at W=3 on its target (W=3 tells 1/W from 1/k on the uneven window).
+    # control: what its diagnosis must say, read at W=3 on its target (W=3 tells 1/W from 1/k on the uneven window),
+    # or at the world size its target declares (a factor written for W=2 shows at W=4 only).
     "no_world_size_factor": "world-size factor is missing",
     "extra_microbatch_division": "microbatch count k=5",
     "count_from_one_microbatch": "normalized by",
@@ -32,7 +34,14 @@ PHRASES = {
     "fixed_accumulation_steps": "microbatch 4 contributed nothing",
     "first_microbatch_never_syncs": "never synchronized",
     "mean_of_local_means": "rank 0's tokens weigh 4x rank 2's",
+    "hard_coded_world_size": "a world-size factor written for W=2 (every weight is 2/W, here W=4)",
+    "averaged_count": "a count averaged over the ranks (divided by W) and multiplied by a factor 2 written for W=2",
 }
+
+
+def phrase_world(name: str) -> int:
+    """The world size a control's words are read at: its target's last declared one, else 3."""
+    return (CONTROLS[name].world_sizes or (3,))[-1]
 
 
 def test_every_control_declares_its_diagnosis() -> None:
@@ -43,12 +52,13 @@ def test_every_control_declares_its_diagnosis() -> None:
     assert set(DIAGNOSES.values()) - {None} <= set(SIGNATURES)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(control_group(n, 3)))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(control_group(n, phrase_world(n))))
                                   for n in PHRASES])
 def test_each_diagnosis_names_the_mistake_in_words(name: str) -> None:
     """On the run the negative-control test judges (the same xdist group: one launch for both)."""
     t = CONTROLS[name]
-    found = diagnose(runner.run(f"harness.recipes:{name}", t.scenario, 3, t.precision, batch_format=t.batch_format))
+    found = diagnose(runner.run(f"harness.recipes:{name}", t.scenario, phrase_world(name), t.precision,
+                                batch_format=t.batch_format))
     assert found is not None
     assert DIAGNOSES[name] == found.signature.name, found.line()
     assert PHRASES[name] in found.line(), found.line()

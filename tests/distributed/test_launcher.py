@@ -218,10 +218,13 @@ def test_two_runs_at_once_do_not_collide() -> None:
         ({"lockstep_grace": "2"}, ValueError, "lockstep_grace='2'"),
         ({"preload": "numpy"}, TypeError, "preload='numpy'"),
         ({"preload": ("numpy", "not a module")}, ValueError, "'not a module', which is not a module name"),
+        ({"nodes": 3}, ValueError, "nodes=3 must be a positive number of nodes that divides world_size=2"),
+        ({"nodes": 0}, ValueError, "nodes=0"),
     ],
     ids=[
         "world0", "negative-deadline", "unknown-backend", "nccl-on-cpu", "unknown-device", "expect-not-tuple",
-        "threads0", "env-not-str", "grace0", "grace-string", "preload-string", "preload-bad-name",
+        "threads0", "env-not-str", "grace0", "grace-string", "preload-string", "preload-bad-name", "nodes-not-divisor",
+        "nodes0",
     ],
 )
 def test_bad_arguments_are_refused_before_any_rank_starts(kwargs: dict, error: type, names: str) -> None:
@@ -359,11 +362,18 @@ def test_ranks_see_the_callers_environment_as_of_each_launch(bodies: ModuleType,
     for rank, result in enumerate(second):
         expected = {
             **os.environ, "HARNESS_TEST_EXTRA": "from env=", "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
         }
         assert "set after the first launch" == result["environ"][name]
         assert gone not in result["environ"]
         assert expected == result["environ"]
+
+
+def test_ranks_over_nodes_see_torchruns_node_variables(bodies: ModuleType) -> None:
+    """nodes=2 at W=4: two nodes of two consecutive ranks, as torchrun sets them (the default is one node)."""
+    got = [r["environ"] for r in launch(bodies.environment, 4, nodes=2)]
+    assert [("4", "2", str(r % 2), str(r // 2)) for r in range(4)] == [
+        (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["LOCAL_RANK"], e["GROUP_RANK"]) for e in got]
 
 
 # --- preloading the caller's modules ---------------------------------------------------------------------------------

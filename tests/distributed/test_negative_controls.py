@@ -18,9 +18,10 @@ from support.groups import control_group
 
 from harness.battery import checks, runner, scenarios
 from harness.battery.diagnose import worst
-from harness.battery.options import BatteryOptions
+from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.table import run_controls
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS
+from harness.recipes.catalog import IN_PROCESS
 
 ROOT = Path(__file__).parents[2]
 
@@ -29,14 +30,29 @@ def control(name: str) -> str:
     return f"harness.recipes:{name}"
 
 
-@pytest.mark.parametrize(("name", "world_size"), [
-    pytest.param(n, w, id=f"{n}-world{w}",
-                 marks=[pytest.mark.xdist_group(control_group(n, w)), *([pytest.mark.slow] if w == 3 else [])])
-    for n in CONTROLS for w in (2, 3)])
+def control_cases() -> list[object]:
+    """``(control, world size)`` for every control: the world sizes its target declares (a mistake right at the W its
+    author tested), else 2 and 3 (3 in the slow tier); a control whose target needs ranks on several nodes is
+    skipped, saying so (every in-process rank is on one node; a torchrun test across nodes runs it)."""
+    out: list[object] = []
+    for n, t in CONTROLS.items():
+        for w in t.world_sizes or (2, 3):
+            marks = [pytest.mark.xdist_group(control_group(n, w))]
+            if not t.world_sizes and w == 3:
+                marks.append(pytest.mark.slow)
+            if t.launch != IN_PROCESS:
+                marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on more than one "
+                                                     "node, where the in-process launcher has one"))
+            out.append(pytest.param(n, w, id=f"{n}-world{w}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("name", "world_size"), control_cases())
 def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name: str, world_size: int) -> None:
     """The targeted check fails, and it fails on the control's behaviour (numbers or desync), not on a crash; its
     gradient reads its declared diagnosis, and a failing parity verdict on the same run never reads correct."""
-    (result,) = run_controls([name], BatteryOptions(world_sizes=(world_size,)))
+    results = run_controls([name], BatteryOptions(world_sizes=(world_size,)))
+    (result,) = [r for r in results if r.verdict.world_size == world_size]
     assert result.rejected, result.verdict.message
     assert result.verdict.check == CONTROLS[name].check
     # The same run, diagnosed: the weights name the control's own mistake (harness.recipes.DIAGNOSES).
@@ -50,6 +66,51 @@ def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name
         parity = checks.parity(run)
         if not parity.passed and parity.diagnosis is not None:
             assert "correct" != parity.diagnosis["signature"], parity.message
+
+
+@pytest.mark.parametrize(("name", "world_size"), [
+    pytest.param("hard_coded_world_size", 2, marks=pytest.mark.xdist_group(control_group("hard_coded_world_size", 2))),
+    pytest.param("averaged_count", 2, marks=pytest.mark.xdist_group(control_group("averaged_count", 2))),
+    pytest.param("count_over_local_ranks", 2),
+    pytest.param("count_over_local_ranks", 4),
+])
+def test_a_world_size_mistake_passes_parity_where_its_author_tested_it(name: str, world_size: int) -> None:
+    """The other half of the world family's claim: a factor written for W=2 (or a count averaged, then doubled) is
+    exactly right at W=2, and a count over the node-local ranks is right while every rank is on one node (every
+    in-process run, also at the W=4 where it fails across two nodes). Only their declared targets reject them."""
+    target = CONTROLS[name]
+    assert world_size not in target.world_sizes or target.launch != IN_PROCESS
+    verdict = checks.parity(runner.run(control(name), target.scenario, world_size, target.precision))
+    assert verdict.passed, verdict.message
+
+
+def test_a_count_over_the_node_local_ranks_fails_parity_on_two_nodes() -> None:
+    """count_over_local_ranks at W=4 with its ranks' environment on two nodes of two (torchrun's LOCAL_WORLD_SIZE,
+    GROUP_RANK; the launcher's nodes=2): each node's tokens are divided by that node's count, and the diagnosis reads
+    the sub-group. Its negative control: the correct recipe on the same two nodes passes."""
+    name = "count_over_local_ranks"
+    target = CONTROLS[name]
+    (world,) = target.world_sizes
+    run = runner.run(RunSpec(control(name), target.scenario, world, target.precision, nodes=2))
+    verdict = checks.parity(run)
+    assert "fail" == verdict.status and "numbers" == verdict.cause, verdict.message
+    assert verdict.diagnosis is not None
+    assert DIAGNOSES[name] == verdict.diagnosis["signature"], verdict.diagnosis["line"]
+    assert "LOCAL_WORLD_SIZE=2" in str(verdict.diagnosis["line"]), verdict.diagnosis["line"]
+    good = runner.run(RunSpec(control("global_token_mean"), target.scenario, world, target.precision, nodes=2))
+    assert checks.parity(good).passed
+
+
+@pytest.mark.xdist_group(control_group("hard_coded_world_size", 4))
+def test_run_controls_judges_a_control_at_its_declared_world_sizes_and_skips_one_that_needs_nodes() -> None:
+    """Asked for W=2, a control that is right at W=2 still runs at W=4 (its declared world size); one that needs
+    ranks on several nodes is not run, and progress says why."""
+    said: list[str] = []
+    results = run_controls(["hard_coded_world_size", "count_over_local_ranks"], BatteryOptions(world_sizes=(2,)),
+                           said.append)
+    assert [("hard_coded_world_size", 4)] == [(r.control, r.verdict.world_size) for r in results]
+    assert results[0].rejected, results[0].verdict.message
+    assert any(s.startswith("count_over_local_ranks: skipped") and "torchrun-nodes" in s for s in said), said
 
 
 def _failing_checks(name: str, scenario: str, world_size: int = 2) -> list[str]:

@@ -153,3 +153,22 @@ def test_seed_000_stop_and_resume_through_torchrun_with_nccl_is_bitwise_equal_at
     assert all(d == 0.0 for d in differences.values()), f"step-0100 differs: {differences}"
     evals = [json.loads((runs[name] / EVAL_FILE).read_text()) for name in ("continuous", "resumed")]
     assert evals[0] == evals[1]
+
+
+# ------------------------------------------------------------------------------------------- battery under torchrun
+
+
+def test_the_battery_under_torchrun_on_two_gpus_with_nccl(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node=2 -m harness.battery.dist``: one rank per device, NCCL (the default when every local
+    rank has its own GPU); the correct recipe passes every check, the mean of local means fails parity."""
+    from support.battery_jobs import job
+
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "fp32",
+                              nodes=1, per_node=2)
+    assert [0] == codes, text[-3000:]
+    assert report is not None and "battery: harness.recipes:global_token_mean at W=2 (nccl)" in text
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:mean_of_local_means", "--precision", "fp32",
+                              "--scenarios", "uneven", nodes=1, per_node=2)
+    assert [1] == codes and report is not None, text[-3000:]
+    assert "mean_of_local_means" == next(c for c in report["checks"] if c["check"] == "parity")["diagnosis"][
+        "signature"]

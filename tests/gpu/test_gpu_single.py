@@ -226,3 +226,15 @@ def test_two_ranks_sharing_the_device_resume_at_50_bitwise_equal_to_the_continuo
                           {"resume": str(tmp_path / "stopped" / "step-0050"), "resume_bug": "rank0_rng"},
                           deterministic_env)
     assert bitwise_differences(control, wrong)["model"] > 0.0
+
+
+@requires_one_gpu_with_nccl
+def test_the_battery_under_torchrun_with_one_nccl_worker(tmp_path: Path) -> None:
+    """One GPU: ``torchrun --nproc-per-node=1 -m harness.battery.dist`` on NCCL; the W=1 lane passes (the checks that
+    mean nothing at one rank are n/a)."""
+    from support.battery_jobs import job
+
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "fp32",
+                              nodes=1, per_node=1)
+    assert [0] == codes, text[-3000:]
+    assert report is not None and "(nccl)" in text and 0 == report["counts"]["fail"]

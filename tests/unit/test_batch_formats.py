@@ -62,7 +62,7 @@ def test_the_readme_example_rows_convert_as_the_readme_shows() -> None:
 
 
 def _battery_microbatches() -> list[Microbatch]:
-    """Every microbatch of every battery scenario at W=1..4."""
+    """Every microbatch of every battery scenario at every world size the command line accepts."""
     return [mb for name in scenarios.BATTERY_SCENARIOS for world in range(1, scenarios.MAX_WORLD_SIZE + 1)
             if not (name in scenarios.MULTI_RANK_ONLY and world == 1)
             for window in scenarios.build(name, world) for rank in window for mb in rank]

@@ -49,7 +49,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--battery-world-sizes", "5", "--battery-world-sizes='5' must be world sizes between 1 and 4"),
+    ("--battery-world-sizes", "9", "--battery-world-sizes='9' must be world sizes between 1 and 8"),
     ("--battery-world-sizes", "two", "--battery-world-sizes='two' must be comma-separated world sizes"),
     ("--battery-examples", "-1", "--battery-examples=-1 must be 0 (no drawn layouts) or a positive number"),
     ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
@@ -88,6 +88,8 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
     ({"batch_format": "json"}, "batch_format='json' must be one of harness, hf"),
     ({"find_unused": "maybe"}, "find_unused='maybe' must be one of auto, on, off"),
     ({"deadline": -1}, "deadline=-1 must be a positive number of seconds"),
+    ({"nodes": 3}, "nodes=3 must be a positive number of nodes that divides world_size=2"),
+    ({"nodes": 0}, "nodes=0 must be a positive number of nodes"),
 ])
 def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
     base: dict[str, object] = {"recipe": "harness.recipes:global_token_mean"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import types
 from pathlib import Path
 
@@ -83,3 +84,23 @@ def test_a_second_control_under_a_taken_name_is_refused() -> None:
 
     with pytest.raises(ValueError, match="registered twice"):
         control(Target("parity", "uneven"), "mean_of_local_means")(Twin)
+
+
+def test_a_target_says_where_a_world_size_mistake_is_judged() -> None:
+    """Declared world sizes are judged whatever is offered (at another W the mistake is right); undeclared: every
+    offered W from 2 on. The world family declares W=4, and the node-local count a launch across nodes."""
+    assert (4,) == Target("parity", "uneven", world_sizes=(4,)).judged_at((2,))
+    assert (2, 3) == Target("parity", "uneven").judged_at((1, 2, 3))
+    assert (4,) == CONTROLS["hard_coded_world_size"].world_sizes == CONTROLS["averaged_count"].world_sizes
+    assert "torchrun-nodes" == CONTROLS["count_over_local_ranks"].launch
+    assert {"in-process"} == {t.launch for n, t in CONTROLS.items() if n != "count_over_local_ranks"}
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"world_sizes": (1,)}, "Target(world_sizes=(1,)) must be a tuple of world sizes >= 2"),
+    ({"world_sizes": [4]}, "Target(world_sizes=[4]) must be a tuple"),
+    ({"launch": "ssh"}, "Target(launch='ssh') must be one of 'in-process', 'torchrun-nodes'"),
+])
+def test_a_bad_target_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Target("parity", "uneven", **fields)  # type: ignore[arg-type]

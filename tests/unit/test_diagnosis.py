@@ -263,6 +263,33 @@ def test_a_world_size_factor_written_for_two_ranks_is_named_at_three() -> None:
     assert not any("written for W=2" in w for w in dx.factor_readings(2 / 3, win.blocks, 2))
 
 
+def test_a_count_averaged_over_the_ranks_then_doubled_is_named_away_from_two() -> None:
+    """``2 * N / W`` for the count: every weight W/2 (1.5 at W=3, 2 at W=4, where it is also k=2's reading)."""
+    win = window(3)
+    sig = win.classify([1.5] * len(win.blocks))
+    assert "global_scale" == sig.name and "a count averaged over the ranks" in sig.sentence, sig.sentence
+    words = dx.factor_readings(2.0, window(4).blocks, 4)
+    assert any("a count averaged over the ranks" in w and "here W=4" in w for w in words), words
+    # Its negative control: at W=2 the same 1.5 is no count averaged and doubled (W/2 is 1 there).
+    assert not any("averaged" in w for w in dx.factor_readings(1.5, win.blocks, 2))
+
+
+def test_a_count_over_a_subgroup_of_ranks_is_named_with_its_groups() -> None:
+    """W=4 over two nodes of two: node g's tokens weigh N / N_g (its count all-reduced over the node-local ranks)."""
+    win = window(4)
+    per_rank = {r: sum(b.tokens for b in win.blocks if b.rank == r) for r in range(4)}
+    node = {r: per_rank[r // 2 * 2] + per_rank[r // 2 * 2 + 1] for r in range(4)}
+    sig = win.classify([win.n / node[b.rank] for b in win.blocks])
+    assert "subgroup_count" == sig.name, sig.sentence
+    assert "LOCAL_WORLD_SIZE=2" in sig.sentence and f"ranks 0-1's tokens ({node[0]} of N={win.n})" in sig.sentence
+    # Its negative controls: each rank's own count (a group of one) is the mean of local means, scaled by W; and
+    # groups that are not consecutive ranks (0 and 2, 1 and 3) are no node.
+    local = win.classify([win.n / per_rank[b.rank] for b in win.blocks])
+    assert "mean_of_local_means" == local.name, local.sentence
+    strided = {r: per_rank[r % 2] + per_rank[r % 2 + 2] for r in range(4)}
+    assert "subgroup_count" != win.classify([win.n / strided[b.rank] for b in win.blocks]).name
+
+
 def test_a_missing_division_by_k_is_named_so_not_undone_twice(win: Window) -> None:
     k = _k(win)
     words = win.classify([float(k)] * len(win.blocks)).sentence

@@ -8,10 +8,12 @@ import pytest
 from harness.battery import scenarios
 from harness.core.microbatch import IGNORE_INDEX
 
-CASES = [(name, world) for name in scenarios.BATTERY_SCENARIOS if name != "all_empty"
-         for world in range(1, scenarios.MAX_WORLD_SIZE + 1)
+WORLDS = (*range(1, scenarios.MAX_WORLD_SIZE + 1), 16, scenarios.MAX_SCENARIO_WORLD_SIZE)
+"""Every world size the command line runs, and two of the larger ones torchrun jobs run."""
+
+CASES = [(name, world) for name in scenarios.BATTERY_SCENARIOS if name != "all_empty" for world in WORLDS
          if not (name in scenarios.MULTI_RANK_ONLY and world == 1)]
-"""Every battery scenario with a supervised token, at every world size it runs at."""
+"""Every battery scenario with a supervised token, at the world sizes it runs at."""
 
 
 def _ids(case: tuple[str, int]) -> str:
@@ -53,3 +55,22 @@ def test_every_scenario_holds_rows_with_a_prompt_and_rows_without(case: tuple[st
                 unprompted += int((supervised & first).sum())
                 prompted += int((supervised & ~first).sum())
     assert unprompted > 0 and prompted > 0, f"{unprompted} rows without a prompt, {prompted} with one"
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
+def test_every_rank_of_the_base_window_holds_its_own_token_count(world: int) -> None:
+    """Rank r reads the r-th length band at any W: counts differ between every two ranks, so a mean of local means
+    is never exact by accident."""
+    counts = [sum(mb.supervised for mb in rank) for rank in scenarios.build("uneven", world)[0]]
+    assert len(set(counts)) == world and min(counts) > 0, counts
+
+
+def test_up_to_four_ranks_the_scenarios_are_the_ones_every_figure_was_measured_on() -> None:
+    """Past four ranks the corpus changes (shorter sequences, more of them); up to four it is the battery config's."""
+    assert all(scenarios.corpus_config(w) is scenarios.BATTERY_CONFIG for w in range(1, scenarios.SMALL_WORLD + 1))
+    assert scenarios.corpus_config(8).min_len < scenarios.BATTERY_CONFIG.min_len
+
+
+def test_a_world_past_the_scenarios_is_refused_naming_the_limit() -> None:
+    with pytest.raises(ValueError, match=f"between 1 and {scenarios.MAX_SCENARIO_WORLD_SIZE}"):
+        scenarios.build("uneven", scenarios.MAX_SCENARIO_WORLD_SIZE + 1)

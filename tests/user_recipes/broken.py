@@ -16,3 +16,18 @@ class CrashesOnRankOne:
         if dist.get_rank() == 1:
             raise KeyError("labels")  # a batch key this rank's loader did not produce
         model(window[0].inputs).sum().backward()
+
+
+class KilledOnRankThree:
+    """A worker that dies mid-battery (the out-of-memory killer, a node lost): rank 3 SIGKILLs itself in its first
+    window; under torchrun the job must end, not wait for it."""
+
+    name = "killed_on_rank_three"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        import os
+        import signal
+
+        if dist.get_rank() == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        model(window[0].inputs).sum().backward()

@@ -1,0 +1,308 @@
+"""The battery inside torchrun: every worker of the job is one rank of every battery run, on the process group
+torchrun set up, on one machine or many.
+
+    torchrun --nnodes=1 --nproc-per-node=2 -m harness.battery.dist --recipe mypkg.step:recipe \\
+        [--model pkg.mod:factory] [--batch-format harness|hf] [--precision fp32|fp64|both] \\
+        [--scenarios uneven,long,...] [--battery-report out.json] [--battery-junit out.xml] \\
+        [--backend gloo|nccl] [--battery-deadline 30] [--find-unused-parameters auto|on|off]
+
+Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
+overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
+builds), and runs the recipe through the same rank program (:func:`harness.battery.runner.rank_body`). Rank 0
+computes the single-device reference before each run (:func:`harness.battery.runner.prepare`), collects every rank's
+records and judges them with the battery's checks, writes the report (``--battery-report``: the schema of the
+command line's; ``--battery-junit``: JUnit XML, one test case per verdict) and prints the table. Every worker exits
+with the same status: 0 every check holds, 1 a check failed, 2 bad input.
+
+Results travel through torchrun's store (``MASTER_ADDR:MASTER_PORT``), not through collectives: a rank whose recipe
+raises, or whose collective timed out at ``--battery-deadline``, still reports, and the battery stops there (a process
+group after a failed collective is not trusted again) with the failing rank named in the report and on every
+worker's last line. A worker that dies is torchrun's to stop the others; the rest give up within the deadline.
+Workers leave through :func:`harness.distributed.worker.exit_worker` with the process group destroyed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from harness.battery import checks, plan, runner, scenarios
+from harness.battery.checks import FAIL, Verdict
+from harness.battery.options import BatteryOptions, RunSpec
+from harness.distributed.errors import LaunchError
+from harness.distributed.worker import default_backend, exit_worker
+
+USAGE = ("torchrun --nnodes=1 --nproc-per-node=2 -m harness.battery.dist --recipe pkg.module:attr "
+         "[--battery-report out.json] [--battery-junit out.xml]")
+
+STORE_SLACK = 15.0
+"""Seconds past the deadline a worker waits on the store for a peer's result before it gives up on the peer."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m harness.battery.dist", description=__doc__.split("\n\n")[0],
+                                usage=USAGE)
+    p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe under test")
+    p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY", help="the model (default: the built-in)")
+    p.add_argument("--batch-format", default="harness", choices=("harness", "hf"))
+    p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"))
+    p.add_argument("--scenarios", default=",".join(scenarios.BATTERY_SCENARIOS), metavar="NAME,...",
+                   help=f"scenarios to run (default: all of {', '.join(scenarios.BATTERY_SCENARIOS)})")
+    p.add_argument("--battery-report", dest="report", default=None, metavar="PATH", help="the JSON report (rank 0)")
+    p.add_argument("--battery-junit", dest="junit", default=None, metavar="PATH", help="JUnit XML (rank 0)")
+    p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
+                   help="default: nccl when every local rank has its own GPU, else gloo")
+    p.add_argument("--battery-deadline", dest="deadline", type=float, default=None, metavar="SECONDS",
+                   help="seconds one run (and each collective in it) may take (default 30)")
+    p.add_argument("--find-unused-parameters", dest="find_unused", default="auto", choices=("auto", "on", "off"))
+    return p.parse_args(argv)
+
+
+def _say(rank: int, text: str, *, everyone: bool = False) -> None:
+    if everyone or rank == 0:
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        print(prefix + text, flush=True)
+
+
+def _scenarios(text: str, world_size: int) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    unknown = [s for s in names if s not in scenarios.BATTERY_SCENARIOS]
+    if unknown or not names:
+        msg = f"--scenarios={text!r}: {', '.join(unknown) or 'none given'}; choose from {scenarios.BATTERY_SCENARIOS}"
+        raise ValueError(msg)
+    return [s for s in names if not (world_size == 1 and s in scenarios.MULTI_RANK_ONLY)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One worker's battery; returns the job's exit status (the same on every worker)."""
+    args = parse_args(argv)
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        print(f"harness.battery.dist runs one process per rank: start it with {USAGE}", file=sys.stderr)
+        return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    try:
+        if not 1 <= world <= scenarios.MAX_SCENARIO_WORLD_SIZE:
+            msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
+                   f"{scenarios.MAX_SCENARIO_WORLD_SIZE}")
+            raise ValueError(msg)
+        options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format,
+                                               precision=args.precision, world_sizes=[1], examples=0,
+                                               deadline=args.deadline, find_unused=args.find_unused,
+                                               report=args.report), world_sizes=(world,))
+        names = _scenarios(args.scenarios, world)
+        from harness.recipes import load_recipe
+
+        load_recipe(args.recipe)
+        if args.model is not None:
+            from harness.battery.facts import probe
+
+            probe(args.model, args.batch_format)
+    except Exception as exc:  # bad input: every worker finds it, the same, before any joins the group
+        if rank == 0 or not isinstance(exc, ValueError):
+            print(f"bad input: {exc}", file=sys.stderr)
+        return 2
+    backend = args.backend or default_backend(local_world)
+    if backend == "nccl":
+        if torch.cuda.device_count() < local_world:
+            print(f"--backend nccl needs one CUDA device per local rank ({local_world}), found "
+                  f"{torch.cuda.device_count()}; use --backend gloo", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=options.deadline))
+    try:
+        return _battery(args.recipe, options, names, backend, args.junit)
+    finally:
+        gc.collect()  # a DDP module held by a reference cycle must not outlive the process group
+        dist.destroy_process_group()
+
+
+def _store(deadline: float) -> dist.Store:
+    """A client of torchrun's store, under the battery's own key prefix."""
+    world = dist.get_world_size()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=deadline + STORE_SLACK))
+    return dist.PrefixStore(f"harness.battery/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", store)
+
+
+def _put(store: dist.Store, key: str, value: object) -> None:
+    store.set(key, pickle.dumps(value))  # type: ignore[arg-type]  # the store takes bytes; its stub says str
+
+
+def _get(store: dist.Store, key: str, deadline: float) -> Any:
+    store.wait([key], datetime.timedelta(seconds=deadline + STORE_SLACK))
+    return pickle.loads(store.get(key))
+
+
+def _on_cpu(records: list[runner.WindowRecord]) -> list[runner.WindowRecord]:
+    return [replace(r, grad=None if r.grad is None else r.grad.cpu(), params_before=r.params_before.cpu(),
+                    params_after=r.params_after.cpu()) for r in records]
+
+
+COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe",
+                       "gloo", "nccl")
+"""How a collective's failure reads: a rank that failed this way was let down by a peer, not by its own code."""
+
+
+def _let_down(text: str) -> bool:
+    first = text.strip().splitlines()[0].lower() if text.strip() else ""
+    return any(k in first for k in COLLECTIVE_FAILURES)
+
+
+def _failure(results: dict[int, tuple[str, str, float]], world: int) -> LaunchError:
+    """The ranks that raised: first the one whose own code raised earliest, then those whose collectives failed
+    because of it (a timeout, a closed connection)."""
+    raised = sorted(results, key=lambda r: (_let_down(results[r][1]), results[r][2], r))
+    details = {r: results[r][1] for r in raised}
+    first = raised[0]
+    head = details[first].strip().splitlines()[0] if details[first].strip() else "raised"
+    summary = (f"rank {first} of {world} raised {head}; every worker stopped"
+               + (f"; also reported: rank(s) {raised[1:]}" if len(raised) > 1 else ""))
+    return LaunchError("raised", raised, details, summary)
+
+
+def _desync(ahead: dict[int, str | None], errors: dict[int, tuple[str, str, float]], world: int) -> LaunchError:
+    """Ranks that ended the run (their recipe refused a window, or returned) while their peers went on into a
+    collective they never entered and waited in it until the deadline: the in-process launcher's ``desync``."""
+    leader = min(ahead)
+    left = sorted(errors)
+    did = f"refused a window alone ({ahead[leader]})" if ahead[leader] else "ended the run"
+    details = {r: errors[r][1] for r in left}
+    details[leader] = did
+    summary = (f"rank {leader} of {world} {did} while rank(s) {left} waited in a collective it never entered, "
+               "until the deadline; every worker stopped")
+    return LaunchError("desync", left, details, summary, leader)
+
+
+def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = _store(options.deadline)
+    device = "cuda" if backend == "nccl" else "cpu"
+    cases = [c for c in plan.session_cases(options) if c.scenario in names]
+    runs = list(dict.fromkeys((c.scenario, c.precision) for c in cases))
+    _say(rank, f"battery: {recipe} at W={world} ({backend}), {len(cases)} checks over {len(runs)} runs")
+    start = time.monotonic()
+    verdicts: list[Verdict] = []
+    stopped: str | None = None
+    for i, (scenario, precision) in enumerate(runs):
+        spec: RunSpec = replace(options.spec(recipe, scenario, world, precision), device=device, backend=backend)
+        windows = scenarios.build(scenario, world)
+        ready = None
+        if rank == 0:
+            ready = runner.prepare(spec, windows, share_chain=True)
+            _put(store, f"{i}/plan", (ready.chain.model_error, ready.digest, ready.wrap))
+        model_error, digest, wrap = _get(store, f"{i}/plan", options.deadline)
+        if model_error is None:
+            try:
+                out: tuple[Any, ...] = ("ok", _on_cpu(runner.rank_body(spec, windows, digest, wrap)))
+            except Exception as exc:
+                out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
+            _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
+        if rank == 0:
+            assert ready is not None
+            run, stopped = _collect(store, i, ready, world, options.deadline, model_error)
+            mine = [c for c in cases if (c.scenario, c.precision) == (scenario, precision)]
+            verdicts += [checks.CHECKS[c.check](run) for c in mine]
+            _put(store, f"{i}/go", stopped)
+        stopped = _get(store, f"{i}/go", options.deadline)
+        if stopped is not None:
+            break
+    status = 0
+    if rank == 0:
+        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world)
+        _put(store, "status", status)
+    status = int(_get(store, "status", options.deadline))
+    if stopped is not None:
+        _say(rank, f"FAILED: {stopped}", everyone=True)
+    elif rank != 0:
+        _say(rank, "every check holds" if status == 0 else f"FAILED: exit status {status} (rank 0 has the table)",
+             everyone=True)
+    return status
+
+
+def _collect(store: dist.Store, i: int, ready: runner.Prepared, world: int, deadline: float,
+             model_error: str | None) -> tuple[runner.Run, str | None]:
+    """Rank 0: every rank's result of run ``i`` as a :class:`~harness.battery.runner.Run`, and why the battery stops
+    here (None: it goes on)."""
+    if model_error is not None:
+        return ready.run(None, model_error=model_error), None
+    results: dict[int, tuple[Any, ...]] = {}
+    for r in range(world):
+        try:
+            results[r] = _get(store, f"{i}/rank{r}", deadline)
+        except Exception as exc:  # the store wait timed out: the rank died or hangs
+            results[r] = ("error", f"no result from rank {r} within {deadline + STORE_SLACK:g} s ({exc})",
+                          time.time())
+    errors = {r: (v[0], v[1], v[2]) for r, v in results.items() if v[0] == "error"}
+    if not errors:
+        return ready.run([results[r][1] for r in range(world)]), None
+    ahead = {r: next((rec.error for rec in v[1] if rec.error), None) for r, v in results.items() if v[0] == "ok"}
+    if ahead and all(_let_down(text) for _, text, _ in errors.values()):
+        failure = _desync(ahead, errors, world)
+    else:
+        failure = _failure(errors, world)
+    s = ready.spec
+    return ready.failed(failure), f"{failure.summary} (run {s.scenario}, W={world}, {s.precision})"
+
+
+def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
+            stopped: str | None, junit: str | None, seconds: float, world: int) -> int:
+    from harness.battery.junit import write_junit
+    from harness.battery.table import format_table, report_json, write_report
+
+    judged = {(v.check, v.scenario, v.precision) for v in verdicts}
+    for c in cases:
+        if (c.check, c.scenario, c.precision) not in judged:
+            verdicts.append(Verdict(c.check, recipe, c.scenario, c.world_size, c.precision, FAIL,
+                                    f"check {c.check} not run: the battery stopped: {stopped}", cause="stopped"))
+    failed = [v for v in verdicts if not v.passed]
+    usage = [v for v in failed if v.cause == "usage"]
+    status = 2 if usage else 1 if failed else 0
+    print(format_table(verdicts), flush=True)
+    notes = list(dict.fromkeys(n for v in verdicts for n in v.notes))
+    if notes:
+        print(f"\nabout the model {options.model or '(built-in)'}:\n" + "\n".join(f"  {n}" for n in notes), flush=True)
+    print(f"\n{len(verdicts)} checks at W={world} under torchrun in {seconds:.1f} s", flush=True)
+    if options.report:
+        payload = report_json([recipe], verdicts, len(cases), status, world_sizes=options.world_sizes,
+                              precision=options.precision, model=options.model, batch_format=options.batch_format)
+        write_report(options.report, payload)
+        print(f"report written to {options.report}", flush=True)
+    if junit:
+        write_junit(junit, verdicts, duration_s=seconds)
+        print(f"junit written to {junit}", flush=True)
+    for v in failed:
+        if v.cause != "stopped":
+            print(v.message, file=sys.stderr, flush=True)
+    not_run = sum(v.cause == "stopped" for v in failed)
+    if not_run:
+        print(f"{not_run} check(s) not run: the battery stopped after the run that failed", file=sys.stderr,
+              flush=True)
+    if not failed:
+        print("every check holds", flush=True)
+    elif stopped is None:
+        first = failed[0]
+        print(f"FAILED: {len(failed)} check(s) failed; first: {first.check} ({first.scenario}, W={first.world_size}, "
+              f"{first.precision})", file=sys.stderr, flush=True)
+    return status
+
+
+def entry(argv: Sequence[str] | None = None) -> NoReturn:
+    """The torchrun worker: :func:`main`, then ``os._exit`` with its status. Never call this in-process."""
+    exit_worker(main, argv)
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,81 @@
+"""The battery inside torchrun (``python -m harness.battery.dist``): two torchrun agents on 127.0.0.1, two workers
+each, gloo, c10d rendezvous, as a two-node job runs. Slow tier: each job is a rendezvous plus a battery (10-30 s), run
+under ``timeout -k`` so no agent or worker outlives its test."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from support.battery_jobs import job
+
+from harness.battery import checks, runner
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun-agents")]
+
+
+def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path) -> None:
+    junit = tmp_path / "battery.xml"
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "fp32",
+                               "--battery-junit", str(junit))
+    assert [0, 0] == codes, text[-3000:]
+    assert report is not None and 0 == report["exit_status"] and [4] == report["world_sizes"]
+    assert report["expected"] == report["run"] == report["counts"]["pass"] + report["counts"]["n/a"]
+    cases = ET.parse(junit).getroot().findall(".//testcase")
+    assert len(cases) == report["run"] and not ET.parse(junit).getroot().findall(".//failure")
+
+
+@pytest.mark.parametrize(("name", "scenario", "cause"), [("mean_of_local_means", "uneven", "numbers"),
+                                                         ("skip_backward_when_empty", "one_empty", "desync")])
+def test_a_control_fails_the_same_check_the_same_way_as_in_process(tmp_path: Path, name: str, scenario: str,
+                                                                   cause: str) -> None:
+    """The numbers and their diagnosis; or a rank that refuses a window alone while its peers wait in a collective."""
+    recipe = f"harness.recipes:{name}"
+    codes, text, report = job(tmp_path, "--recipe", recipe, "--precision", "fp32", "--scenarios", scenario,
+                              "--battery-deadline", "10")
+    assert [1, 1] == codes, text[-3000:]
+    assert report is not None and 1 == report["exit_status"]
+    parity = next(c for c in report["checks"] if c["check"] == "parity")
+    here = checks.parity(runner.run(recipe, scenario, 4, "fp32"))
+    assert ("fail", cause) == (parity["status"], parity["cause"]) == (here.status, here.cause)
+    if cause == "numbers":
+        assert here.diagnosis is not None and parity["diagnosis"]["signature"] == here.diagnosis["signature"]
+    else:
+        assert "rank 0 of 4 ended the run while rank(s) [1, 2, 3] waited" in parity["message"], parity["message"]
+
+
+def test_a_rank_that_raises_stops_every_worker_naming_it(tmp_path: Path) -> None:
+    codes, text, report = job(tmp_path, "--recipe", "user_recipes.broken:CrashesOnRankOne", "--precision", "fp32",
+                               "--battery-deadline", "10")
+    assert all(c != 0 for c in codes), text[-3000:]
+    assert "FAILED: rank 1 of 4 raised KeyError: 'labels'" in text, text[-3000:]
+    assert report is not None and 1 == report["exit_status"]
+    assert {"crash", "stopped"} == {c["cause"] for c in report["checks"]}
+
+
+def test_a_worker_killed_mid_battery_ends_thejob(tmp_path: Path) -> None:
+    """torchrun stops the other workers of the job; nothing waits for the killed one past the job's timeout."""
+    codes, text, _ = job(tmp_path, "--recipe", "user_recipes.broken:KilledOnRankThree", "--precision", "fp32",
+                          "--battery-deadline", "10")
+    assert all(c != 0 for c in codes), text[-3000:]
+    assert "SIGKILL" in text or "-9" in text, text[-3000:]
+
+
+def test_a_count_over_the_node_local_ranks_fails_across_agents_and_passes_on_one(tmp_path: Path) -> None:
+    """The bug torchrun across nodes exists to catch: the token count all-reduced over a node's ranks only."""
+    recipe = "harness.recipes:count_over_local_ranks"
+    args = ("--recipe", recipe, "--precision", "fp32", "--scenarios", "uneven")
+    codes, text, report = job(tmp_path, *args)
+    assert [1, 1] == codes, text[-3000:]
+    assert report is not None
+    parity = next(c for c in report["checks"] if c["check"] == "parity")
+    assert "fail" == parity["status"] and "subgroup_count" == parity["diagnosis"]["signature"], parity["message"]
+    codes, text, report = job(tmp_path, *args, nodes=1, per_node=4)
+    assert [0] == codes, text[-3000:]
+
+
+def test_bad_input_exits_2_on_every_worker_before_any_joins(tmp_path: Path) -> None:
+    _, text, report = job(tmp_path, "--recipe", "no.such.module:recipe", nodes=1)
+    assert report is None
+    assert "bad input: " in text and "exitcode  : 2" in text, text[-3000:]
