@@ -39,27 +39,23 @@ def main() -> int:
     from harness.distributed.probes import all_reduce_rank
     from harness.recipes import CORRECT_RECIPE
 
-    options = BatteryOptions.parse(precision=args.precision, world_sizes=[4], examples=0)
-    cases = plan.session_cases(options)
+    def in_process(world: int) -> tuple[int, list[float]]:
+        """The plan's cases at ``world`` through the in-process launcher, each repeat from a cleared run cache."""
+        options = BatteryOptions.parse(precision=args.precision, world_sizes=[world], examples=0)
+        cases = plan.session_cases(options)
+        times = []
+        for _ in range(args.repeats):
+            runner._CACHE.clear()
+            runner._CHAINS.clear()
+            t = time.perf_counter()
+            verdicts = run_cases(CORRECT_RECIPE, cases, options)
+            times.append(time.perf_counter() - t)
+            assert all(v.passed for v in verdicts), [v.message for v in verdicts if not v.passed]
+        return len(cases), times
+
     launch(all_reduce_rank, 4)  # the forkserver's start: not part of any figure
-    inproc = []
-    for _ in range(args.repeats):
-        runner._CACHE.clear()
-        runner._CHAINS.clear()
-        t = time.perf_counter()
-        verdicts = run_cases(CORRECT_RECIPE, cases, options)
-        inproc.append(time.perf_counter() - t)
-        assert all(v.passed for v in verdicts), [v.message for v in verdicts if not v.passed]
-    wide = BatteryOptions.parse(precision=args.precision, world_sizes=[8], examples=0)
-    wide_cases = plan.session_cases(wide)
-    inproc8 = []
-    for _ in range(args.repeats):
-        runner._CACHE.clear()
-        runner._CHAINS.clear()
-        t = time.perf_counter()
-        verdicts = run_cases(CORRECT_RECIPE, wide_cases, wide)
-        inproc8.append(time.perf_counter() - t)
-        assert all(v.passed for v in verdicts), [v.message for v in verdicts if not v.passed]
+    n_cases, inproc = in_process(4)
+    n_wide, inproc8 = in_process(8)
     job_s, battery_s = [], []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
@@ -74,17 +70,17 @@ def main() -> int:
         "command": command("benchmarks/torchrun_battery_bench.py"),
         "machine": machine(),
         "date": now(),
-        "checks": len(cases),
+        "checks": n_cases,
         "precision": args.precision,
         "in_process_w4_s": {"median": round(statistics.median(inproc), 2), "runs": [round(x, 2) for x in inproc]},
         "torchrun_2x2_job_s": {"median": round(statistics.median(job_s), 2), "runs": [round(x, 2) for x in job_s]},
         "torchrun_2x2_battery_s": {"median": round(statistics.median(battery_s), 2),
                                    "runs": [round(x, 2) for x in battery_s]},
-        "per_check_in_process_ms": round(1000 * statistics.median(inproc) / len(cases), 1),
-        "per_check_torchrun_ms": round(1000 * statistics.median(battery_s) / len(cases), 1),
-        "checks_w8": len(wide_cases),
+        "per_check_in_process_ms": round(1000 * statistics.median(inproc) / n_cases, 1),
+        "per_check_torchrun_ms": round(1000 * statistics.median(battery_s) / n_cases, 1),
+        "checks_w8": n_wide,
         "in_process_w8_s": {"median": round(statistics.median(inproc8), 2), "runs": [round(x, 2) for x in inproc8]},
-        "per_check_in_process_w8_ms": round(1000 * statistics.median(inproc8) / len(wide_cases), 1),
+        "per_check_in_process_w8_ms": round(1000 * statistics.median(inproc8) / n_wide, 1),
     }
     print(write_result(args.out, result))
     return 0
