@@ -101,7 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
             _MODEL_NOTES[:] = probe(config.getoption("model"), config.getoption("batch_format")).notes()
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}") from None
-    _OPTIONS["session"] = options_from(config)
+    options_from(config)  # bad options are a usage error now, before collection (parsed once: kept on the config)
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()
@@ -162,8 +162,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 _CONTROLLER_VERDICTS: list[dict[str, object]] = []
 _ERRORS: list[str] = []
 _SESSION: dict[str, int] = {}
-_OPTIONS: dict[str, BatteryOptions] = {}
-"""The session's battery options, parsed once at start-up (:func:`battery_options`)."""
 _MODEL_NOTES: list[str] = []
 """What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), for the report."""
 
@@ -174,7 +172,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     from harness.battery.table import report_payload, write_report
 
-    options = _OPTIONS["session"]
+    options = options_from(session.config)
     write_report(path, report_payload(
         recipes=[chosen_recipe(session.config)], checks=_CONTROLLER_VERDICTS, expected=_SESSION.get("expected", 0),
         exit_status=int(exitstatus), errors=_ERRORS, model=options.model, batch_format=options.batch_format,
@@ -210,11 +208,11 @@ def options_from(config: pytest.Config) -> BatteryOptions:
 
 
 @pytest.fixture(scope="session")
-def battery_options() -> BatteryOptions:
+def battery_options(pytestconfig: pytest.Config) -> BatteryOptions:
     """The session's :class:`~harness.battery.options.BatteryOptions`, parsed once from ``--model``,
     ``--batch-format``, ``--precision``, ``--battery-world-sizes``, ``--battery-examples``, ``--battery-deadline``,
     ``--find-unused-parameters`` and ``--battery-report``."""
-    return _OPTIONS["session"]
+    return options_from(pytestconfig)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
                                  find_unused="off", report="out.json")
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
+    # Its negative control: one flag apart is another value.
+    assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [

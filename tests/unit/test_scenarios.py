@@ -57,12 +57,22 @@ def test_every_scenario_holds_rows_with_a_prompt_and_rows_without(case: tuple[st
     assert unprompted > 0 and prompted > 0, f"{unprompted} rows without a prompt, {prompted} with one"
 
 
+def equal_rank_counts(window: list) -> list[int]:
+    """The ranks' supervised counts when two ranks hold the same count (or one holds none), else []."""
+    counts = [sum(mb.supervised for mb in rank) for rank in window]
+    return counts if len(set(counts)) < len(counts) or min(counts) == 0 else []
+
+
 @pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
 def test_every_rank_of_the_base_window_holds_its_own_token_count(world: int) -> None:
     """Rank r reads the r-th length band at any W: counts differ between every two ranks, so a mean of local means
     is never exact by accident."""
-    counts = [sum(mb.supervised for mb in rank) for rank in scenarios.build("uneven", world)[0]]
-    assert len(set(counts)) == world and min(counts) > 0, counts
+    assert [] == equal_rank_counts(scenarios.build("uneven", world)[0])
+
+
+def test_equal_rank_counts_are_found() -> None:
+    """The control of the one above: the balanced window, built to hold one count on every rank, is reported."""
+    assert equal_rank_counts(scenarios.balanced(3)[0])
 
 
 def test_up_to_four_ranks_the_scenarios_are_the_ones_every_figure_was_measured_on() -> None:
