@@ -8,11 +8,13 @@ torchrun set up, on one machine or many.
 
 Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
 overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
-builds), and runs the recipe through the same rank program (:func:`harness.battery.runner.rank_body`). Rank 0
-computes the single-device reference before each run (:func:`harness.battery.runner.prepare`), collects every rank's
-records and judges them with the battery's checks, writes the report (``--battery-report``: the schema of the
-command line's; ``--battery-junit``: JUnit XML, one test case per verdict) and prints the table. Every worker exits
-with the same status: 0 every check holds, 1 a check failed, 2 bad input.
+builds), and runs the recipe through the same rank program (:func:`harness.battery.runner.rank_body`). The runs are
+dealt round-robin over the ranks (:func:`owner`): before the first starts, each rank computes the single-device
+references of its share (:func:`harness.battery.runner.prepare`); after each, its owner collects every rank's records
+and says whether the battery goes on; at the end each rank judges its share with the battery's checks, so no rank
+carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts, writes the report
+(``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per verdict)
+and prints the table. Every worker exits with the same status: 0 every check holds, 1 a check failed, 2 bad input.
 
 Results travel through torchrun's store (``MASTER_ADDR:MASTER_PORT``), not through collectives: a rank whose recipe
 raises, or whose collective timed out at ``--battery-deadline``, still reports, and the battery stops there (a process
@@ -111,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             probe(args.model, args.batch_format)
     except Exception as exc:  # bad input: every worker finds it, the same, before any joins the group
-        if rank == 0 or not isinstance(exc, ValueError):
-            print(f"bad input: {exc}", file=sys.stderr)
+        # Every worker says it: torchrun stops the others as soon as one exits, so rank 0 may never get to print.
+        print(("" if rank == 0 else f"[rank {rank}] ") + f"bad input: {exc}", file=sys.stderr, flush=True)
         return 2
     backend = args.backend or default_backend(local_world)
     if backend == "nccl":
@@ -186,6 +188,32 @@ def _desync(ahead: dict[int, str | None], errors: dict[int, tuple[str, str, floa
     return LaunchError("desync", left, details, summary, leader)
 
 
+def owner(i: int, world: int) -> int:
+    """The rank that prepares run ``i`` (its single-device reference), decides whether the battery goes on after it,
+    and judges it: runs are dealt round-robin, so at W ranks each computes about 1/W of the references and checks
+    instead of rank 0 computing them all while the others wait."""
+    return i % world
+
+
+def _prepare_share(store: dist.Store, rank: int, world: int,
+                   specs: list[tuple[RunSpec, scenarios.Windows]]) -> dict[int, runner.Prepared]:
+    """This rank's share of the preparations, published to the store before any run starts (every rank prepares at
+    once); a preparation that raises is published as such and stops every worker."""
+    mine: dict[int, runner.Prepared] = {}
+    for i, (spec, windows) in enumerate(specs):
+        if owner(i, world) != rank:
+            continue
+        try:
+            ready = runner.prepare(spec, windows, share_chain=True)
+        except Exception as exc:
+            _put(store, f"{i}/plan", ("raise", f"rank {rank} preparing run {spec.scenario}/{spec.precision}: "
+                                               f"{type(exc).__name__}: {exc}"))
+            raise
+        mine[i] = ready
+        _put(store, f"{i}/plan", ("ok", ready.chain.model_error, ready.digest, ready.wrap))
+    return mine
+
+
 def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(options.deadline)
@@ -194,36 +222,42 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     runs = list(dict.fromkeys((c.scenario, c.precision) for c in cases))
     _say(rank, f"battery: {recipe} at W={world} ({backend}), {len(cases)} checks over {len(runs)} runs")
     start = time.monotonic()
-    verdicts: list[Verdict] = []
+    specs = [(replace(options.spec(recipe, scenario, world, precision), device=device, backend=backend),
+              scenarios.build(scenario, world)) for scenario, precision in runs]
+    mine = _prepare_share(store, rank, world, specs)
+    judged: dict[int, runner.Run] = {}
     stopped: str | None = None
-    for i, (scenario, precision) in enumerate(runs):
-        spec: RunSpec = replace(options.spec(recipe, scenario, world, precision), device=device, backend=backend)
-        windows = scenarios.build(scenario, world)
-        ready = None
-        if rank == 0:
-            ready = runner.prepare(spec, windows, share_chain=True)
-            _put(store, f"{i}/plan", (ready.chain.model_error, ready.digest, ready.wrap))
-        model_error, digest, wrap = _get(store, f"{i}/plan", options.deadline)
+    done = 0
+    for i, (spec, windows) in enumerate(specs):
+        published = _get(store, f"{i}/plan", options.deadline)
+        if published[0] == "raise":
+            raise RuntimeError(published[1])
+        _, model_error, digest, wrap = published
         if model_error is None:
             try:
                 out: tuple[Any, ...] = ("ok", _on_cpu(runner.rank_body(spec, windows, digest, wrap)))
             except Exception as exc:
                 out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
-        if rank == 0:
-            assert ready is not None
-            run, stopped = _collect(store, i, ready, world, options.deadline, model_error)
-            mine = [c for c in cases if (c.scenario, c.precision) == (scenario, precision)]
-            verdicts += [checks.CHECKS[c.check](run) for c in mine]
+        if i in mine:
+            judged[i], stopped = _collect(store, i, mine[i], world, options.deadline, model_error)
             _put(store, f"{i}/go", stopped)
         stopped = _get(store, f"{i}/go", options.deadline)
+        done = i + 1
         if stopped is not None:
             break
+    # Each rank judges the runs it owns, all at once, then rank 0 gathers the verdicts in the battery's order.
+    for i, run in judged.items():
+        scenario, precision = runs[i]
+        mine_cases = [c for c in cases if (c.scenario, c.precision) == (scenario, precision)]
+        _put(store, f"{i}/verdicts", [checks.CHECKS[c.check](run) for c in mine_cases])
     status = 0
     if rank == 0:
+        verdicts: list[Verdict] = [v for i in range(done) for v in _get(store, f"{i}/verdicts", options.deadline)]
         status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world)
         _put(store, "status", status)
     status = int(_get(store, "status", options.deadline))
+    _say(rank, f"prepared and judged {len(judged)} of {done} run(s)", everyone=True)
     if stopped is not None:
         _say(rank, f"FAILED: {stopped}", everyone=True)
     elif rank != 0:
@@ -234,8 +268,8 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
 
 def _collect(store: dist.Store, i: int, ready: runner.Prepared, world: int, deadline: float,
              model_error: str | None) -> tuple[runner.Run, str | None]:
-    """Rank 0: every rank's result of run ``i`` as a :class:`~harness.battery.runner.Run`, and why the battery stops
-    here (None: it goes on)."""
+    """The owner of run ``i``: every rank's result of it as a :class:`~harness.battery.runner.Run`, and why the
+    battery stops here (None: it goes on)."""
     if model_error is not None:
         return ready.run(None, model_error=model_error), None
     results: dict[int, tuple[Any, ...]] = {}

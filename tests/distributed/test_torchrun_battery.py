@@ -26,6 +26,16 @@ def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path)
     assert len(cases) == report["run"] and not ET.parse(junit).getroot().findall(".//failure")
 
 
+def test_every_worker_prepares_and_judges_its_share_of_the_runs(tmp_path: Path) -> None:
+    """The references and checks are dealt over the ranks, not left to rank 0: 6 runs at W=4 give 2, 2, 1, 1."""
+    codes, text, _ = job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "both",
+                         "--scenarios", "uneven,one_empty,long")
+    assert [0, 0] == codes, text[-3000:]
+    shares = sorted(int(line.split("prepared and judged ")[1].split(" of ")[0])
+                    for line in text.splitlines() if "prepared and judged" in line)
+    assert [1, 1, 2, 2] == shares, text[-3000:]
+
+
 @pytest.mark.parametrize(("name", "scenario", "cause"), [("mean_of_local_means", "uneven", "numbers"),
                                                          ("skip_backward_when_empty", "one_empty", "desync")])
 def test_a_control_fails_the_same_check_the_same_way_as_in_process(tmp_path: Path, name: str, scenario: str,
