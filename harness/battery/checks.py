@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from harness.battery.diagnose import diagnose, worst
-from harness.battery.runner import Run, token_mean_at
+from harness.battery.runner import SKIP_SYNC, Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
 from harness.distributed.errors import LaunchError
 
@@ -50,6 +50,8 @@ class Verdict:
     label: str | None = None
     """The battery table's row for a verdict that is not one (scenario, world size, precision) case: the drawn
     lane's ``"drawn (12 layouts, W in 1,2,3,4, fp32)"`` (its ``world_size`` is 0: several). None: the case's row."""
+    strategy: str = "ddp"
+    """The data-parallel strategy the ranks ran under (``"ddp"``, ``"fsdp2"``)."""
 
     @property
     def passed(self) -> bool:
@@ -65,6 +67,7 @@ def _verdict(check: str, run: Run, status: str, detail: str, window: int | None 
     message = f"check {check} {head}: {run.label(window)}: {detail}"
     if status == FAIL and "cause" not in fields:
         fields["cause"] = "numbers"
+    fields.setdefault("strategy", _strategy(run))
     return Verdict(check, run.recipe, run.scenario, run.world_size, run.precision, status, message, window=window,
                    **fields)  # type: ignore[arg-type]
 
@@ -334,6 +337,10 @@ def _edited_before(run: Run, rank: int, window: int) -> str | None:
     return None
 
 
+def _strategy(run: Run) -> str:
+    return run.run_spec.strategy if run.run_spec is not None else "ddp"
+
+
 def _relative_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     norm = float(ref.double().norm())
     return float((got.double() - ref.double()).norm()) / norm if norm > 0 else float("inf")
@@ -378,6 +385,8 @@ def parity(run: Run) -> Verdict:
     edited = _edited_before(run, rank, k)
     if edited:
         detail += f"; {edited}"
+    for note in run.records[rank][k].strategy_notes:
+        detail += f"; {note}"
     found = diagnose(run, k, rank)
     rel = _relative_l2(run.records[rank][k].grad, ref.gradient)  # type: ignore[arg-type]
     # bf16 rounding is named where it is the likely cause: autocast was seen, or no re-weighting explains the error
@@ -410,7 +419,7 @@ def one_sync(run: Run) -> Verdict:
                 n = len(run.windows[k][rank])
                 return _failed("one_sync", run, f"rank {rank} synchronized gradients {rec.syncs} times in a window "
                                f"of {n} microbatches; expected 1 (forward and backward of all but the last microbatch "
-                               "inside model.no_sync())", k)
+                               f"inside {SKIP_SYNC.get(_strategy(run), 'model.no_sync()')})", k)
     return _passed("one_sync", run, "one synchronization per window on every rank")
 
 

@@ -2,7 +2,8 @@
 torchrun set up, on one machine or many.
 
     torchrun --nnodes=1 --nproc-per-node=2 -m harness.battery.dist --recipe mypkg.step:recipe \\
-        [--model pkg.mod:factory] [--batch-format harness|hf] [--precision fp32|fp64|both] \\
+        [--model pkg.mod:factory] [--batch-format harness|hf] [--strategy ddp|fsdp2|both] \\
+        [--precision fp32|fp64|both] \\
         [--scenarios uneven,long,...] [--battery-report out.json] [--battery-junit out.xml] \\
         [--backend gloo|nccl] [--battery-deadline 30] [--find-unused-parameters auto|on|off]
 
@@ -59,6 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe under test")
     p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY", help="the model (default: the built-in)")
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"))
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"))
     p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"))
     p.add_argument("--scenarios", default=",".join(scenarios.BATTERY_SCENARIOS), metavar="NAME,...",
                    help=f"scenarios to run (default: all of {', '.join(scenarios.BATTERY_SCENARIOS)})")
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
                    f"{scenarios.MAX_SCENARIO_WORLD_SIZE}")
             raise ValueError(msg)
-        options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format,
+        options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format, strategy=args.strategy,
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
                                                report=args.report), world_sizes=(world,))
@@ -219,11 +221,11 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     store = _store(options.deadline)
     device = "cuda" if backend == "nccl" else "cpu"
     cases = [c for c in plan.session_cases(options) if c.scenario in names]
-    runs = list(dict.fromkeys((c.scenario, c.precision) for c in cases))
+    runs = list(dict.fromkeys((c.scenario, c.precision, c.strategy) for c in cases))
     _say(rank, f"battery: {recipe} at W={world} ({backend}), {len(cases)} checks over {len(runs)} runs")
     start = time.monotonic()
-    specs = [(replace(options.spec(recipe, scenario, world, precision), device=device, backend=backend),
-              scenarios.build(scenario, world)) for scenario, precision in runs]
+    specs = [(replace(options.spec(recipe, scenario, world, precision, strategy=strategy), device=device,
+                      backend=backend), scenarios.build(scenario, world)) for scenario, precision, strategy in runs]
     mine = _prepare_share(store, rank, world, specs)
     judged: dict[int, runner.Run] = {}
     stopped: str | None = None
@@ -248,8 +250,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
             break
     # Each rank judges the runs it owns, all at once, then rank 0 gathers the verdicts in the battery's order.
     for i, run in judged.items():
-        scenario, precision = runs[i]
-        mine_cases = [c for c in cases if (c.scenario, c.precision) == (scenario, precision)]
+        mine_cases = [c for c in cases if (c.scenario, c.precision, c.strategy) == runs[i]]
         _put(store, f"{i}/verdicts", [checks.CHECKS[c.check](run) for c in mine_cases])
     status = 0
     if rank == 0:
@@ -296,11 +297,12 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
     from harness.battery.junit import write_junit
     from harness.battery.table import format_table, report_json, write_report
 
-    judged = {(v.check, v.scenario, v.precision) for v in verdicts}
+    judged = {(v.check, v.scenario, v.precision, v.strategy) for v in verdicts}
     for c in cases:
-        if (c.check, c.scenario, c.precision) not in judged:
+        if (c.check, c.scenario, c.precision, c.strategy) not in judged:
             verdicts.append(Verdict(c.check, recipe, c.scenario, c.world_size, c.precision, FAIL,
-                                    f"check {c.check} not run: the battery stopped: {stopped}", cause="stopped"))
+                                    f"check {c.check} not run: the battery stopped: {stopped}", cause="stopped",
+                                    strategy=c.strategy))
     failed = [v for v in verdicts if not v.passed]
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed else 0

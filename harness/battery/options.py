@@ -31,6 +31,9 @@ WORLD_SIZES = (1, 2, 3, 4)
 PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "both": ("fp32", "fp64")}
 """``--precision``: the float32 lane (tolerances atol 1e-6, rtol 1e-4), the strict float64 lane, or both."""
 
+STRATEGY_CHOICES = {"ddp": ("ddp",), "fsdp2": ("fsdp2",), "both": ("ddp", "fsdp2")}
+"""``--strategy``: the ranks wrap the model in DDP (the default), shard it with FSDP2 (``fully_shard``), or both."""
+
 BATCH_FORMATS = ("harness", "hf")
 """``--batch-format``: the harness's Microbatch with aligned labels, or the dict a Hugging Face loop sees."""
 
@@ -75,6 +78,13 @@ def precisions(choice: str, option: str = "--precision") -> tuple[str, ...]:
         msg = f"{option}={choice!r} must be one of {', '.join(PRECISION_CHOICES)}"
         raise ValueError(msg)
     return PRECISION_CHOICES[choice]
+
+
+def strategies(choice: str, option: str = "--strategy") -> tuple[str, ...]:
+    if choice not in STRATEGY_CHOICES:
+        msg = f"{option}={choice!r} must be one of {', '.join(STRATEGY_CHOICES)}"
+        raise ValueError(msg)
+    return STRATEGY_CHOICES[choice]
 
 
 def check_find_unused(value: str, option: str = "--find-unused-parameters") -> str:
@@ -130,6 +140,7 @@ class RunSpec:
             msg = f"world_size={self.world_size!r} must be a positive number of ranks"
             raise ValueError(msg)
         _choice(self.precision, ("fp32", "fp64"), "precision")
+        _choice(self.strategy, STRATEGY_CHOICES["both"], "strategy")
         _choice(self.batch_format, BATCH_FORMATS, "batch_format")
         _choice(self.reduction, REDUCTIONS, "reduction")
         check_find_unused(self.find_unused, "find_unused")
@@ -168,6 +179,7 @@ class BatteryOptions:
               report: str | None = None) -> BatteryOptions:
         """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
         precisions(precision)
+        strategies(strategy)
         if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
             msg = f"--battery-examples={examples} must be 0 (no drawn layouts) or a positive number"
             raise ValueError(msg)
@@ -184,16 +196,20 @@ class BatteryOptions:
     def lanes(self) -> tuple[str, ...]:
         return PRECISION_CHOICES[self.precision]
 
+    @property
+    def strategy_lanes(self) -> tuple[str, ...]:
+        return STRATEGY_CHOICES[self.strategy]
+
     def spec(self, recipe: str, scenario: str, world_size: int, precision: str, *,
-             batch_format: str | None = None) -> RunSpec:
+             batch_format: str | None = None, strategy: str | None = None) -> RunSpec:
         """The run of ``recipe`` on one case under these options (``batch_format``: a control written for another
-        format than the session's)."""
+        format than the session's; ``strategy``: one of the session's strategy lanes, the first by default)."""
         return RunSpec(recipe, scenario, world_size, precision, model=self.model,
-                       batch_format=batch_format or self.batch_format, strategy=self.strategy,
+                       batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
                        find_unused=self.find_unused, deadline=self.deadline)
 
 
-PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "precision": "precision",
+PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": "strategy", "precision": "precision",
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
                   "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
@@ -213,5 +229,5 @@ def from_pytest(config: Any) -> BatteryOptions:
 
 
 __all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_SCENARIO_WORLD_SIZE", "MAX_WORLD_SIZE",
-           "PRECISION_CHOICES", "PYTEST_OPTIONS", "WORLD_SIZES", "BatteryOptions", "RunSpec", "check_find_unused",
-           "check_world_sizes", "from_pytest", "parse_world_sizes", "precisions"]
+           "PRECISION_CHOICES", "PYTEST_OPTIONS", "STRATEGY_CHOICES", "WORLD_SIZES", "BatteryOptions", "RunSpec",
+           "check_find_unused", "check_world_sizes", "from_pytest", "parse_world_sizes", "precisions", "strategies"]

@@ -19,6 +19,7 @@ from harness.battery.options import (
     check_world_sizes,
     parse_world_sizes,
     precisions,
+    strategies,
 )
 
 
@@ -28,10 +29,12 @@ class Case:
     scenario: str
     world_size: int
     precision: str
+    strategy: str = "ddp"
 
     @property
     def id(self) -> str:
-        return f"{self.scenario}-world{self.world_size}-{self.precision}"
+        return f"{self.scenario}-world{self.world_size}-{self.precision}" + (
+            "" if self.strategy == "ddp" else f"-{self.strategy}")
 
     @property
     def run_key(self) -> str:
@@ -40,10 +43,11 @@ class Case:
 
 
 def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
-          checks: Sequence[str] | None = None) -> list[Case]:
+          checks: Sequence[str] | None = None, strategy: str = "ddp") -> list[Case]:
     """Every case of the battery, in a stable order: by check (:data:`harness.battery.checks.REGISTRY`'s order, each
-    check where and in the precisions it registered for), then scenario, world size and precision."""
+    check where and in the precisions it registered for), then scenario, world size, strategy and precision."""
     lanes = precisions(precision)
+    ways = strategies(strategy)
     worlds = check_world_sizes(world_sizes, "world_sizes", MAX_SCENARIO_WORLD_SIZE)  # options checked their own
     out = []
     for info in REGISTRY.values():  # the checks' order: the order they are defined in
@@ -55,13 +59,14 @@ def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
             for world in worlds:
                 if scenario in scenarios.MULTI_RANK_ONLY and world == 1:
                     continue  # one rank of one is every rank: that is the all_empty scenario
-                out += [Case(info.name, scenario, world, p) for p in (lanes if info.per_precision else lanes[:1])]
+                out += [Case(info.name, scenario, world, p, s) for s in ways
+                        for p in (lanes if info.per_precision else lanes[:1])]
     return out
 
 
 def session_cases(options: BatteryOptions, checks: Sequence[str] | None = None) -> list[Case]:
     """The cases a battery session runs under ``options`` (its world sizes and precision lanes)."""
-    return cases(options.world_sizes, options.precision, checks)
+    return cases(options.world_sizes, options.precision, checks, options.strategy)
 
 
 __all__ = ["PRECISION_CHOICES", "WORLD_SIZES", "BatteryOptions", "Case", "cases", "check_world_sizes",

@@ -31,6 +31,7 @@ from harness.core.microbatch import Microbatch
 from harness.core.reference import Reference, reference_gradient
 from harness.distributed import launcher
 from harness.distributed.launcher import LaunchError, launch
+from harness.distributed.strategies.fsdp2 import local
 from harness.recipes import recipe_module
 
 LR = 0.1
@@ -68,6 +69,8 @@ class WindowRecord:
     """The parameter tensors the recipe itself changed during the call (bitwise; the harness steps only after it)."""
     autocast: str | None = None
     """``"cpu torch.bfloat16"`` when a forward of the model ran under autocast (device and dtype), else None."""
+    strategy_notes: tuple[str, ...] = ()
+    """What the strategy's own state said after the window (FSDP2's divisor knobs set on some modules only)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ class Run:
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
         extra = (f", model {self.model_path}" if self.model_path else "") + (
-            f", {self.batch_format} batches" if self.batch_format != HARNESS else "")
+            f", {self.batch_format} batches" if self.batch_format != HARNESS else "") + (
+            f", {self.run_spec.strategy}" if self.run_spec is not None and self.run_spec.strategy != "ddp" else "")
         return (f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
                 f"{extra}")
 
@@ -178,7 +182,7 @@ def _settings_notes(threads: int, env: dict[str, str]) -> tuple[str, ...]:
 
 
 def _grads_left(model: torch.nn.Module) -> str:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
     if not grads:
         return "none"
     if not all(bool(torch.isfinite(g).all()) for g in grads):
@@ -187,7 +191,7 @@ def _grads_left(model: torch.nn.Module) -> str:
 
 
 def _changed(before: list[torch.Tensor], model: torch.nn.Module) -> tuple[str, ...]:
-    return tuple(n for (n, p), b in zip(model.named_parameters(), before) if not torch.equal(p.detach(), b))
+    return tuple(n for (n, p), b in zip(model.named_parameters(), before) if not torch.equal(local(p.detach()), b))
 
 
 class _AutocastSeen:
@@ -238,7 +242,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
 
-    wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused, reduction=run.reduction,
+    wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
+                                                reduction=declared_reduction(recipe, run.reduction),
                                                 on_comm_hook=refuse_comm_hook)
     ddp = wrapped.module
     autocast = _AutocastSeen(dev.type)
@@ -253,7 +258,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         for p in model.parameters():
             p.grad = None
         before = wrapped.full_params()
-        tensors = [p.detach().clone() for p in model.parameters()]
+        tensors = [local(p.detach()).clone() for p in model.parameters()]
         autocast.seen = None
         rngs, threads, env = _rng_states(), torch.get_num_threads(), dict(os.environ)
         wrapped.reset_syncs()
@@ -264,6 +269,11 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             logged = None if out is None else float(out)
         except ValueError as exc:
             error = f"ValueError: {exc}"
+        except AttributeError as exc:
+            mismatch = strategy_mismatch(str(exc), run.strategy)
+            if mismatch is None:
+                raise
+            raise ContractViolation(mismatch) from exc
         launcher.progress(k, f"window {k}: refused it ({error})" if error else f"window {k}: done")
         moved, notes = _moved(rngs, _rng_states()), _settings_notes(threads, env)
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
@@ -281,13 +291,44 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                 grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
-                autocast=autocast.seen,
+                autocast=autocast.seen, strategy_notes=wrapped.notes(),
             )
         )
         if error is not None:
             break  # the window was refused; DDP may hold a half-prepared reduction, so stop here
     del ddp, wrapped  # before the process group goes away (a DDP module alive then can keep the rank from exiting)
     return records
+
+
+def declared_reduction(recipe: object, default: str = "mean") -> str:
+    """How the ranks must combine gradients for ``recipe``: its ``reduction`` attribute when it declares one
+    (``"sum"``: written for a summing reduction, as torchtitan's loss is: divided by the global count without a
+    world-size factor), else ``default`` (the average, data parallelism's default)."""
+    declared = getattr(recipe, "reduction", None)
+    if declared is None:
+        return default
+    if declared not in ("mean", "sum"):
+        msg = (f"{type(recipe).__name__}.reduction={declared!r} must be 'mean' (the ranks' gradients are averaged, "
+               "the default) or 'sum' (they are summed: a loss divided by the global count without a world-size "
+               "factor)")
+        raise ValueError(msg)
+    return str(declared)
+
+
+SKIP_SYNC = {"ddp": "model.no_sync()", "fsdp2": "model.set_requires_gradient_sync(False)"}
+"""How a recipe skips a gradient synchronization under each strategy."""
+
+
+def strategy_mismatch(error: str, strategy: str) -> str | None:
+    """The usage error for a recipe that skipped a synchronization the way of another strategy than the run's
+    (``AttributeError`` text ``error``), else None."""
+    wrong = next((s for s, call in SKIP_SYNC.items() if s != strategy and call.split("(")[0][6:] in error), None)
+    if wrong is None or strategy not in SKIP_SYNC:
+        return None
+    return (f"the recipe called {SKIP_SYNC[wrong]}, {wrong.upper()}'s way to skip a gradient synchronization, on a "
+            f"model under {strategy} ({error.strip()}): under {strategy} use {SKIP_SYNC[strategy]} around all "
+            "but the last microbatch, or harness.recipes.helpers.sync_context(model, i, n), which does the right "
+            "thing under either strategy")
 
 
 @dataclass(frozen=True)
@@ -571,6 +612,25 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     return ready.run(records)
 
 
-__all__ = ["DEADLINE", "FIND_UNUSED", "Chain", "Prepared", "Run", "RunSpec", "WindowRecord", "check_find_unused",
-           "compute_chain", "launch_run", "prepare", "rank_body", "reference_chain", "run", "run_windows",
-           "token_mean_at", "unused_notes"]
+__all__ = [
+    "DEADLINE",
+    "FIND_UNUSED",
+    "SKIP_SYNC",
+    "Chain",
+    "Prepared",
+    "Run",
+    "RunSpec",
+    "WindowRecord",
+    "check_find_unused",
+    "compute_chain",
+    "declared_reduction",
+    "launch_run",
+    "prepare",
+    "rank_body",
+    "reference_chain",
+    "run",
+    "run_windows",
+    "strategy_mismatch",
+    "token_mean_at",
+    "unused_notes",
+]

@@ -35,7 +35,8 @@ def run_cases(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions |
         if progress:
             progress(f"{recipe.split(':')[-1]}: {case.check} ({case.id})")
         try:
-            run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision))
+            run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision,
+                                          strategy=case.strategy))
             verdicts.append(checks.CHECKS[case.check](run))
         except Exception as exc:
             verdicts.append(error_verdict(recipe, case, exc))
@@ -47,11 +48,12 @@ def error_verdict(recipe: str, case: plan.Case, exc: BaseException) -> Verdict:
     import traceback
 
     text = str(exc).strip().splitlines()
-    message = (f"check {case.check} FAILED: recipe {recipe}, world {case.world_size}, {case.precision}, scenario "
+    message = (f"check {case.check} FAILED: recipe {recipe}, world {case.world_size}, {case.precision}, "
+               f"{case.strategy}, scenario "
                f"{case.scenario}: the harness raised {type(exc).__name__}: {text[0] if text else ''} while running "
                "this case (not a verdict on the recipe; please report it with the details)")
     return Verdict(case.check, recipe, case.scenario, case.world_size, case.precision, FAIL, message, cause="error",
-                   details="".join(traceback.format_exception(exc)))
+                   details="".join(traceback.format_exception(exc)), strategy=case.strategy)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
             if progress:
                 progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
             spec = options.spec(f"harness.recipes:{name}", target.scenario, world, target.precision,
-                                batch_format=target.batch_format)
+                                batch_format=target.batch_format, strategy=target.strategy)
             run = runner.run(spec)
             verdict = checks.CHECKS[target.check](run)
             found = verdict.diagnosis
@@ -129,7 +131,8 @@ def _cell(v: Verdict) -> str:
 
 def row_label(v: Verdict) -> str:
     """A verdict's row in the table: its ``label`` (the drawn lane's one row per run), else its case."""
-    return v.label or f"{v.check} ({v.scenario}, W={v.world_size}, {v.precision})"
+    way = "" if v.strategy == "ddp" else f", {v.strategy}"
+    return v.label or f"{v.check} ({v.scenario}, W={v.world_size}, {v.precision}{way})"
 
 
 def recipe_names(recipes: Sequence[str]) -> dict[str, str]:

@@ -51,7 +51,8 @@ def judge(recipe_path: str, battery_options: BatteryOptions, battery_check: Chec
     ``--batch-format``, ``--battery-deadline``, ...), apply its check, and pass, fail or skip as n/a."""
 
     def apply(case: plan.Case) -> None:
-        run = runner.run(battery_options.spec(recipe_path, case.scenario, case.world_size, case.precision))
+        run = runner.run(battery_options.spec(recipe_path, case.scenario, case.world_size, case.precision,
+                                              strategy=case.strategy))
         battery_check(checks.CHECKS[case.check](run))
 
     return apply

@@ -20,10 +20,12 @@ from harness.recipes.correct import (
     CORRECT_RECIPE,
     GlobalTokenMean,
     HfGlobalTokenMean,
+    SummedGlobalTokenMean,
     accumulate,
     global_sum,
     global_token_mean,
     hf_global_token_mean,
+    summed_global_token_mean,
     window_count,
 )
 from harness.recipes.helpers import global_count, require_tokens, supervised_tokens, sync_context
@@ -47,6 +49,7 @@ __all__ = [
     "SCENARIO_CONTROLS",
     "GlobalTokenMean",
     "HfGlobalTokenMean",
+    "SummedGlobalTokenMean",
     "Recipe",
     "RecipeError",
     "Target",
@@ -56,6 +59,7 @@ __all__ = [
     "global_sum",
     "global_token_mean",
     "hf_global_token_mean",
+    "summed_global_token_mean",
     "load_recipe",
     "recipe_module",
     "require_tokens",

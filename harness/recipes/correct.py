@@ -128,3 +128,21 @@ CORRECT_RECIPE = "harness.recipes:global_token_mean"
 _sync_last = sync_context
 """``no_sync()`` for every microbatch but the last (forward and backward inside it); the controls' name for it."""
 
+
+
+class SummedGlobalTokenMean:
+    """The correct recipe for a *summing* reduction, as torchtitan writes its loss: each rank's loss sum divided by
+    the global count, no world-size factor (the ranks' gradients are summed, not averaged). It declares
+    ``reduction = "sum"``, and the harness sums: DDP's hook sums, and FSDP2 gets
+    ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)`` on every sharded module."""
+
+    name = "summed_global_token_mean"
+    reduction = "sum"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch]) -> float | None:
+        total = window_count(window)
+        local = accumulate(model, window, lambda s: s / total)
+        return global_sum(local) / total
+
+
+summed_global_token_mean = SummedGlobalTokenMean()

@@ -20,6 +20,7 @@ The three places where recipes go wrong without noticing, each in one line:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -28,16 +29,33 @@ from harness.core.loss import check_global_count, global_count
 
 
 def sync_context(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
-    """``model.no_sync()`` for microbatch ``i < n - 1`` of a window of ``n``, a null context for the last one (the
-    one that synchronizes gradients); a null context throughout for a model without ``no_sync`` (no DDP wrapper)."""
+    """Skip the gradient synchronization of microbatch ``i < n - 1`` of a window of ``n``; let the last one (the one
+    that synchronizes) through. Under DDP that is ``model.no_sync()``; under FSDP2 (a ``fully_shard`` model)
+    ``model.set_requires_gradient_sync(False)`` for the pass, restored after it; a null context for a model with
+    neither (no data-parallel wrapper). Forward and backward both belong inside it."""
     if isinstance(i, bool) or isinstance(n, bool) or not isinstance(i, int) or not isinstance(n, int) \
             or not 0 <= i < n:
         msg = f"sync_context(model, i={i!r}, n={n!r}): i must be a microbatch index 0 <= i < n"
         raise ValueError(msg)
-    no_sync = getattr(model, "no_sync", None)
-    if i == n - 1 or no_sync is None:
+    if i == n - 1:
         return contextlib.nullcontext()
-    return no_sync()
+    no_sync = getattr(model, "no_sync", None)
+    if no_sync is not None:
+        return no_sync()
+    if callable(getattr(model, "set_requires_gradient_sync", None)):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    # FSDP2 reads the flag when the backward reaches each group, so it must still be False then; the next
+    # microbatch's pass (the last one's, which synchronizes) sees it True again.
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def require_tokens(global_count: int) -> int:

@@ -52,6 +52,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels; shift in the loss)",
     )
     group.addoption(
+        "--strategy", default="ddp", choices=("ddp", "fsdp2", "both"),
+        help="the data-parallel strategy the battery's ranks run under: ddp (DistributedDataParallel, default), fsdp2 "
+        "(the harness shards the model with fully_shard per block and the root, and counts its reduce-scatters), or "
+        "both",
+    )
+    group.addoption(
         "--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
         help="DDP's find_unused_parameters for the battery's ranks: auto (default) turns it on, with a note, when the "
         "single-device reference finds a parameter without a gradient in some microbatch; on; off",
@@ -210,8 +216,8 @@ def options_from(config: pytest.Config) -> BatteryOptions:
 @pytest.fixture(scope="session")
 def battery_options(pytestconfig: pytest.Config) -> BatteryOptions:
     """The session's :class:`~harness.battery.options.BatteryOptions`, parsed once from ``--model``,
-    ``--batch-format``, ``--precision``, ``--battery-world-sizes``, ``--battery-examples``, ``--battery-deadline``,
-    ``--find-unused-parameters`` and ``--battery-report``."""
+    ``--batch-format``, ``--strategy``, ``--precision``, ``--battery-world-sizes``, ``--battery-examples``,
+    ``--battery-deadline``, ``--find-unused-parameters`` and ``--battery-report``."""
     return options_from(pytestconfig)
 
 

@@ -16,7 +16,7 @@ from harness.workflow.outputs import BadInput
 
 FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
-         "--battery-report": "out.json"}
+         "--battery-report": "out.json", "--strategy": "both"}
 
 
 class _Config:
@@ -24,8 +24,9 @@ class _Config:
 
     def __init__(self, pytester_args: dict[str, str]) -> None:
         self.values: dict[str, object] = {
-            "model": None, "batch_format": "harness", "precision": "both", "battery_world_sizes": "1,2,3,4",
-            "battery_examples": 12, "battery_deadline": None, "find_unused_parameters": "auto", "battery_report": None}
+            "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
+            "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
+            "find_unused_parameters": "auto", "battery_report": None}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -44,7 +45,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     cli, pytest_side = _cli(FLAGS), options_from(_Config(FLAGS))  # type: ignore[arg-type]
     assert cli == pytest_side
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
-                                 find_unused="off", report="out.json")
+                                 find_unused="off", report="out.json", strategy="both")
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]

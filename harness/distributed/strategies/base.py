@@ -34,6 +34,11 @@ class Wrapped(Protocol):
 
     def reset_syncs(self) -> None: ...
 
+    def notes(self) -> tuple[str, ...]:
+        """What the strategy's own state says about a wrong result (FSDP2's divisor knobs set on some sharded
+        modules only), for the failing verdict's message; empty when nothing is amiss."""
+        ...
+
     def full_grad(self) -> torch.Tensor:
         """Every parameter's full gradient, flat, model order, on the CPU (zeros where there is none)."""
         ...
@@ -47,11 +52,15 @@ class Strategy(Protocol):
     name: str
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
-             count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None) -> Wrapped:
+             count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
+             mixed_precision: torch.dtype | None = None) -> Wrapped:
         """Wrap ``model`` (already on ``device``) for this rank. ``find_unused``: parameters may miss a gradient in a
         backward; ``reduction``: ``"mean"`` (the default of data parallelism) or ``"sum"``; ``count_syncs``: count
         synchronizations (the battery does, a training loop need not); ``on_comm_hook``: called instead of
-        registering when the code under test tries to install a communication hook of its own."""
+        registering when the code under test tries to install a communication hook of its own;
+        ``mixed_precision``: the dtype the strategy itself computes in when it has a policy for it (FSDP2's
+        ``MixedPrecisionPolicy``; None: the model's own dtype; DDP has none and ignores it: the harness runs the
+        recipe under autocast instead)."""
         ...
 
 

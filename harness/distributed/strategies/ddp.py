@@ -44,6 +44,9 @@ class DDPWrapped:
         if self._counter is not None:
             self._counter.syncs = 0
 
+    def notes(self) -> tuple[str, ...]:
+        return ()
+
     def full_grad(self) -> torch.Tensor:
         return flat_grad(self.local)  # replicated: every rank holds every gradient after the all-reduce
 
@@ -55,7 +58,8 @@ class DDPStrategy:
     name = "ddp"
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
-             count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None) -> DDPWrapped:
+             count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
+             mixed_precision: torch.dtype | None = None) -> DDPWrapped:
         return DDPWrapped(model, device, find_unused=find_unused, reduction=reduction, count_syncs=count_syncs,
                           on_comm_hook=on_comm_hook)
 
