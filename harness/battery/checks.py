@@ -500,6 +500,43 @@ def hygiene(run: Run) -> Verdict:
     return _passed("hygiene", run, detail, notes=tuple(notes))
 
 
+@check(per_precision=True)
+def clipping(run: Run) -> Verdict:
+    """A recipe that clips (its ``backward_window`` takes ``max_norm``) returns, on every rank, the reference's global
+    gradient norm before clipping: over every parameter and every rank's tokens, not one rank's share, not one
+    shard's. (The clipped gradient itself is parity's: the reference is clipped the same way; that the ranks stay
+    identical is ranks_agree's.)"""
+    if run.max_norm is None:
+        return _verdict("clipping", run, NOT_APPLICABLE, "the recipe does not clip (a recipe whose backward_window "
+                        "takes a max_norm keyword clips and returns (loss, norm); docs/recipe-contract.md)")
+    bad = _broken("clipping", run)
+    if bad:
+        return bad
+    assert run.records is not None
+    atol, rtol = tolerances(torch.float32 if run.precision == "fp32" else torch.float64)
+    worst_error, engaged = 0.0, 0
+    for k, want in enumerate(run.reference_norms):
+        if want is None:
+            continue
+        engaged += want > run.max_norm
+        for rank, records in enumerate(run.records):
+            if k >= len(records) or records[k].error is not None:
+                continue
+            got = records[k].grad_norm
+            if got is None:
+                return _failed("clipping", run, f"rank {rank} returned no norm: a clipping recipe returns (loss, "
+                               "total_norm), the norm clip_grad_norm_ returns", k)
+            err = abs(got - want)
+            if not err <= atol + rtol * abs(want):
+                return _failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}; the reference's "
+                               f"global norm before clipping is {want:.6g} (error {err:.3e}; max_norm "
+                               f"{run.max_norm:.6g}): a norm over one rank's gradient before the synchronization, "
+                               "or over this rank's shard, clips by the wrong factor", k, max_error=err)
+            worst_error = max(worst_error, err)
+    return _passed("clipping", run, f"every rank returned the reference's global norm (max_norm {run.max_norm:.6g}, "
+                   f"clipping engaged in {engaged} window(s))", max_error=worst_error)
+
+
 @check(scenarios="all_empty")
 def empty_window(run: Run) -> Verdict:
     """A window without any supervised token: every rank raises ValueError, none hangs, and the recipe leaves no

@@ -286,6 +286,7 @@ def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch
     ref = run.references[window] if window < len(run.references) else None
     if ref is None or sig.name == "nonfinite":
         return sig, params
+    ref = dataclasses.replace(ref, gradient=ref.gradient / clip_factor(run, window))  # the unclipped truth
     rec = run.records[rank][window]  # type: ignore[index]
     same_start = window >= len(run.reference_starts) or torch.equal(run.reference_starts[window], rec.params_before)
     verdict = compare(g, ref.gradient, atol=atol, rtol=rtol)
@@ -348,11 +349,22 @@ def _per_rank_notes(run: Run, window: int, rank: int, rows: list[dx.ParameterRow
     return out
 
 
+def clip_factor(run: Run, window: int) -> float:
+    """The factor a clipping run's reference gradient was clipped by in ``window`` (1.0: no clipping)."""
+    norm = run.reference_norms[window] if window < len(run.reference_norms) else None
+    if run.max_norm is None or norm is None:
+        return 1.0
+    return min(1.0, run.max_norm / (norm + 1e-6))
+
+
 def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis | None:
     assert run.records is not None
     rec = run.records[rank][window]
     assert rec.grad is not None
     g = rec.grad.double()
+    # A clipping run: undo the reference's own clip factor, so that a recipe that clips like the reference reads
+    # as its weighting (and one that clips by another factor reads as the scale it applied).
+    g = g / clip_factor(run, window)
     model = run.model_at(rec.params_before, torch.float64)
     model.train()
     names = [n for n, _ in model.named_parameters()]

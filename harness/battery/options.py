@@ -125,7 +125,9 @@ class RunSpec:
     batch_format: str = "harness"
     init_seed: int | None = None
     strategy: str = "ddp"
-    reduction: str = "mean"
+    reduction: str | None = None
+    """How the ranks' gradients are combined: ``"mean"``, ``"sum"``, or None (the default): what the recipe declares
+    (its ``reduction`` attribute), else the mean."""
     find_unused: str = "auto"
     device: str = "cpu"
     backend: str = "gloo"
@@ -142,7 +144,8 @@ class RunSpec:
         _choice(self.precision, ("fp32", "fp64"), "precision")
         _choice(self.strategy, STRATEGY_CHOICES["both"], "strategy")
         _choice(self.batch_format, BATCH_FORMATS, "batch_format")
-        _choice(self.reduction, REDUCTIONS, "reduction")
+        if self.reduction is not None:
+            _choice(self.reduction, REDUCTIONS, "reduction")
         check_find_unused(self.find_unused, "find_unused")
         _deadline(self.deadline, "deadline")
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,10 @@ from harness.recipes import recipe_module
 
 LR = 0.1
 """SGD step between windows (plain SGD: the battery checks gradients, not optimizer state)."""
+
+CLIP_FRACTION = 0.5
+"""A clipping recipe clips to this fraction of the first window's reference gradient norm: below every norm it is
+judged at would check nothing of the clipping."""
 
 LOCKSTEP_GRACE = 2.0
 """Seconds a rank may lag behind a peer that finished (or refused) the same window before the run is stopped as a
@@ -69,6 +73,8 @@ class WindowRecord:
     """The parameter tensors the recipe itself changed during the call (bitwise; the harness steps only after it)."""
     autocast: str | None = None
     """``"cpu torch.bfloat16"`` when a forward of the model ran under autocast (device and dtype), else None."""
+    grad_norm: float | None = None
+    """The total gradient norm a clipping recipe returned (``(loss, norm)``), else None."""
     strategy_notes: tuple[str, ...] = ()
     """What the strategy's own state said after the window (FSDP2's divisor knobs set on some modules only)."""
 
@@ -108,6 +114,10 @@ class Run:
     :func:`harness.battery.facts.probe_model`): parity then judges at that dtype's tolerances."""
     run_spec: RunSpec | None = None
     """What was run (None for a run assembled by hand, e.g. a test's skewed copy)."""
+    max_norm: float | None = None
+    """The ``max_norm`` the harness passed a clipping recipe (None: the recipe does not clip)."""
+    reference_norms: list[float | None] = field(default_factory=list)
+    """Each window's reference gradient norm before clipping (a clipping run only; None: a window without tokens)."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
@@ -144,6 +154,12 @@ class Run:
                 p.copy_(params[offset : offset + n].view_as(p))
                 offset += n
         return model
+
+
+def _as_float(value: object) -> float:
+    """A returned norm as a float: a tensor, or FSDP2's replicated DTensor (its local value is the whole norm)."""
+    local = getattr(value, "to_local", None)
+    return float(local() if local is not None else value)  # type: ignore[arg-type]
 
 
 def _rng_states() -> dict[str, object]:
@@ -221,10 +237,11 @@ def _autocast_dtype(device_type: str) -> torch.dtype:
 
 
 def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
-              find_unused: bool = False) -> list[WindowRecord]:
+              find_unused: bool = False, max_norm: float | None = None) -> list[WindowRecord]:
     """Runs on every rank: ``run``'s recipe on its model wrapped by its strategy (counting synchronizations), window
     after window; ``digest`` is the fingerprint of the initial weights every rank must rebuild (None: the built-in
-    model, deterministic), ``find_unused`` whether parameters may miss a gradient in a backward."""
+    model, deterministic), ``find_unused`` whether parameters may miss a gradient in a backward, ``max_norm`` what
+    a clipping recipe clips to (:func:`harness.recipes.contract.clips`)."""
     import torch.distributed as dist
 
     from harness.distributed import strategies
@@ -264,8 +281,14 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         wrapped.reset_syncs()
         error = None
         logged = None
+        norm = None
         try:
-            out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
+            if max_norm is None:
+                out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
+            else:
+                out = recipe.backward_window(ddp, mine, max_norm=max_norm)  # type: ignore[call-arg,arg-type]
+                if isinstance(out, tuple) and len(out) == 2:
+                    out, norm = out[0], None if out[1] is None else _as_float(out[1])
             logged = None if out is None else float(out)
         except ValueError as exc:
             error = f"ValueError: {exc}"
@@ -291,7 +314,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                 grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
-                autocast=autocast.seen, strategy_notes=wrapped.notes(),
+                autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(),
             )
         )
         if error is not None:
@@ -300,13 +323,16 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     return records
 
 
-def declared_reduction(recipe: object, default: str = "mean") -> str:
-    """How the ranks must combine gradients for ``recipe``: its ``reduction`` attribute when it declares one
-    (``"sum"``: written for a summing reduction, as torchtitan's loss is: divided by the global count without a
-    world-size factor), else ``default`` (the average, data parallelism's default)."""
+def declared_reduction(recipe: object, chosen: str | None = None) -> str:
+    """How the ranks must combine gradients for ``recipe``: ``chosen`` when the run names one (a test that runs a
+    recipe under the other reduction on purpose), else its ``reduction`` attribute when it declares one (``"sum"``:
+    written for a summing reduction, as torchtitan's loss is: divided by the global count without a world-size
+    factor), else the average (data parallelism's default)."""
+    if chosen is not None:
+        return chosen
     declared = getattr(recipe, "reduction", None)
     if declared is None:
-        return default
+        return "mean"
     if declared not in ("mean", "sum"):
         msg = (f"{type(recipe).__name__}.reduction={declared!r} must be 'mean' (the ranks' gradients are averaged, "
                "the default) or 'sum' (they are summed: a loss divided by the global count without a world-size "
@@ -345,6 +371,10 @@ class Chain:
     """The model's own error on the first microbatch it could not run (the chain stops there)."""
     starts: list[torch.Tensor] = field(default_factory=list)
     """The flat weights each window's reference was taken at (model order)."""
+    max_norm: float | None = None
+    """What a clipping recipe clips to (None: the chain does not clip); each reference gradient is then clipped."""
+    norms: list[float | None] = field(default_factory=list)
+    """Each window's reference gradient norm before clipping (a clipping chain only)."""
 
 
 def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
@@ -358,9 +388,14 @@ def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int |
 
 
 def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
-                  spec: ModelSpec | None = None) -> Chain:
+                  spec: ModelSpec | None = None, *, clip: bool = False) -> Chain:
     """:func:`reference_chain` with what it saw: the parameters each microbatch reached, and, for a user's model, the
-    model's own error on a microbatch it cannot run (the harness's built-in model raises instead: that is a bug)."""
+    model's own error on a microbatch it cannot run (the harness's built-in model raises instead: that is a bug).
+
+    ``clip``: the recipe clips (:func:`harness.recipes.contract.clips`). ``max_norm`` is then :data:`CLIP_FRACTION`
+    of the first reference gradient's norm, so that clipping engages, and each reference gradient is clipped the
+    way ``torch.nn.utils.clip_grad_norm_`` clips (by ``min(1, max_norm / (norm + 1e-6))``) before the chain steps
+    on it."""
     from harness.battery.facts import rank_threads
 
     spec = spec or ModelSpec(None, HARNESS, init_seed, precision)
@@ -370,6 +405,8 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
         refs: list[Reference | None] = []
         used: list[list[list[frozenset[str]]]] = []
         starts: list[torch.Tensor] = []
+        norms: list[float | None] = []
+        max_norm: float | None = None
         current: list[Microbatch] = []
 
         def loss_of(m: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
@@ -381,6 +418,7 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
                 refs.append(None)
                 used.append([[] for _ in window])
                 starts.append(flat_params(model))
+                norms.append(None)
                 continue
             seen: list[frozenset[str]] = []
             starts.append(flat_params(model))
@@ -397,6 +435,11 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
                          f"{'s' if rows != 1 else ''} x {positions} position{'s' if positions != 1 else ''}): "
                          f"{type(exc).__name__}: {text[0] if text else ''}")
                 return Chain(refs, used, trainable, model_error=error, starts=starts)
+            if clip:
+                norm = float(torch.linalg.vector_norm(ref.gradient))
+                max_norm = CLIP_FRACTION * norm if max_norm is None else max_norm
+                norms.append(norm)
+                ref = replace(ref, gradient=ref.gradient * min(1.0, max_norm / (norm + 1e-6)))
             refs.append(ref)
             it = iter(seen)
             used.append([[next(it) for _ in mbs] for mbs in window])
@@ -406,7 +449,7 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
                     n = p.numel()
                     p.add_(ref.gradient[offset : offset + n].view_as(p), alpha=-LR)
                     offset += n
-    return Chain(refs, used, trainable, starts=starts)
+    return Chain(refs, used, trainable, starts=starts, max_norm=max_norm, norms=norms if clip else [])
 
 
 _DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
@@ -540,7 +583,7 @@ class Prepared:
         return Run(s.recipe, s.scenario, s.world_size, s.precision, self.windows, records, chain.references,
                    init_seed=s.init_seed, model_path=s.model, batch_format=s.batch_format,
                    computes_in=self.computes_in, reference_starts=chain.starts, run_spec=s,
-                   find_unused=self.wrap, **fields)
+                   find_unused=self.wrap, max_norm=chain.max_norm, reference_norms=chain.norms, **fields)
 
     def failed(self, exc: LaunchError) -> Run:
         """The run whose ranks failed with ``exc`` (DDP's parameter indices named)."""
@@ -568,10 +611,14 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         computes_in = found.computes_in
         notes = found.notes(unused=False)  # the chain below says which parameters miss a gradient, and where
         model = ModelSpec.of(spec, digest)
-    key = (spec.scenario, spec.world_size, model)
+    from harness.recipes import load_recipe
+    from harness.recipes.contract import clips
+
+    clip = clips(load_recipe(spec.recipe))
+    key = (spec.scenario, spec.world_size, model, clip)
     chain = _CHAINS.get(key) if share_chain else None
     if chain is None:
-        chain = compute_chain(windows, spec.precision, spec.init_seed, model)
+        chain = compute_chain(windows, spec.precision, spec.init_seed, model, clip=clip)
         if share_chain and len(_CHAINS) < 64:
             _CHAINS[key] = chain
     wrap = False
@@ -604,7 +651,8 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
         return ready.run(None, model_error=ready.chain.model_error)
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
-        records = launch(rank_body, spec.world_size, spec, windows, ready.digest, ready.wrap, deadline=spec.deadline,
+        records = launch(rank_body, spec.world_size, spec, windows, ready.digest, ready.wrap, ready.chain.max_norm,
+                         deadline=spec.deadline,
                          backend=spec.backend, device=spec.device, env=env, preload=preload,
                          lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
     except LaunchError as exc:

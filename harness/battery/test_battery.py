@@ -86,6 +86,14 @@ def test_a_logged_loss_is_the_global_token_mean_on_every_rank(
     judge(case)
 
 
+@for_check("clipping")
+def test_a_clipping_recipe_returns_the_global_norm_on_every_rank(case: plan.Case,
+                                                                 judge: Callable[[plan.Case], None]) -> None:
+    """A recipe that clips returns the reference's norm before clipping, over every parameter and every rank's
+    tokens (not applicable to a recipe that does not clip)."""
+    judge(case)
+
+
 @for_check("hygiene")
 def test_the_recipe_leaves_mode_random_generators_and_dtype_alone(
     case: plan.Case, judge: Callable[[plan.Case], None]

@@ -18,17 +18,19 @@ from harness.recipes.contract import Recipe, RecipeError, load_recipe, recipe_mo
 from harness.recipes.controls import CONTROLS, DIAGNOSES, NEGATIVE_CONTROLS, SCENARIO_CONTROLS, Target, control_class
 from harness.recipes.correct import (
     CORRECT_RECIPE,
+    ClippedGlobalTokenMean,
     GlobalTokenMean,
     HfGlobalTokenMean,
     SummedGlobalTokenMean,
     accumulate,
+    clipped_global_token_mean,
     global_sum,
     global_token_mean,
     hf_global_token_mean,
     summed_global_token_mean,
     window_count,
 )
-from harness.recipes.helpers import global_count, require_tokens, supervised_tokens, sync_context
+from harness.recipes.helpers import clip_grad_norm, global_count, require_tokens, supervised_tokens, sync_context
 
 
 def __getattr__(name: str) -> type:
@@ -49,16 +51,19 @@ __all__ = [
     "SCENARIO_CONTROLS",
     "GlobalTokenMean",
     "HfGlobalTokenMean",
+    "ClippedGlobalTokenMean",
     "SummedGlobalTokenMean",
     "Recipe",
     "RecipeError",
     "Target",
     "accumulate",
     "catalog",
+    "clip_grad_norm",
     "global_count",
     "global_sum",
     "global_token_mean",
     "hf_global_token_mean",
+    "clipped_global_token_mean",
     "summed_global_token_mean",
     "load_recipe",
     "recipe_module",

@@ -104,6 +104,19 @@ def load_recipe(spec: object = None) -> Recipe:
     return obj  # type: ignore[return-value]
 
 
+def clips(recipe: object) -> bool:
+    """Whether ``recipe`` clips gradients: its ``backward_window`` takes a ``max_norm`` keyword. The harness then
+    passes one, and the recipe clips the synchronized gradient to it (``torch.nn.utils.clip_grad_norm_`` over every
+    parameter) and returns ``(loss, total_norm)``: the loss as always (or None), and the norm before clipping."""
+    import inspect
+
+    try:
+        params = inspect.signature(recipe.backward_window).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return False
+    return "max_norm" in params
+
+
 def recipe_module(spec: object) -> str | None:
     """The module a ``"package.module:attr"`` recipe lives in (for the launcher to preload), else None."""
     return split_recipe_path(spec)[0] if isinstance(spec, str) else None

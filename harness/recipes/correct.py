@@ -19,7 +19,7 @@ from torch import nn
 from harness.core.formats import hf_forward, logits_of, shifted_loss_sum, supervised_tokens
 from harness.core.loss import count_device, global_token_loss, loss_sum
 from harness.core.microbatch import IGNORE_INDEX
-from harness.recipes.helpers import global_count, require_tokens, sync_context
+from harness.recipes.helpers import clip_grad_norm, global_count, require_tokens, sync_context
 
 Batch = Any
 """One microbatch in either format: a :class:`Microbatch`, or the ``hf`` dict."""
@@ -146,3 +146,21 @@ class SummedGlobalTokenMean:
 
 
 summed_global_token_mean = SummedGlobalTokenMean()
+
+
+class ClippedGlobalTokenMean:
+    """The correct recipe, clipping: the global token mean's gradient, synchronized, then clipped to ``max_norm``
+    over every parameter; it returns the loss and the norm before clipping."""
+
+    name = "clipped_global_token_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch],
+                        max_norm: float = 1.0) -> tuple[float, float]:
+        total, world = window_count(window), _world_size()
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        # After the last microbatch's backward: the gradients are synchronized, and their norm is the global one.
+        norm = clip_grad_norm(model, max_norm)
+        return global_sum(local) / total, norm
+
+
+clipped_global_token_mean = ClippedGlobalTokenMean()

@@ -58,6 +58,17 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip every parameter's gradient to the total norm ``max_norm`` after the synchronization, and return the norm
+    before clipping, as a float, under either strategy: ``torch.nn.utils.clip_grad_norm_`` over every parameter (under
+    FSDP2 the gradients are sharded DTensors, and the norm it returns is the global one, replicated)."""
+    import torch
+
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
 def require_tokens(global_count: int) -> int:
     """Return ``global_count``, or raise the contract's ``ValueError`` when it is zero.
 
@@ -69,4 +80,4 @@ def require_tokens(global_count: int) -> int:
     return int(global_count)
 
 
-__all__ = ["global_count", "require_tokens", "supervised_tokens", "sync_context"]
+__all__ = ["clip_grad_norm", "global_count", "require_tokens", "supervised_tokens", "sync_context"]
