@@ -19,9 +19,11 @@ import pytest
 if TYPE_CHECKING:
     from harness.battery.checks import Verdict
     from harness.battery.options import BatteryOptions
+    from harness.resume.options import ResumeOptions
 
 MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
+    "resume": "the resume battery: kill-and-resume equality of a training loop (--trainer=pkg.module:factory picks it)",
     "gpu": "needs one CUDA device",
     "gpu2": "needs two CUDA devices and NCCL (one rank per device)",
     "slow": "over ~10 s; scripts/test.sh leaves it out, `scripts/test.sh -m slow` runs it (CI runs both)",
@@ -80,6 +82,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="drawn layouts the battery's property lane checks (default: 12; each is one multi-rank launch; 0: none)",
     )
     group.addoption(
+        "--trainer", default=None, metavar="PKG.MODULE:FACTORY",
+        help="the training loop the resume battery checks (pytest --pyargs harness.resume): a zero-argument factory "
+        "called on every rank whose result has step(), save(folder), load(folder) and state() (default: the "
+        "harness's trainer, harness.training.trainer:trainer_factory)",
+    )
+    group.addoption("--resume-steps", default=20, type=int, metavar="S",
+                    help="the resume battery's continuous run length in optimizer steps (default: 20)")
+    group.addoption("--resume-every", default=5, type=int, metavar="K",
+                    help="the resume battery checkpoints every K steps and at each stop (default: 5)")
+    group.addoption("--resume-world-size", default=2, type=int, metavar="W",
+                    help="ranks of every run of the resume battery (default: 2)")
+    group.addoption("--resume-seed", default=0, type=int, metavar="N",
+                    help="seeds the global generators and the draw of the resume battery's stop and kill steps")
+    group.addoption(
         "--battery-deadline", default=None, type=float, metavar="SECONDS",
         help="seconds one battery run (one launch) may take before it is called hung (default: "
         "harness.battery.runner.DEADLINE, 30); raise it for a slow model, e.g. one under torch.compile",
@@ -98,6 +114,14 @@ def pytest_configure(config: pytest.Config) -> None:
             load_recipe(config.getoption("recipe"))
         except RecipeError as exc:
             raise pytest.UsageError(f"--recipe: {exc}") from None
+    if config.getoption("trainer") is not None:
+        from harness.resume.contract import TrainerError, resolve_factory
+
+        try:
+            resolve_factory(config.getoption("trainer"))
+        except TrainerError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    resume_options_from(config)  # bad --resume-* values are a usage error now (pure Python: no torch imported)
     _MODEL_NOTES.clear()
     if config.getoption("model") is not None:
         from harness.battery.facts import probe
@@ -211,6 +235,32 @@ def options_from(config: pytest.Config) -> BatteryOptions:
         return from_pytest(config)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+def resume_options_from(config: pytest.Config) -> ResumeOptions:
+    """The resume battery's options from ``--resume-steps``, ``--resume-every``, ``--resume-world-size`` and
+    ``--resume-seed``; bad input is a usage error naming the option."""
+    from harness.resume.options import ResumeOptions
+
+    try:
+        return ResumeOptions(steps=config.getoption("resume_steps"), every=config.getoption("resume_every"),
+                             world_size=config.getoption("resume_world_size"), seed=config.getoption("resume_seed"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+@pytest.fixture(scope="session")
+def trainer_path(pytestconfig: pytest.Config) -> str:
+    """``--trainer``: the ``package.module:factory`` of the training loop under test (default: the harness's)."""
+    from harness.resume.contract import HARNESS_TRAINER
+
+    return str(pytestconfig.getoption("trainer") or HARNESS_TRAINER)
+
+
+@pytest.fixture(scope="session")
+def resume_options(pytestconfig: pytest.Config) -> ResumeOptions:
+    """The session's :class:`~harness.resume.options.ResumeOptions`."""
+    return resume_options_from(pytestconfig)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import io
 import json
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,17 @@ import torch.distributed as dist
 
 from harness.data.config import Config
 from harness.distributed.scratch import pid_alive
-from harness.training.atomic import TEMP_NAME, commit, write_atomic, write_temp
-from harness.training.manifest import FORMAT, MANIFEST, SHARED, rank_file, read_manifest, sha256
+from harness.training.atomic import TEMP_NAME, commit, fsync_dir, write_atomic, write_temp
+from harness.training.manifest import (
+    FORMAT,
+    LAYOUT_HARNESS,
+    LAYOUT_TRAINER,
+    MANIFEST,
+    SHARED,
+    rank_file,
+    read_manifest,
+    sha256,
+)
 
 _STEP_DIR = re.compile(r"^step-(\d{4,})$")
 
@@ -75,6 +85,51 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def begin_step_dir(run_dir: str | Path, step: int, *, rank: int) -> Path:
+    """Every rank: make ``run_dir/step-NNNN`` durable and empty of any old manifest; return it (collective).
+
+    The run directory is fsynced after the step directory is made: without it a crash could lose the new entry
+    itself, and the files later written (and fsynced) inside it would vanish with it.
+    """
+    folder = Path(run_dir) / step_dir_name(step)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        fsync_dir(folder.parent)
+        # A folder left by an earlier, killed attempt at this step must not keep an old manifest that would vouch
+        # for files about to be replaced.
+        (folder / MANIFEST).unlink(missing_ok=True)
+        fsync_dir(folder)
+    _barrier()  # the folder exists and holds no stale manifest before anyone writes into it
+    folder.mkdir(parents=True, exist_ok=True)  # outside a process group (one process) there was no barrier to wait
+    return folder
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` a manifest vouches for, as relative POSIX paths, sorted; hidden temporaries
+    (:data:`~harness.training.atomic.TEMP_NAME`) and the manifest itself are left out."""
+    names = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel != MANIFEST and not TEMP_NAME.match(path.name):
+            names.append(rel)
+    return names
+
+
+def commit_step_dir(
+    folder: Path, step: int, *, world_size: int, positions: list[int] | None, layout: str = LAYOUT_HARNESS,
+    names: list[str] | None = None,
+) -> None:
+    """Rank 0, once every rank's files are in: write the manifest (sizes, SHA-256, step, each rank's data position)
+    atomically, last. From this instant the step directory is a complete checkpoint."""
+    listed = checkpoint_files(folder) if names is None else names
+    files = {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in listed}
+    manifest: dict[str, Any] = {"format": FORMAT, "layout": layout, "step": step, "world_size": world_size,
+                                "files": files}
+    if positions is not None:
+        manifest["positions"] = list(positions)
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -90,46 +145,114 @@ def save_checkpoint(
     ``point(name)`` is called at the named fault-injection points (``after-rank-temp``, ``before-manifest``,
     ``after-manifest``) so a test can kill a rank exactly there.
     """
-    folder = Path(run_dir) / step_dir_name(step)
-    folder.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        # A folder left by an earlier, killed attempt at this step must not keep an old manifest that would vouch
-        # for files about to be replaced.
-        (folder / MANIFEST).unlink(missing_ok=True)
-    _barrier()  # the folder exists and holds no stale manifest before anyone writes into it
-    if rank == 0:
-        if shared is None:
-            msg = "save_checkpoint: rank 0 must pass shared= (model, optimizer, scheduler, config, data lock, step)"
-            raise ValueError(msg)
-        write_atomic(folder / SHARED, _to_bytes(dict(shared)))
-    own = folder / rank_file(rank)
-    tmp = write_temp(own, _to_bytes(dict(rank_state)))
-    if point:
-        point("after-rank-temp")
-    commit(tmp, own)
+    if rank == 0 and shared is None:
+        msg = "save_checkpoint: rank 0 must pass shared= (model, optimizer, scheduler, config, data lock, step)"
+        raise ValueError(msg)
+    folder = begin_step_dir(run_dir, step, rank=rank)
+    write_checkpoint_files(folder, shared=shared, rank_state=rank_state, rank=rank, point=point)
     _barrier()  # every rank's file is in: only now may the checkpoint be declared complete
     if rank == 0:
         if point:
             point("before-manifest")
         names = [SHARED, *(rank_file(r) for r in range(world_size))]
-        files = {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in names}
-        manifest = {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
-        write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+        commit_step_dir(folder, step, world_size=world_size, positions=_positions(folder, world_size), names=names)
     _barrier()  # no rank returns (and perhaps exits) before the checkpoint it took part in is complete
     if point:
         point("after-manifest")
     return folder
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The highest ``step-NNNN`` folder of ``run_dir`` whose manifest is valid; incomplete folders are skipped."""
+def write_checkpoint_files(
+    folder: Path, *, shared: Mapping[str, Any] | None, rank_state: Mapping[str, Any], rank: int,
+    point: Callable[[str], None] | None = None,
+) -> None:
+    """This rank's files of the harness's format into ``folder``: ``shared.pt`` (rank 0) and ``rank-R.pt``, each
+    written under a temporary name, fsynced and renamed. No barrier and no manifest: the caller commits."""
+    if rank == 0 and shared is not None:
+        write_atomic(folder / SHARED, _to_bytes(dict(shared)))
+    own = folder / rank_file(rank)
+    tmp = write_temp(own, _to_bytes(dict(rank_state)))
+    if point:
+        point("after-rank-temp")
+    commit(tmp, own)
+
+
+def _positions(folder: Path, world_size: int) -> list[int] | None:
+    """Each rank's data position as its rank file records it (None when a file records none: a bare test file)."""
+    out = []
+    for r in range(world_size):
+        state = torch.load(folder / rank_file(r), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not isinstance(state.get("position"), int):
+            return None
+        out.append(int(state["position"]))
+    return out
+
+
+class CorruptCheckpoint(ValueError):
+    """The newest step directory with a manifest cannot be trusted, and the caller did not allow an older one."""
+
+    def __init__(self, folder: Path, reason: str) -> None:
+        super().__init__(f"{folder}: {reason}")
+        self.folder, self.reason = folder, reason
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What :func:`newest_valid_checkpoint` found: the folder (None: no valid one) and what it skipped on the way,
+    newest first, as ``(folder, "incomplete" | "corrupt", reason)``."""
+
+    folder: Path | None
+    skipped: tuple[tuple[Path, str, str], ...] = ()
+
+
+def check_step_dir(folder: str | Path) -> dict[str, Any]:
+    """The manifest of ``folder`` once the step directory is a valid checkpoint: every file whole
+    (:func:`read_manifest`), and its labels agree: the directory's name, the manifest's ``step`` and every rank's
+    recorded data position name the same step. ValueError naming the folder and the values that disagree."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    named = step_of(folder.name)
+    positions = manifest.get("positions")
+    if (named is not None and named != manifest["step"]) or (positions is not None and any(
+            p != manifest["step"] for p in positions)):
+        msg = (f"{folder}: labels disagree: the directory names step {named}, {MANIFEST} says step "
+               f"{manifest['step']}, the ranks' data positions are {positions}; a checkpoint must be named after the "
+               "step whose state it holds (a resumed run that counts its steps from 0, or a data position saved off "
+               "by one, writes such a folder)")
+        raise ValueError(msg)
+    return manifest
+
+
+def newest_valid_checkpoint(run_dir: str | Path, *, allow_older: bool = True) -> Discovery:
+    """The one discovery of where a run resumes: the highest ``step-NNNN`` of ``run_dir`` that
+    :func:`check_step_dir` accepts. Every entry uses it: :func:`latest_checkpoint`, ``--resume RUN_DIR``
+    (:func:`harness.training.torchrun.resolve_resume`), ``resume="latest:..."`` of the launcher's rank body, and the
+    resume battery.
+
+    A step directory without a manifest is a checkpoint a kill interrupted: always skipped. One with a manifest that
+    fails the check is corrupt: skipped when ``allow_older``, else :class:`CorruptCheckpoint` (an older checkpoint is
+    never used silently in place of a damaged newer one).
+    """
+    skipped: list[tuple[Path, str, str]] = []
     for folder in step_dirs(run_dir):
-        try:
-            read_manifest(folder)
-        except ValueError:
+        if not (folder / MANIFEST).is_file():
+            skipped.append((folder, "incomplete", f"no {MANIFEST}"))
             continue
-        return folder
-    return None
+        try:
+            check_step_dir(folder)
+        except ValueError as exc:
+            if not allow_older:
+                raise CorruptCheckpoint(folder, str(exc)) from None
+            skipped.append((folder, "corrupt", str(exc)))
+            continue
+        return Discovery(folder, tuple(skipped))
+    return Discovery(None, tuple(skipped))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The highest ``step-NNNN`` folder of ``run_dir`` that is a valid checkpoint (:func:`newest_valid_checkpoint`);
+    incomplete and corrupt folders are skipped."""
+    return newest_valid_checkpoint(run_dir).folder
 
 
 def audit_run_dir(run_dir: str | Path) -> list[str]:
@@ -148,7 +271,7 @@ def audit_run_dir(run_dir: str | Path) -> list[str]:
     problems = []
     for folder in sorted(step_dirs(root)):
         try:
-            read_manifest(folder)
+            check_step_dir(folder)
         except ValueError as exc:
             kind = "incomplete" if not (folder / MANIFEST).is_file() else "corrupt"
             problems.append(f"{folder}: {kind} checkpoint: {exc}")
@@ -179,7 +302,7 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Validate ``folder`` against this run; return ``(shared, this rank's state)``. ValueError names what differs."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    manifest = check_step_dir(folder)
     if manifest["world_size"] != world_size:
         msg = (
             f"{folder / MANIFEST}: written by world size {manifest['world_size']}, this run has {world_size}; "
@@ -208,6 +331,10 @@ def load_checkpoint(
             f"of {world_size}; the file was renamed or copied from another checkpoint"
         )
         raise ValueError(msg)
+    if state["position"] != manifest["step"]:
+        msg = (f"{folder / rank_file(rank)}: data position {state['position']!r}, but {MANIFEST} says step "
+               f"{manifest['step']}; the labels of this checkpoint disagree, resume from another step")
+        raise ValueError(msg)
     return shared, state
 
 
@@ -232,12 +359,21 @@ def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
 # where the workflow and the tests import them.
 __all__ = [
     "FORMAT",
+    "LAYOUT_HARNESS",
+    "LAYOUT_TRAINER",
     "MANIFEST",
     "NON_TRAJECTORY_FIELDS",
     "SHARED",
+    "CorruptCheckpoint",
+    "Discovery",
     "audit_run_dir",
+    "begin_step_dir",
+    "check_step_dir",
+    "checkpoint_files",
+    "commit_step_dir",
     "latest_checkpoint",
     "load_checkpoint",
+    "newest_valid_checkpoint",
     "rank_file",
     "read_manifest",
     "save_checkpoint",
@@ -246,4 +382,5 @@ __all__ = [
     "step_of",
     "trajectory_mismatch",
     "write_atomic",
+    "write_checkpoint_files",
 ]

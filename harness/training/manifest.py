@@ -16,6 +16,12 @@ from typing import Any
 MANIFEST = "manifest.json"
 SHARED = "shared.pt"
 FORMAT = 1
+LAYOUT_HARNESS = "harness"
+"""The harness trainer's files: ``shared.pt`` and one ``rank-R.pt`` per rank, each required. A manifest without a
+``layout`` key is of this layout (every manifest written before the key existed)."""
+LAYOUT_TRAINER = "trainer"
+"""A user's trainer's own files (``torch.save``, ``torch.distributed.checkpoint``, ...), committed by the resume
+battery: the manifest lists whatever the trainer's ``save`` wrote and requires nothing by name."""
 
 
 def rank_file(rank: int) -> str:
@@ -81,8 +87,9 @@ def _check_manifest(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(files, dict):
         raise bad(f"'files' is a {type(files).__name__}, not an object of file entries")
     for name, entry in files.items():
-        if not name or Path(name).name != name or name in (".", ".."):
-            raise bad(f"file name {name!r} is not a plain name inside the step directory")
+        parts = name.split("/") if isinstance(name, str) else [""]
+        if not all(parts) or any(part in (".", "..") for part in parts) or name.startswith("/") or "\\" in name:
+            raise bad(f"file name {name!r} is not a plain name or relative path inside the step directory")
         if not isinstance(entry, dict):
             raise bad(f"the entry of {name!r} is a {type(entry).__name__}, not an object with size and sha256")
         if not _is_int(entry.get("size")) or entry["size"] < 0:
@@ -90,7 +97,15 @@ def _check_manifest(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
         digest = entry.get("sha256")
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise bad(f"the entry of {name!r} has sha256 {digest!r}, not 64 lowercase hex digits")
-    for name in [SHARED, *(rank_file(r) for r in range(manifest["world_size"]))]:
+    layout = manifest.get("layout", LAYOUT_HARNESS)
+    if layout not in (LAYOUT_HARNESS, LAYOUT_TRAINER):
+        raise bad(f"'layout' is {layout!r}, not {LAYOUT_HARNESS!r} or {LAYOUT_TRAINER!r}")
+    positions = manifest.get("positions")
+    if positions is not None and (not isinstance(positions, list) or len(positions) != manifest["world_size"]
+                                  or not all(_is_int(p) for p in positions)):
+        raise bad(f"'positions' is {positions!r}, not one integer data position per rank")
+    required = [SHARED, *(rank_file(r) for r in range(manifest["world_size"]))] if layout == LAYOUT_HARNESS else []
+    for name in required:
         if name not in files:
             raise bad(f"lists no {name} (world size {manifest['world_size']} needs {SHARED} and every rank's file)")
     return files
@@ -115,4 +130,4 @@ def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
         raise ValueError(msg)
 
 
-__all__ = ["FORMAT", "MANIFEST", "SHARED", "rank_file", "read_manifest", "sha256"]
+__all__ = ["FORMAT", "LAYOUT_HARNESS", "LAYOUT_TRAINER", "MANIFEST", "SHARED", "rank_file", "read_manifest", "sha256"]

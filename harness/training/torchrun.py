@@ -33,7 +33,14 @@ import torch.distributed as dist
 from harness.data.config import load_config
 from harness.data.corpus import data_lock, make_corpus
 from harness.distributed.worker import default_backend, exit_worker
-from harness.training.checkpoint import MANIFEST, load_checkpoint, read_manifest, step_dirs, step_of
+from harness.training.checkpoint import (
+    MANIFEST,
+    CorruptCheckpoint,
+    load_checkpoint,
+    newest_valid_checkpoint,
+    step_dirs,
+    step_of,
+)
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 DEFAULT_RUN_DIRS = {"stopped": "runs/stopped", "continuous": "runs/continuous", "resumed": "runs/resumed"}
@@ -70,33 +77,26 @@ def resolve_resume(path: str, *, allow_older: bool = False, say: Callable[[str],
     folder = Path(path)
     if (folder / MANIFEST).is_file() or step_of(folder.name) is not None:
         return folder
-    candidates = step_dirs(folder)
-    if not candidates:
+    if not step_dirs(folder):
         msg = f"--resume {path!r} is neither a step directory nor a run directory holding a complete checkpoint"
         raise SystemExit(msg)
-    skipped: list[str] = []
-    for step_dir in candidates:
-        if not (step_dir / MANIFEST).is_file():
-            skipped.append(f"{step_dir} (incomplete: no {MANIFEST})")
-            continue
-        try:
-            read_manifest(step_dir)
-        except ValueError as exc:
-            if not allow_older:
-                msg = (
-                    f"--resume {path!r}: its newest checkpoint {step_dir} is corrupt: {exc}\n"
-                    f"refusing to resume from an older one silently; pass --allow-older to use the newest valid "
-                    f"checkpoint below it, or --resume an older step directory"
-                )
-                raise SystemExit(msg) from None
-            skipped.append(f"{step_dir} (corrupt: {exc})")
-            continue
-        for line in skipped:
-            say(f"--resume: skipped {line}")
-        say(f"--resume: using {step_dir}, the newest complete checkpoint of {path}")
-        return step_dir
-    msg = f"--resume {path!r}: no complete checkpoint in that run directory; skipped: " + "; ".join(skipped)
-    raise SystemExit(msg)
+    try:
+        found = newest_valid_checkpoint(folder, allow_older=allow_older)
+    except CorruptCheckpoint as exc:
+        msg = (
+            f"--resume {path!r}: its newest checkpoint {exc.folder} is corrupt: {exc.reason}\n"
+            f"refusing to resume from an older one silently; pass --allow-older to use the newest valid "
+            f"checkpoint below it, or --resume an older step directory"
+        )
+        raise SystemExit(msg) from None
+    skipped = [f"{d} ({kind}: {reason})" for d, kind, reason in found.skipped]
+    if found.folder is None:
+        msg = f"--resume {path!r}: no complete checkpoint in that run directory; skipped: " + "; ".join(skipped)
+        raise SystemExit(msg)
+    for line in skipped:
+        say(f"--resume: skipped {line}")
+    say(f"--resume: using {found.folder}, the newest complete checkpoint of {path}")
+    return found.folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:

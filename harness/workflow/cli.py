@@ -1,8 +1,8 @@
 """Command line: ``python -m harness <command>`` (or the ``ddp-harness`` console script).
 
 Seed 000's workflow: prepare, reference, check-loss, evaluate, exercise, check-environment, check-checkpoints, clean,
-and ``report``, which runs the whole protocol and writes report.md, report.json and report.png; plus ``battery`` and
-``explain`` (the effective token weights of a recipe's gradient).
+and ``report``, which runs the whole protocol and writes report.md, report.json and report.png; plus ``battery``,
+``explain`` (the effective token weights of a recipe's gradient) and ``resume`` (the resume battery of a training loop).
 
 Exit codes: 0 when every check a command ran holds; 1 when a check fails (the last line names it); 2 for input that
 cannot be used as given (a missing or invalid config, an outputs folder from another data lock, an incomplete
@@ -17,7 +17,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from harness.workflow import explain
+from harness.workflow import explain, resume
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
 from harness.workflow.commands import (
     DEFAULT_CONFIG,
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed steps per world size in the scaling table (default: {SCALING_STEPS})")
     p.add_argument("--battery-controls", metavar="NAME,...",
                    help="negative controls the battery runs (default: every one; e.g. mean_of_local_means)")
+    p.add_argument("--resume-trainer", default=None, metavar="PKG.MODULE:FACTORY",
+                   help="the trainer the report's resume battery runs on (default: the harness's own; e.g. a control "
+                   "of harness.resume.controls, which must turn the report red)")
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("battery", help="judge recipes on every check; run the negative controls on their targets")
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_battery)
 
     explain.add_parser(sub)
+    resume.add_parser(sub)
     return parser
 
 

@@ -178,7 +178,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     start = time.monotonic()
     controls = args.battery_controls.split(",") if args.battery_controls else None
     done = report.run_report(config, config_path_of(args), out, progress=progress, scaling_steps=args.scaling_steps,
-                             controls=controls)
+                             controls=controls, resume_trainer=getattr(args, "resume_trainer", None))
     print(render.summary_table(done))
     print(f"\nreport written to {out / 'report.md'} (with {out / 'report.json'} and {out / 'report.png'}) in "
           f"{time.monotonic() - start:.0f} s")

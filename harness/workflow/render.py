@@ -82,6 +82,12 @@ def markdown(report: Report) -> str:
         + ", ".join(f"{k} {v!r}" for k, v in trio["max_abs_difference"].items())
         + f"; loss histories equal: {trio['losses_equal']}.",
         "",
+        "## Resume battery (every state, generator, loss and checkpoint label bitwise, per case)",
+        "",
+        "```",
+        r.get("resume_battery", {}).get("table", "(not run)"),
+        "```",
+        "",
         "## Scaling (CPU figures on this machine, not a GPU prediction)",
         "",
         f"{r['scaling']['device']}. The same training workload (correct recipe, SGD) at each world size; "

@@ -39,6 +39,7 @@ from harness.workflow.protocol import (
 )
 from harness.workflow.render import REPORT_FILES, write_report
 from harness.workflow.results import Check, Report
+from harness.workflow.resume import resume_battery
 from harness.workflow.scaling import SCALING_STEPS, SCALING_WORLDS, check_worlds, cpu_label, scaling
 
 
@@ -54,15 +55,29 @@ def _check_controls(controls: Sequence[str] | None) -> list[str]:
     return chosen
 
 
+def _check_trainer(trainer: str | None) -> str:
+    from harness.resume.contract import HARNESS_TRAINER, TrainerError, resolve_factory
+
+    chosen = trainer or HARNESS_TRAINER
+    try:
+        resolve_factory(chosen)
+    except TrainerError as exc:
+        raise BadInput(str(exc).replace("--trainer=", "--resume-trainer=")) from None
+    return chosen
+
+
 def run_report(config: Config, config_path: str, outputs: Path, progress: Progress = stderr_progress,
                scaling_worlds: Sequence[int] = SCALING_WORLDS, scaling_steps: int = SCALING_STEPS,
-               controls: Sequence[str] | None = None) -> Report:
+               controls: Sequence[str] | None = None, resume_trainer: str | None = None) -> Report:
     """The whole protocol; writes report.md, report.json and report.png into ``outputs`` and returns the report.
 
     ``controls`` limits the battery's negative controls (default: every one in ``harness.recipes.NEGATIVE_CONTROLS``).
+    ``resume_trainer`` is the trainer the resume battery runs on (default: the harness's own): a control of
+    :mod:`harness.resume.controls` there turns the report red with the differing state named.
     A :class:`BadInput` raised after ``prepare`` wrote its files names them (relative to ``outputs``).
     """
     chosen = _check_controls(controls)
+    trainer = _check_trainer(resume_trainer)
     # Refuse another data lock before anything runs, so a bad --outputs costs nothing and changes nothing.
     check_lock(outputs, data_lock(make_corpus(config), config), config_path)
     check_worlds(config, scaling_worlds)
@@ -71,7 +86,8 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
         progress(f"[report] put back {outputs / 'runs'} from {restored.name}, left by a command that did not finish")
     written: list[str] = []
     try:
-        return _protocol(config, config_path, outputs, progress, scaling_worlds, scaling_steps, chosen, written)
+        return _protocol(config, config_path, outputs, progress, scaling_worlds, scaling_steps, chosen, written,
+                         trainer)
     except BadInput as exc:
         if not written:
             raise
@@ -81,13 +97,13 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 
 
 def _protocol(config: Config, config_path: str, outputs: Path, progress: Progress, scaling_worlds: Sequence[int],
-              scaling_steps: int, chosen: Sequence[str], written: list[str]) -> Report:
+              scaling_steps: int, chosen: Sequence[str], written: list[str], trainer: str) -> Report:
     from harness.battery import plan
     from harness.battery.options import BatteryOptions
     from harness.battery.table import format_controls, format_table, run_cases, run_controls
 
     start = time.monotonic()
-    n_steps = 8
+    n_steps = 9
     report = Report(config_path, outputs)
     r = report.results
 
@@ -154,10 +170,14 @@ def _protocol(config: Config, config_path: str, outputs: Path, progress: Progres
     report.checks.append(Check("evaluation on the test split", ev["test_tokens"] > 0 and math.isfinite(ev["test_loss"]),
                                f"test loss {ev['test_loss']:.5f} over {ev['test_tokens']} tokens"))
 
-    step(7, f"scaling: {scaling_steps} steps at {list(scaling_worlds)} ranks (CPU)")
+    step(7, f"resume battery of {trainer}: stops, a resume of a resume, kills inside the step and the save")
+    check, r["resume_battery"] = resume_battery(trainer, progress=progress)
+    report.checks.append(check)
+
+    step(8, f"scaling: {scaling_steps} steps at {list(scaling_worlds)} ranks (CPU)")
     r["scaling"] = {"rows": scaling(config, scaling_worlds, scaling_steps, progress), "device": cpu_label()}
 
-    step(8, "writing " + ", ".join(REPORT_FILES))
+    step(9, "writing " + ", ".join(REPORT_FILES))
     r["tokens_per_window"] = plan_token_counts(prepared)
     r["checks"] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in report.checks]
     r["passed"] = report.passed

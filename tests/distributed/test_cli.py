@@ -74,7 +74,7 @@ def test_report_on_a_small_config_writes_markdown_json_and_figure_and_passes(sma
                    "--scaling-steps", "3")
     assert 0 == done.returncode, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == f"report: every check holds; read {out / 'report.md'}"
-    assert "[report 5/8]" in done.stderr  # progress goes to stderr
+    assert "[report 5/9]" in done.stderr  # progress goes to stderr
     result = json.loads((out / "report.json").read_text())
     assert result["passed"] is True
     assert 0.0 == result["resume"]["max_abs_difference_all"]

@@ -1,6 +1,6 @@
 """The package's layers import one way: a module never imports a layer above its own.
 
-Order, bottom to top: core < data < model < distributed < recipes < battery < training < testing < workflow.
+Order, bottom to top: core < data < model < distributed < recipes < battery < training < resume < testing < workflow.
 ``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias sit
 outside the order.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).parents[2] / "harness"
-ORDER = ("core", "data", "model", "distributed", "recipes", "battery", "training", "testing", "workflow")
+ORDER = ("core", "data", "model", "distributed", "recipes", "battery", "training", "resume", "testing", "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
 
 

@@ -1,0 +1,10 @@
+"""The resume battery: does a user's training loop, killed or stopped anywhere and resumed, land on the bits of a run
+that never stopped?
+
+``--trainer=pkg.module:factory`` names the loop (:mod:`~harness.resume.contract`); :mod:`~harness.resume.runner` drives
+it on real ranks and wraps its ``save`` with the harness's commit (so a kill can land inside it);
+:mod:`~harness.resume.battery` runs the cases and compares every piece of state (:mod:`~harness.resume.compare`);
+:mod:`~harness.resume.controls` ships resume mistakes it must reject; ``examples/`` holds two loops written without
+the harness's helpers. ``pytest --pyargs harness.resume --trainer=...`` and ``python -m harness resume --trainer ...``
+run it. The harness's own trainer (:class:`harness.training.trainer.HarnessTrainer`) is the default.
+"""

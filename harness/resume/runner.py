@@ -1,0 +1,149 @@
+"""One leg of the resume battery on every rank: build the user's trainer, resume from the newest valid checkpoint of
+the run directory (if asked), step to ``end``, checkpoint every ``every`` steps through the harness's commit, and
+return each rank's final state, global generators, losses and the checkpoints it wrote.
+
+The harness wraps the trainer's ``save``: it makes the step directory (and fsyncs the run directory above it), calls
+``save`` on every rank, gathers each rank's ``state()["step"]`` (its data position), and only then writes the
+manifest that makes the folder a complete checkpoint. A kill can land at each of :data:`KILL_POINTS`; a kill inside
+the step is placed by a global forward pre-hook, so it interrupts the trainer's own computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.resume.contract import Trainer, load_trainer
+from harness.resume.generators import apply_deterministic, draw_globals, global_states, seed_globals
+from harness.resume.options import KILL_POINTS
+from harness.training.checkpoint import (
+    LAYOUT_TRAINER,
+    begin_step_dir,
+    check_step_dir,
+    commit_step_dir,
+    newest_valid_checkpoint,
+)
+from harness.training.faults import Fault, die_at
+from harness.training.state import cpu_copy
+
+
+class ResumeMismatch(ValueError):
+    """What a rank found wrong with a resume before any comparison: a checkpoint whose labels disagree, a trainer
+    whose step after ``load`` is not the checkpoint's, no checkpoint to resume from."""
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One launch: ``trainer`` stepped to ``end`` in ``run_dir``, from scratch or (``resume``) from its newest valid
+    checkpoint; ``snapshots``: steps at which to copy the state (the continuous run's, for the other legs)."""
+
+    trainer: str
+    run_dir: str
+    end: int
+    every: int
+    seed: int = 0
+    resume: bool = False
+    fault: Fault | None = None
+    snapshots: tuple[int, ...] = ()
+
+
+def _position(trainer: Trainer) -> int:
+    step = trainer.state().get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        msg = (f"the trainer's state() has step={step!r}: the contract wants 'step', the optimizer steps taken (an "
+               "int), which its checkpoints are labelled with")
+        raise ResumeMismatch(msg)
+    return step
+
+
+@contextmanager
+def _kill_inside_step(fault: Fault | None, rank: int, step: int, run_dir: str) -> Iterator[None]:
+    if fault is None or fault.point != "in-step" or (fault.rank, fault.step) != (rank, step):
+        yield
+        return
+    calls = [0]
+
+    def hook(_module: Any, _inputs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:  # the first forward ran: the rank is inside its step's computation
+            die_at(fault, rank, step, "in-step", run_dir)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+    die_at(fault, rank, step, "in-step", run_dir)  # a step without two module forwards: killed at its end
+
+
+def _checkpoint(trainer: Trainer, leg: Leg, step: int, rank: int, world: int) -> str:
+    folder = begin_step_dir(leg.run_dir, step, rank=rank)
+    trainer.save(folder)
+    die_at(leg.fault, rank, step, "in-save", leg.run_dir)
+    positions: list[Any] = [None] * world
+    dist.all_gather_object(positions, _position(trainer))  # also the barrier: every rank's save has returned
+    if rank == 0:
+        die_at(leg.fault, rank, step, "before-commit", leg.run_dir)
+        commit_step_dir(folder, step, world_size=world, positions=positions, layout=LAYOUT_TRAINER)
+    dist.barrier()
+    die_at(leg.fault, rank, step, "after-commit", leg.run_dir)
+    return folder.name
+
+
+def run_leg(leg: Leg) -> dict[str, Any]:
+    """Rank body for :func:`harness.distributed.launcher.launch`: one leg; returns this rank's summary. A trainer that
+    cannot run deterministically returns ``{"not_bitwise": reason}`` instead."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    apply_deterministic()
+    seed_globals(leg.seed, rank)
+    try:
+        return _run(leg, rank, world)
+    except RuntimeError as exc:
+        if "deterministic" not in str(exc):
+            raise
+        return {"not_bitwise": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+
+
+def _run(leg: Leg, rank: int, world: int) -> dict[str, Any]:
+    trainer = load_trainer(leg.trainer)
+    start, resumed_from = 0, None
+    if leg.resume:
+        found = newest_valid_checkpoint(leg.run_dir, allow_older=False)
+        if found.folder is None:
+            msg = f"{leg.run_dir}: no complete checkpoint to resume from (skipped: {list(found.skipped)})"
+            raise ResumeMismatch(msg)
+        manifest = check_step_dir(found.folder)
+        trainer.load(found.folder)
+        start, resumed_from = int(manifest["step"]), found.folder.name
+        got = _position(trainer)
+        if got != start:
+            msg = (f"labels: after load({found.folder}) the trainer's state()['step'] is {got}, the checkpoint is of "
+                   f"step {start}: a resumed run that counts from {got} labels its checkpoints wrongly")
+            raise ResumeMismatch(msg)
+    losses: dict[int, float] = {}
+    written: list[str] = []
+    snapshots: dict[int, Any] = {}
+    for step in range(start + 1, leg.end + 1):
+        with _kill_inside_step(leg.fault, rank, step, leg.run_dir):
+            loss = trainer.step()
+        draw_globals()  # so that a global generator a resume does not restore shows (generators.py says why)
+        losses[step] = float(loss)
+        if step % leg.every == 0 or step == leg.end:
+            written.append(_checkpoint(trainer, leg, step, rank, world))
+        if step in leg.snapshots:
+            snapshots[step] = {"state": cpu_copy(dict(trainer.state())), "rng": global_states()}
+    out = {"rank": rank, "start": start, "resumed_from": resumed_from, "losses": losses, "checkpoints": written,
+           "state": cpu_copy(dict(trainer.state())), "rng": global_states(), "snapshots": snapshots}
+    close = getattr(trainer, "close", None)
+    if callable(close):
+        close()
+    del trainer
+    return out
+
+
+__all__ = ["KILL_POINTS", "Leg", "ResumeMismatch", "run_leg"]
