@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from harness.battery import checks, plan, runner, scenarios
 from harness.battery.checks import FAIL, Verdict
+from harness.battery.objective import windows_for
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
@@ -57,6 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe under test")
     p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY", help="the model (default: the built-in)")
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"))
+    p.add_argument("--objective", default="token_mean", metavar="NAME", help="the declared objective (token_mean)")
     p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"))
     p.add_argument("--scenarios", default=",".join(scenarios.BATTERY_SCENARIOS), metavar="NAME,...",
                    help=f"scenarios to run (default: all of {', '.join(scenarios.BATTERY_SCENARIOS)})")
@@ -101,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format,
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
-                                               report=args.report), world_sizes=(world,))
+                                               report=args.report, objective=args.objective),
+                          world_sizes=(world,))
         names = _scenarios(args.scenarios, world)
         from harness.recipes import load_recipe
 
@@ -198,7 +201,8 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     stopped: str | None = None
     for i, (scenario, precision) in enumerate(runs):
         spec: RunSpec = replace(options.spec(recipe, scenario, world, precision), device=device, backend=backend)
-        windows = scenarios.build(scenario, world)
+        # The objective's drawn factors (weights, advantages): the same draw on every worker, as in prepare().
+        windows = windows_for(spec, scenarios.build(scenario, world))
         ready = None
         if rank == 0:
             ready = runner.prepare(spec, windows, share_chain=True)

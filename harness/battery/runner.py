@@ -28,6 +28,7 @@ from harness.battery.spec import ModelSpec, model_modules, weights_digest
 from harness.core.compare import flat_params
 from harness.core.formats import HARNESS
 from harness.core.microbatch import Microbatch
+from harness.core.objectives import PLAIN, Objective
 from harness.core.reference import Reference, reference_gradient
 from harness.distributed import launcher
 from harness.distributed.launcher import LaunchError, launch
@@ -105,6 +106,9 @@ class Run:
     :func:`harness.battery.facts.probe_model`): parity then judges at that dtype's tolerances."""
     run_spec: RunSpec | None = None
     """What was run (None for a run assembled by hand, e.g. a test's skewed copy)."""
+    objective: Objective = PLAIN
+    """The declared objective as the recipe declares its parts (:func:`harness.battery.objective.resolve`): what the
+    reference, the logged-loss check and the diagnosis compute."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
@@ -127,6 +131,13 @@ class Run:
         """The loss *sum* of one microbatch under this run's model and batch convention: the quantity the global
         token mean adds up (the reference, the logged-loss check and the diagnosis all go through here)."""
         return self.spec.loss_sum(model, mb)
+
+    def terms(self, model: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One microbatch's term of the declared objective's numerator and its auxiliary value
+        (:func:`harness.battery.objective.terms`); under the plain token mean, :meth:`loss_sum`."""
+        from harness.battery.objective import terms
+
+        return terms(self.spec, self.objective, model, mb)
 
     def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
@@ -317,7 +328,7 @@ def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int |
 
 
 def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
-                  spec: ModelSpec | None = None) -> Chain:
+                  spec: ModelSpec | None = None, objective: Objective = PLAIN) -> Chain:
     """:func:`reference_chain` with what it saw: the parameters each microbatch reached, and, for a user's model, the
     model's own error on a microbatch it cannot run (the harness's built-in model raises instead: that is a bug)."""
     from harness.battery.facts import rank_threads
@@ -335,6 +346,12 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
             current[:] = [mb]
             return spec.loss_sum(m, mb)
 
+        def terms_of(m: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            from harness.battery.objective import terms
+
+            current[:] = [mb]
+            return terms(spec, objective, m, mb)
+
         for k, window in enumerate(windows):
             if sum(mb.supervised for rank in window for mb in rank) == 0:
                 refs.append(None)
@@ -344,7 +361,8 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
             seen: list[frozenset[str]] = []
             starts.append(flat_params(model))
             try:
-                ref = reference_gradient(model, window, loss_of, used=seen)
+                ref = (reference_gradient(model, window, loss_of, used=seen) if objective.plain else
+                       reference_gradient(model, window, used=seen, objective=objective, terms_of=terms_of))
             except Exception as exc:
                 if spec.path is None:
                     raise
@@ -427,6 +445,11 @@ def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     from harness.battery.facts import rank_threads
 
     model = run.model_at(params)
+    if not run.objective.plain:  # the declared objective's value (its auxiliary term included)
+        from harness.battery.objective import value_at
+
+        with rank_threads():
+            return value_at(run.spec, run.objective, model, run.windows[window])
     with torch.no_grad(), rank_threads():
         total, count = 0.0, 0
         for rank in run.windows[window]:
@@ -487,6 +510,7 @@ class Prepared:
     wrap: bool
     notes: tuple[str, ...]
     computes_in: str | None
+    objective: Objective = PLAIN
 
     @property
     def digest(self) -> str | None:
@@ -499,7 +523,7 @@ class Prepared:
         return Run(s.recipe, s.scenario, s.world_size, s.precision, self.windows, records, chain.references,
                    init_seed=s.init_seed, model_path=s.model, batch_format=s.batch_format,
                    computes_in=self.computes_in, reference_starts=chain.starts, run_spec=s,
-                   find_unused=self.wrap, **fields)
+                   find_unused=self.wrap, objective=self.objective, **fields)
 
     def failed(self, exc: LaunchError) -> Run:
         """The run whose ranks failed with ``exc`` (DDP's parameter indices named)."""
@@ -516,6 +540,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     from harness.distributed import strategies
 
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
+    from harness.battery.objective import resolve, windows_for
+
+    objective = resolve(spec.objective, spec.recipe)
+    windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)
     notes: tuple[str, ...] = ()
     computes_in = None
@@ -527,10 +555,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         computes_in = found.computes_in
         notes = found.notes(unused=False)  # the chain below says which parameters miss a gradient, and where
         model = ModelSpec.of(spec, digest)
-    key = (spec.scenario, spec.world_size, model)
+    key = (spec.scenario, spec.world_size, model, objective)
     chain = _CHAINS.get(key) if share_chain else None
     if chain is None:
-        chain = compute_chain(windows, spec.precision, spec.init_seed, model)
+        chain = compute_chain(windows, spec.precision, spec.init_seed, model, objective)
         if share_chain and len(_CHAINS) < 64:
             _CHAINS[key] = chain
     wrap = False
@@ -543,7 +571,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                    "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
                    "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
             notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
-    return Prepared(spec, windows, model, chain, wrap, notes, computes_in)
+    return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective)
 
 
 def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
@@ -563,8 +591,8 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
         return ready.run(None, model_error=ready.chain.model_error)
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
-        records = launch(rank_body, spec.world_size, spec, windows, ready.digest, ready.wrap, deadline=spec.deadline,
-                         backend=spec.backend, device=spec.device, env=env, preload=preload,
+        records = launch(rank_body, spec.world_size, spec, ready.windows, ready.digest, ready.wrap,
+                         deadline=spec.deadline, backend=spec.backend, device=spec.device, env=env, preload=preload,
                          lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
     except LaunchError as exc:
         return ready.failed(exc)

@@ -36,6 +36,9 @@ class Target:
     world_sizes: tuple[int, ...] = ()
     """The world sizes at which it must be rejected (empty: every W >= 2 it is run at): a mistake that depends on W
     (a factor written for W=2) is right at some world sizes, and is judged only where it shows."""
+    objective: str = "token_mean"
+    """The declared objective it is judged under (``--objective``): a recipe right for one objective is the control
+    of another."""
     launch: str = IN_PROCESS
     """How its ranks must be launched for the mistake to show: ``"in-process"`` (the battery's launcher, every rank
     on this machine and on one node), or ``"torchrun-nodes"``: ranks on more than one node (a count reduced over

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
                    help="what a recipe receives per microbatch: the harness's Microbatch (aligned labels, default) or "
                    "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels)")
+    p.add_argument("--objective", default="token_mean", metavar="NAME",
+                   help="what the gradient must be the gradient of: token_mean (default), sequence_mean, "
+                   "weighted_token_mean or fixed_normalizer (docs/objectives.md)")
     p.add_argument("--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
                    help="DDP's find_unused_parameters for the ranks: auto (default) turns it on, and says so, when the "
                    "reference finds a parameter without a gradient in some microbatch; on; off")

@@ -2,7 +2,9 @@
 
 One module per family (:data:`FAMILIES`): how the loss is normalized, how microbatches are accumulated, when gradients
 synchronize, windows without tokens, what a step must leave alone (hygiene), the hf batch format, and mistakes that
-depend on the world size (world: right at the W their author tested, declared where they show). A control is one
+depend on the world size (world: right at the W their author tested, declared where they show), and recipes right
+for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
+normalizer from the local batch, auxiliary terms in the wrong unit). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -17,9 +19,9 @@ Mistakes outside the recipe contract have their controls beside what they break:
 from __future__ import annotations
 
 from harness.recipes.catalog import REGISTRY, Target, diagnoses, scenario_controls, targets
-from harness.recipes.controls import accumulation, empty, hf, hygiene, normalization, sync, world
+from harness.recipes.controls import accumulation, empty, hf, hygiene, normalization, objectives, sync, world
 
-FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world)
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()
