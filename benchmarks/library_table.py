@@ -83,7 +83,7 @@ def _diagnosis_of(run: Run, verdict: Verdict) -> dict[str, object] | None:
 
 def measure() -> dict[str, object]:
     from harness.battery import checks, runner
-    from harness.recipes.libraries import CASES, LIBRARY_RECIPES, installed_version
+    from harness.recipes.libraries import CASES, LIBRARY_RECIPES, NOT_ROWS, installed_version
 
     versions = {lib: installed_version(lib) for lib in ("torch", "transformers", "accelerate", "torchtitan")}
     missing = [lib for lib, v in versions.items() if v is None]
@@ -122,6 +122,7 @@ def measure() -> dict[str, object]:
         "columns": {c: dict(zip(("check", "scenario", "world_size", "precision"), k)) for c, k in CASES.items()},
         "seconds": round(time.monotonic() - start, 1),
         "recipes": recipes,
+        "not_rows": dict(NOT_ROWS),
     }
 
 

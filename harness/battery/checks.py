@@ -466,7 +466,8 @@ def logged_loss(run: Run) -> Verdict:
             want = truth[key]
             err = abs(v - want)  # type: ignore[operator]
             if not err <= atol + rtol * abs(want):
-                return _failed("logged_loss", run, f"rank {rank} logged {v!r}; the global token mean at its weights "
+                what = "the global token mean" if run.objective.plain else f"the {run.objective.name} objective"
+                return _failed("logged_loss", run, f"rank {rank} logged {v!r}; {what} at its weights "
                                f"is {want!r} (error {err:.3e})", k, max_error=err)
             worst = err if worst is None else max(worst, err)
     if worst is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.battery import objective_diagnosis as od
 from harness.battery.runner import Run
 from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
@@ -42,18 +43,29 @@ class Diagnosis:
     location: str
     sequence_signature: dx.Signature | None = None
     sequence_residual: float | None = None
+    objective: str = "token_mean"
+    """The declared objective the weights are read against."""
+    normalizer: float | None = None
+    """Its ``Z`` over the window: every block's right weight is ``1/Z`` (None: the token mean's N)."""
+    auxiliary_weights: tuple[float, ...] = ()
+    """The auxiliary term's fitted weight per block, where the recipe declares one."""
 
     @property
     def tokens(self) -> int:
         return sum(b.tokens for b in self.blocks)
 
     @property
+    def z(self) -> float:
+        """The right weight's inverse: the objective's normalizer (the supervised count under the token mean)."""
+        return float(self.tokens) if self.normalizer is None else self.normalizer
+
+    @property
     def right(self) -> bool:
         return self.signature.name == "correct"
 
     def ratios(self) -> list[float]:
-        """Each block's weight over the right one (``weight * N``)."""
-        return [w * self.tokens for w in self.weights]
+        """Each block's weight over the right one (``weight * Z``; Z = N under the token mean)."""
+        return [w * self.z for w in self.weights]
 
     def line(self) -> str:
         """The one-line diagnosis a failing verdict carries."""
@@ -66,14 +78,16 @@ class Diagnosis:
 
     def weight_table(self) -> str:
         """Actual and expected weight per rank and microbatch, with their ratio."""
-        n = self.tokens
-        lines = [f"window {self.window}, rank {self.rank}'s gradient, N={n} supervised tokens "
+        n, z = self.tokens, self.z
+        under = "" if self.normalizer is None else f", {self.objective} normalizer Z={z:g}"
+        expected = "expected 1/N" if self.normalizer is None else "expected 1/Z"
+        lines = [f"window {self.window}, rank {self.rank}'s gradient, N={n} supervised tokens{under} "
                  f"(fit residual {self.residual:.2e}, condition {self.condition:.3g})",
-                 f"{'rank':>4} {'mb':>3} {'tokens':>7} {'weight':>12} {'expected 1/N':>12} {'ratio':>9}"]
+                 f"{'rank':>4} {'mb':>3} {'tokens':>7} {'weight':>12} {expected:>12} {'ratio':>9}"]
         for b, w in zip(self.blocks, self.weights):
             shown = "-" if math.isnan(w) else f"{w:.6e}"
-            ratio = "-" if math.isnan(w) else f"{w * n:.6f}"
-            lines.append(f"{b.rank:>4} {b.microbatch:>3} {b.tokens:>7} {shown:>12} {1 / n:>12.6e} {ratio:>9}")
+            ratio = "-" if math.isnan(w) else f"{w * z:.6f}"
+            lines.append(f"{b.rank:>4} {b.microbatch:>3} {b.tokens:>7} {shown:>12} {1 / z:>12.6e} {ratio:>9}")
         return "\n".join(lines)
 
     def parameter_lines(self) -> str:
@@ -115,14 +129,18 @@ class Diagnosis:
                            "float32_residual": dx.FLOAT32_RESIDUAL, "match_tolerance": dx.MATCH_TOLERANCE},
             "weights": [
                 {"rank": b.rank, "microbatch": b.microbatch, "tokens": b.tokens,
-                 "weight": None if math.isnan(w) else w, "expected": 1 / n,
-                 "ratio": None if math.isnan(w) else w * n}
+                 "weight": None if math.isnan(w) else w, "expected": 1 / self.z,
+                 "ratio": None if math.isnan(w) else w * self.z}
                 for b, w in zip(self.blocks, self.weights)
             ],
             "parameters": [r.__dict__ for r in self.parameters],
             "location": self.location,
             "sequence_signature": None if self.sequence_signature is None else self.sequence_signature.name,
             "sequence_residual": self.sequence_residual,
+            "objective": self.objective,
+            "objective_computed": self.signature.objective,
+            "normalizer": self.z,
+            "auxiliary_weights": list(self.auxiliary_weights),
         }
 
 
@@ -154,8 +172,9 @@ def worst(run: Run) -> tuple[int, int] | None:
 
 
 def _column(run: Run, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
+    """The gradient of ``mb``'s term of the declared objective's numerator (its loss sum under the token mean)."""
     model.zero_grad(set_to_none=True)
-    run.loss_sum(model, mb).backward()
+    run.terms(model, mb)[0].backward()
     return flat_grad(model)
 
 
@@ -377,7 +396,13 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
             columns.append(_column(run, model, mb) if mb.supervised else zero)
     a = torch.stack(columns, dim=1)
     n = sum(b.tokens for b in blocks)
-    expected = a.sum(dim=1) / n
+    # The right weight of every block is 1/Z, the declared objective's normalizer (N under the token mean); an
+    # auxiliary term's columns are fitted beside the blocks', each right at 1/D (objective_diagnosis).
+    z = float(n) if run.objective.plain else od.normalizer(run, window)
+    aux_cols = od.auxiliary_columns(run, model, window)
+    expected = a.sum(dim=1) / z
+    if aux_cols is not None:
+        expected = expected + aux_cols.sum(dim=1) / run.objective.auxiliary_denominator(run.windows[window])
     atol, rtol = tolerances(_judged_dtype(run))
     # The model as a function: one block recomputed after every other one must give its gradient again.
     first = next((i for i, b in enumerate(blocks) if b.tokens), None)
@@ -388,7 +413,10 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     params = _per_rank_notes(run, window, rank, dx.parameter_table(g, expected, names, sizes, atol, rtol), sizes)
     location = dx.locate(params)
     common = dict(recipe=run.recipe, scenario=run.scenario, world_size=run.world_size, precision=run.precision,
-                  window=window, rank=rank, blocks=tuple(blocks), parameters=tuple(params), location=location)
+                  window=window, rank=rank, blocks=tuple(blocks), parameters=tuple(params), location=location,
+                  objective=run.objective.name, normalizer=None if run.objective.plain else z)
+    aux_fit: torch.Tensor | None = None
+    edited: dx.Signature | None = None
     if not bool(torch.isfinite(g).all()):
         bad = int((~torch.isfinite(g)).sum())
         sig = dx.Signature("nonfinite", f"rank {rank}'s synchronized gradient holds NaN or inf in {bad} of "
@@ -396,14 +424,23 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                            "the loss; skip the division when the count is zero, or use a masked sum")
         nan = tuple(math.nan for _ in blocks)
         return Diagnosis(signature=sig, weights=nan, residual=math.nan, condition=math.nan, **common)  # type: ignore[arg-type]
-    fit = dx.fit_weights(a, g)
+    if aux_cols is None:
+        fit = dx.fit_weights(a, g)
+    else:
+        joint = dx.fit_weights(torch.cat([a, aux_cols], dim=1), g)
+        k = a.shape[1]
+        # The main blocks' weights come from the joint fit, as if the auxiliary term's part were out of the gradient.
+        fit, aux_fit = dx.Fit(joint.weights[:k], joint.residual, joint.condition), joint.weights[k:]
+    # classify reads ratios w * (its blocks' token count): scaled so that they read w * Z, the declared objective's.
+    read = fit if z == n else dx.Fit(fit.weights * (z / n), fit.residual, fit.condition)
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)
               for j, w in enumerate(run.windows) if j != window}
     if run.batch_format == HF:
         before = sum(int((to_hf(mb)["labels"] != IGNORE_INDEX).sum()) for mbs in run.windows[window] for mb in mbs)
         others["the hf labels counted before the shift (one token more per row without a prompt)"] = before
-    sig = dx.classify(blocks, fit, run.world_size, run.precision, rank=rank, other_counts=others)
-    if sig.name == "unexplained" and fit.residual > dx.EXPLAINED_RESIDUAL and fit.condition <= dx.MAX_CONDITION:
+    sig = dx.classify(blocks, read, run.world_size, run.precision, rank=rank, other_counts=others)
+    if (sig.name == "unexplained" and fit.residual > dx.EXPLAINED_RESIDUAL and fit.condition <= dx.MAX_CONDITION
+            and aux_cols is None):
         split = _split_extra_term(a, g, fit, blocks, names, sizes, run, rank, others)
         if split is not None:
             fit, sig = split
@@ -420,7 +457,7 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
         for r, mbs in enumerate(run.windows[window]):
             for m, mb in enumerate(mbs):
                 for i in range(mb.inputs.shape[0]):
-                    row = Microbatch(mb.inputs[i : i + 1], mb.labels[i : i + 1])
+                    row = mb.row(i)
                     rows.append(dx.Block(r, m, row.supervised, row=i))
                     cols.append(_column(run, model, row) if row.supervised else zero)
         seq_fit = dx.fit_weights(torch.stack(cols, dim=1), g)
@@ -428,9 +465,15 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
         seq_sig = dx.classify_sequences(rows, seq_fit)
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
+    if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term
+        q = [float(w) * z for w in fit.weights]
+        sig = od.objective_reading(run, window, model, sig, blocks, q, g, atol, rtol)
+        if aux_fit is not None and sig.name in ("correct", "extra_term", "float32_computation", "unexplained"):
+            sig = od.auxiliary_reading(run, window, aux_fit) or sig
+    aux_weights = () if aux_fit is None else tuple(float(u) for u in aux_fit)
     return Diagnosis(signature=sig, weights=tuple(float(w) for w in fit.weights), residual=fit.residual,
                      condition=fit.condition, sequence_signature=seq_sig, sequence_residual=seq_resid,
-                     **common)  # type: ignore[arg-type]
+                     auxiliary_weights=aux_weights, **common)  # type: ignore[arg-type]
 
 
 __all__ = ["Diagnosis", "diagnose", "worst"]

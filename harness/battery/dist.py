@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from harness.battery import checks, plan, runner, scenarios
 from harness.battery.checks import FAIL, Verdict
+from harness.battery.objective import windows_for
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
@@ -61,6 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY", help="the model (default: the built-in)")
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"))
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"))
+    p.add_argument("--objective", default="token_mean", metavar="NAME", help="the declared objective (token_mean)")
     p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"))
     p.add_argument("--scenarios", default=",".join(scenarios.BATTERY_SCENARIOS), metavar="NAME,...",
                    help=f"scenarios to run (default: all of {', '.join(scenarios.BATTERY_SCENARIOS)})")
@@ -105,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format, strategy=args.strategy,
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
-                                               report=args.report), world_sizes=(world,))
+                                               report=args.report, objective=args.objective),
+                          world_sizes=(world,))
         names = _scenarios(args.scenarios, world)
         from harness.recipes import load_recipe
 
@@ -224,8 +227,12 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     runs = list(dict.fromkeys((c.scenario, c.precision, c.strategy) for c in cases))
     _say(rank, f"battery: {recipe} at W={world} ({backend}), {len(cases)} checks over {len(runs)} runs")
     start = time.monotonic()
-    specs = [(replace(options.spec(recipe, scenario, world, precision, strategy=strategy), device=device,
-                      backend=backend), scenarios.build(scenario, world)) for scenario, precision, strategy in runs]
+    specs = []
+    for scenario, precision, strategy in runs:
+        spec = replace(options.spec(recipe, scenario, world, precision, strategy=strategy), device=device,
+                       backend=backend)
+        # The objective's drawn factors (weights, advantages): the same draw on every worker, as in prepare().
+        specs.append((spec, windows_for(spec, scenarios.build(scenario, world))))
     mine = _prepare_share(store, rank, world, specs)
     judged: dict[int, runner.Run] = {}
     stopped: str | None = None

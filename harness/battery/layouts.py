@@ -18,7 +18,7 @@ import torch
 from harness.battery import checks, runner
 from harness.battery.checks import FAIL, PASS, Verdict
 from harness.battery.facts import ModelFacts
-from harness.battery.options import BatteryOptions
+from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
@@ -40,6 +40,8 @@ class Layout:
     """``windows[k][rank][microbatch]`` -> the rows' shapes."""
     data_seed: int = 0
     init_seed: int = 0
+    factor_seed: int = 0
+    """The seed of the per-token factors the declared objective needs (weights with zeros, advantages)."""
 
     def build(self) -> Windows:
         """The microbatches: random tokens from ``data_seed``, each row padded and masked as the corpus's are."""
@@ -58,13 +60,23 @@ class Layout:
             out.append(ranks)
         return out
 
+    def windows_for(self, spec: RunSpec) -> Windows:
+        """:meth:`build`, with the factors ``spec``'s objective needs drawn from ``factor_seed`` (the same layout, other
+        weights or advantages, is another example)."""
+        from harness.battery.objective import resolve
+        from harness.core.objectives import with_factors
+
+        windows = self.build()
+        objective = resolve(spec.objective, spec.recipe)
+        return windows if objective.weights is None else with_factors(windows, objective.weights, self.factor_seed)
+
     def counts(self) -> list[list[list[int]]]:
         """Supervised tokens per window, rank and microbatch."""
         return [[[sum(n - max(p, 1) for n, p in rows) for rows in rank] for rank in window] for window in self.windows]
 
     def describe(self) -> str:
-        lines = [f"Layout(world_size={self.world_size}, data_seed={self.data_seed}, init_seed={self.init_seed}): "
-                 "supervised tokens per microbatch"]
+        lines = [f"Layout(world_size={self.world_size}, data_seed={self.data_seed}, init_seed={self.init_seed}, "
+                 f"factor_seed={self.factor_seed}): supervised tokens per microbatch"]
         for k, window in enumerate(self.counts()):
             ranks = "; ".join(f"rank {r} {mbs}" for r, mbs in enumerate(window))
             lines.append(f"  window {k}: {ranks}")
@@ -134,7 +146,8 @@ def layouts(max_world_size: int = MAX_WORLD_SIZE, max_microbatches: int = MAX_MI
                 window.append(mbs)
             windows.append(_with_tokens(window))
         frozen = tuple(tuple(tuple(tuple(rows) for rows in rank) for rank in w) for w in windows)
-        return Layout(world, frozen, draw(st.integers(0, 2**16)), draw(st.integers(0, 2**16)))
+        return Layout(world, frozen, draw(st.integers(0, 2**16)), draw(st.integers(0, 2**16)),
+                      draw(st.integers(0, 2**16)))
 
     return draw_layout()
 
@@ -202,7 +215,7 @@ def judge_layout(recipe: str, layout: Layout, options: BatteryOptions) -> list[V
     """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), under ``options`` (the
     model, batch format, strategy, find_unused policy and each launch's deadline)."""
     spec = replace(options.spec(recipe, "drawn", layout.world_size, "fp32"), init_seed=layout.init_seed)
-    run = runner.launch_run(spec, layout.build())
+    run = runner.launch_run(spec, layout.windows_for(spec))
     return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
 
 

@@ -48,6 +48,18 @@ DEFAULT_EXAMPLES = 12
 REDUCTIONS = ("mean", "sum")
 """How the harness's comm hook combines the ranks' gradients: DDP's average, or a sum."""
 
+OBJECTIVES = ("token_mean", "sequence_mean", "weighted_token_mean", "fixed_normalizer")
+"""``--objective``: what the recipe's gradient must be the gradient of (:mod:`harness.core.objectives`, which holds
+the formulas; kept here as names so that the options stay pure Python)."""
+
+
+def check_objective(value: object, option: str = "--objective") -> str:
+    if value not in OBJECTIVES:
+        msg = (f"{option}={value!r} must be one of {', '.join(OBJECTIVES)} (token_mean, the default, is the mean over "
+               "every supervised token of the global window; docs/objectives.md says what each one computes)")
+        raise ValueError(msg)
+    return str(value)
+
 
 def parse_world_sizes(text: str | Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
     """``"1,2,4"`` -> ``(1, 2, 4)``, validated; ValueError naming the option and the fix otherwise."""
@@ -112,10 +124,10 @@ def _deadline(value: object, option: str = "--battery-deadline") -> float:
 class RunSpec:
     """One battery run: ``recipe`` (``"pkg.mod:attr"``) on ``scenario`` at ``world_size`` in ``precision``, on
     ``model`` (``"pkg.mod:factory"``; None: the built-in model) with ``batch_format``, the initial weights of
-    ``init_seed`` (None: the battery config's), wrapped by ``strategy``; ``reduction``, ``find_unused``, ``device``,
-    ``backend``, ``deadline`` and ``nodes`` (how many nodes the ranks' environment says they are spread over:
-    :func:`harness.distributed.launcher.launch`) say how it is launched. Hashable: the runner caches one run per spec,
-    and it is what the ranks receive."""
+    ``init_seed`` (None: the battery config's), wrapped by ``strategy``, judged under ``objective``; ``reduction``,
+    ``find_unused``, ``device``, ``backend``, ``deadline`` and ``nodes`` (how many nodes the ranks' environment says
+    they are spread over: :func:`harness.distributed.launcher.launch`) say how it is launched. Hashable: the runner
+    caches one run per spec, and it is what the ranks receive."""
 
     recipe: str
     scenario: str = "custom"
@@ -133,6 +145,7 @@ class RunSpec:
     backend: str = "gloo"
     deadline: float = DEADLINE
     nodes: int = 1
+    objective: str = "token_mean"
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or ":" not in self.recipe:
@@ -146,6 +159,7 @@ class RunSpec:
         _choice(self.batch_format, BATCH_FORMATS, "batch_format")
         if self.reduction is not None:
             _choice(self.reduction, REDUCTIONS, "reduction")
+        check_objective(self.objective, "objective")
         check_find_unused(self.find_unused, "find_unused")
         _deadline(self.deadline, "deadline")
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
@@ -174,12 +188,13 @@ class BatteryOptions:
     deadline: float = DEADLINE
     find_unused: str = "auto"
     report: str | None = None
+    objective: str = "token_mean"
 
     @classmethod
     def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
               precision: str = "both", world_sizes: str | Sequence[int] = WORLD_SIZES,
               examples: int | None = DEFAULT_EXAMPLES, deadline: float | None = None, find_unused: str = "auto",
-              report: str | None = None) -> BatteryOptions:
+              report: str | None = None, objective: str = "token_mean") -> BatteryOptions:
         """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
         precisions(precision)
         strategies(strategy)
@@ -193,7 +208,7 @@ class BatteryOptions:
                    strategy=strategy, precision=precision,
                    world_sizes=parse_world_sizes(world_sizes), examples=examples,
                    deadline=DEADLINE if deadline is None else _deadline(deadline),
-                   find_unused=check_find_unused(find_unused), report=report)
+                   find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective))
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -204,17 +219,20 @@ class BatteryOptions:
         return STRATEGY_CHOICES[self.strategy]
 
     def spec(self, recipe: str, scenario: str, world_size: int, precision: str, *,
-             batch_format: str | None = None, strategy: str | None = None) -> RunSpec:
-        """The run of ``recipe`` on one case under these options (``batch_format``: a control written for another
-        format than the session's; ``strategy``: one of the session's strategy lanes, the first by default)."""
+             batch_format: str | None = None, strategy: str | None = None,
+             objective: str | None = None) -> RunSpec:
+        """The run of ``recipe`` on one case under these options (``batch_format``, ``objective``: a control written
+        for another format or objective than the session's; ``strategy``: one of the session's strategy lanes, the
+        first by default)."""
         return RunSpec(recipe, scenario, world_size, precision, model=self.model,
                        batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
-                       find_unused=self.find_unused, deadline=self.deadline)
+                       find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective)
 
 
 PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": "strategy", "precision": "precision",
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
-                  "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report"}
+                  "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report",
+                  "objective": "objective"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
 
 _CACHED = "_harness_battery_options"
@@ -231,6 +249,25 @@ def from_pytest(config: Any) -> BatteryOptions:
     return options
 
 
-__all__ = ["BATCH_FORMATS", "DEADLINE", "DEFAULT_EXAMPLES", "FIND_UNUSED", "MAX_SCENARIO_WORLD_SIZE", "MAX_WORLD_SIZE",
-           "PRECISION_CHOICES", "PYTEST_OPTIONS", "STRATEGY_CHOICES", "WORLD_SIZES", "BatteryOptions", "RunSpec",
-           "check_find_unused", "check_world_sizes", "from_pytest", "parse_world_sizes", "precisions", "strategies"]
+__all__ = [
+    "BATCH_FORMATS",
+    "DEADLINE",
+    "DEFAULT_EXAMPLES",
+    "FIND_UNUSED",
+    "MAX_SCENARIO_WORLD_SIZE",
+    "MAX_WORLD_SIZE",
+    "OBJECTIVES",
+    "PRECISION_CHOICES",
+    "PYTEST_OPTIONS",
+    "STRATEGY_CHOICES",
+    "WORLD_SIZES",
+    "BatteryOptions",
+    "RunSpec",
+    "check_find_unused",
+    "check_objective",
+    "check_world_sizes",
+    "from_pytest",
+    "parse_world_sizes",
+    "precisions",
+    "strategies",
+]

@@ -28,6 +28,7 @@ from harness.battery.spec import ModelSpec, model_modules, weights_digest
 from harness.core.compare import flat_params
 from harness.core.formats import HARNESS
 from harness.core.microbatch import Microbatch
+from harness.core.objectives import PLAIN, Objective
 from harness.core.reference import Reference, reference_gradient
 from harness.distributed import launcher
 from harness.distributed.launcher import LaunchError, launch
@@ -118,6 +119,9 @@ class Run:
     """The ``max_norm`` the harness passed a clipping recipe (None: the recipe does not clip)."""
     reference_norms: list[float | None] = field(default_factory=list)
     """Each window's reference gradient norm before clipping (a clipping run only; None: a window without tokens)."""
+    objective: Objective = PLAIN
+    """The declared objective as the recipe declares its parts (:func:`harness.battery.objective.resolve`): what the
+    reference, the logged-loss check and the diagnosis compute."""
 
     def label(self, window: int | None = None) -> str:
         where = f", window {window}" if window is not None else ""
@@ -141,6 +145,13 @@ class Run:
         """The loss *sum* of one microbatch under this run's model and batch convention: the quantity the global
         token mean adds up (the reference, the logged-loss check and the diagnosis all go through here)."""
         return self.spec.loss_sum(model, mb)
+
+    def terms(self, model: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One microbatch's term of the declared objective's numerator and its auxiliary value
+        (:func:`harness.battery.objective.terms`); under the plain token mean, :meth:`loss_sum`."""
+        from harness.battery.objective import terms
+
+        return terms(self.spec, self.objective, model, mb)
 
     def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
@@ -388,7 +399,7 @@ def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int |
 
 
 def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
-                  spec: ModelSpec | None = None, *, clip: bool = False) -> Chain:
+                  spec: ModelSpec | None = None, objective: Objective = PLAIN, *, clip: bool = False) -> Chain:
     """:func:`reference_chain` with what it saw: the parameters each microbatch reached, and, for a user's model, the
     model's own error on a microbatch it cannot run (the harness's built-in model raises instead: that is a bug).
 
@@ -413,6 +424,12 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
             current[:] = [mb]
             return spec.loss_sum(m, mb)
 
+        def terms_of(m: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            from harness.battery.objective import terms
+
+            current[:] = [mb]
+            return terms(spec, objective, m, mb)
+
         for k, window in enumerate(windows):
             if sum(mb.supervised for rank in window for mb in rank) == 0:
                 refs.append(None)
@@ -423,7 +440,8 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
             seen: list[frozenset[str]] = []
             starts.append(flat_params(model))
             try:
-                ref = reference_gradient(model, window, loss_of, used=seen)
+                ref = (reference_gradient(model, window, loss_of, used=seen) if objective.plain else
+                       reference_gradient(model, window, used=seen, objective=objective, terms_of=terms_of))
             except Exception as exc:
                 if spec.path is None:
                     raise
@@ -511,6 +529,11 @@ def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     from harness.battery.facts import rank_threads
 
     model = run.model_at(params)
+    if not run.objective.plain:  # the declared objective's value (its auxiliary term included)
+        from harness.battery.objective import value_at
+
+        with rank_threads():
+            return value_at(run.spec, run.objective, model, run.windows[window])
     with torch.no_grad(), rank_threads():
         total, count = 0.0, 0
         for rank in run.windows[window]:
@@ -571,6 +594,7 @@ class Prepared:
     wrap: bool
     notes: tuple[str, ...]
     computes_in: str | None
+    objective: Objective = PLAIN
 
     @property
     def digest(self) -> str | None:
@@ -583,7 +607,8 @@ class Prepared:
         return Run(s.recipe, s.scenario, s.world_size, s.precision, self.windows, records, chain.references,
                    init_seed=s.init_seed, model_path=s.model, batch_format=s.batch_format,
                    computes_in=self.computes_in, reference_starts=chain.starts, run_spec=s,
-                   find_unused=self.wrap, max_norm=chain.max_norm, reference_norms=chain.norms, **fields)
+                   find_unused=self.wrap, objective=self.objective, max_norm=chain.max_norm,
+                   reference_norms=chain.norms, **fields)
 
     def failed(self, exc: LaunchError) -> Run:
         """The run whose ranks failed with ``exc`` (DDP's parameter indices named)."""
@@ -600,6 +625,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     from harness.distributed import strategies
 
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
+    from harness.battery.objective import resolve, windows_for
+
+    objective = resolve(spec.objective, spec.recipe)
+    windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)
     notes: tuple[str, ...] = ()
     computes_in = None
@@ -615,10 +644,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     from harness.recipes.contract import clips
 
     clip = clips(load_recipe(spec.recipe))
-    key = (spec.scenario, spec.world_size, model, clip)
+    key = (spec.scenario, spec.world_size, model, objective, clip)
     chain = _CHAINS.get(key) if share_chain else None
     if chain is None:
-        chain = compute_chain(windows, spec.precision, spec.init_seed, model, clip=clip)
+        chain = compute_chain(windows, spec.precision, spec.init_seed, model, objective, clip=clip)
         if share_chain and len(_CHAINS) < 64:
             _CHAINS[key] = chain
     wrap = False
@@ -631,7 +660,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                    "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
                    "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
             notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
-    return Prepared(spec, windows, model, chain, wrap, notes, computes_in)
+    return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective)
 
 
 def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
@@ -651,9 +680,9 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
         return ready.run(None, model_error=ready.chain.model_error)
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
-        records = launch(rank_body, spec.world_size, spec, windows, ready.digest, ready.wrap, ready.chain.max_norm,
-                         deadline=spec.deadline,
-                         backend=spec.backend, device=spec.device, env=env, preload=preload,
+        records = launch(rank_body, spec.world_size, spec, ready.windows, ready.digest, ready.wrap,
+                         ready.chain.max_norm,
+                         deadline=spec.deadline, backend=spec.backend, device=spec.device, env=env, preload=preload,
                          lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
     except LaunchError as exc:
         return ready.failed(exc)

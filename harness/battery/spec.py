@@ -102,6 +102,17 @@ class ModelSpec:
             return loss_sum(model(mb.inputs), mb.labels)
         return loss_sum(logits_of(model(mb.inputs)), mb.labels)
 
+    def logits(self, model: nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(what the model returned as logits, the logits aligned with mb.labels)``: the same under the harness
+        convention; under hf the returned ``[B, T+1, V]`` and its first T positions (position t predicts the token at
+        t + 1, which is ``mb.labels[:, t]``)."""
+        if self.batch_format == HF:
+            batch = to_hf(mb)
+            raw = logits_of(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+            return raw, raw[:, :-1]
+        raw = logits_of(model(mb.inputs))
+        return raw, raw
+
 
 def weights_digest(model: nn.Module) -> str:
     """A fingerprint of the weights (bitwise): equal digests, equal initial weights."""

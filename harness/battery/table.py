@@ -107,7 +107,8 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
             if progress:
                 progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
             spec = options.spec(f"harness.recipes:{name}", target.scenario, world, target.precision,
-                                batch_format=target.batch_format, strategy=target.strategy)
+                                batch_format=target.batch_format, strategy=target.strategy,
+                                objective=target.objective)
             run = runner.run(spec)
             verdict = checks.CHECKS[target.check](run)
             found = verdict.diagnosis

@@ -49,6 +49,23 @@ SIGNATURES: dict[str, str] = {
                     "right: a count taken for that microbatch alone (a stale or local count)",
     "subgroup_count": "each group of consecutive ranks' tokens weigh 1/N_g, its group's count: the count all-reduced "
                       "over a sub-group (the ranks of one node) instead of every data-parallel rank",
+    "other_objective": "the gradient is exactly another declared objective's (the token mean judged under the "
+                       "sequence mean, or the other way round): the recipe optimizes that objective, not the declared "
+                       "one",
+    "wrong_normalizer": "the objective's coefficients are right, and the whole window is divided by another "
+                        "all-reduced quantity than the declared objective's (the supervised count where the weight sum "
+                        "belongs)",
+    "per_rank_normalizer": "each rank's tokens weigh their own factor: each rank divided by a normalizer of its own "
+                           "(its local batch's padded length) instead of the constant the recipe declares",
+    "auxiliary_token_normalized": "the main loss's weights are right; the auxiliary term, one value per microbatch, "
+                                  "was scaled by the main loss's token normalization (W/N) instead of averaged over "
+                                  "the window's microbatches",
+    "auxiliary_divided_twice": "the main loss's weights are right; the auxiliary term was divided by the microbatch "
+                               "count twice",
+    "auxiliary_summed_over_ranks": "the main loss's weights are right; the auxiliary term was summed over the ranks "
+                                   "instead of averaged (the world-size factor of the main loss applied to it)",
+    "auxiliary_misweighted": "the main loss's weights are right; the auxiliary term weighs another factor than its "
+                             "unit's (named in the sentence)",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }
@@ -213,6 +230,9 @@ class Signature:
     """The blocks a dropped/double-counted signature names."""
     alternatives: tuple[str, ...] = ()
     """Other signatures these counts cannot tell apart from this one."""
+    objective: str | None = None
+    """The declared objective (:data:`harness.core.objectives.OBJECTIVES`) this gradient computes, where it is
+    another than the run's own."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -63,7 +63,12 @@ def to_hf(mb: Microbatch) -> dict[str, torch.Tensor]:
     # stands as its own label at position 0 (never a target: the shift drops it).
     if t:
         labels[:, 0] = torch.where(supervised[:, 0], input_ids[:, 0], labels[:, 0])
-    return {"input_ids": input_ids, "attention_mask": (input_ids != PAD).to(torch.int64), "labels": labels}
+    out = {"input_ids": input_ids, "attention_mask": (input_ids != PAD).to(torch.int64), "labels": labels}
+    if mb.weights is not None:  # the objective's per-token factors, placed like the labels (position 0 is no target)
+        weights = torch.zeros((b, t + 1), dtype=mb.weights.dtype, device=mb.weights.device)
+        weights[:, 1:] = mb.weights
+        out["weights"] = weights
+    return out
 
 
 def batch_as(mb: Microbatch, batch_format: str) -> Microbatch | dict[str, torch.Tensor]:

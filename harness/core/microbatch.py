@@ -28,6 +28,11 @@ class Microbatch:
     labels: torch.Tensor
     """int64 ``[B, T]``; the target for the same position, ``IGNORE_INDEX`` where not supervised."""
 
+    weights: torch.Tensor | None = None
+    """float64 ``[B, T]``, the per-token factor of the loss where the declared objective has one (the weights of
+    ``weighted_token_mean``, the advantages a policy-gradient recipe asks for: :mod:`harness.core.objectives`), 0 where
+    not supervised; None where the objective needs none (then every factor is 1)."""
+
     def __post_init__(self) -> None:
         for name in ("inputs", "labels"):
             t = getattr(self, name)
@@ -40,6 +45,11 @@ class Microbatch:
                 "same shape [B, T] with B >= 1"
             )
             raise ValueError(msg)
+        w = self.weights
+        if w is not None and (not isinstance(w, torch.Tensor) or not w.is_floating_point()
+                              or w.shape != self.labels.shape):
+            msg = f"Microbatch.weights must be None or a float tensor of the labels' shape [B, T], got {_describe(w)}"
+            raise TypeError(msg)
 
     @property
     def supervised(self) -> int:
@@ -47,7 +57,13 @@ class Microbatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device | str) -> Microbatch:
-        return Microbatch(self.inputs.to(device), self.labels.to(device))
+        weights = None if self.weights is None else self.weights.to(device)
+        return Microbatch(self.inputs.to(device), self.labels.to(device), weights)
+
+    def row(self, i: int) -> Microbatch:
+        """Row ``i`` alone, as a one-row microbatch (its weights with it)."""
+        weights = None if self.weights is None else self.weights[i : i + 1]
+        return Microbatch(self.inputs[i : i + 1], self.labels[i : i + 1], weights)
 
 
 def _describe(t: object) -> str:

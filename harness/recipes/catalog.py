@@ -38,6 +38,9 @@ class Target:
     (a factor written for W=2) is right at some world sizes, and is judged only where it shows."""
     strategy: str = "ddp"
     """The data-parallel strategy its mistake shows under (``"fsdp2"``: a mistake in FSDP2's own knobs)."""
+    objective: str = "token_mean"
+    """The declared objective it is judged under (``--objective``): a recipe right for one objective is the control
+    of another."""
     launch: str = IN_PROCESS
     """How its ranks must be launched for the mistake to show: ``"in-process"`` (the battery's launcher, every rank
     on this machine and on one node), or ``"torchrun-nodes"``: ranks on more than one node (a count reduced over

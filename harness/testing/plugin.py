@@ -60,6 +60,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "both",
     )
     group.addoption(
+        "--objective", default="token_mean", metavar="NAME",
+        help="what the recipe's gradient must be the gradient of: token_mean (default: the mean over every supervised "
+        "token of the global window), sequence_mean, weighted_token_mean (per-token weights the harness draws) or "
+        "fixed_normalizer (a loss sum over the constant the recipe declares as `normalizer`); docs/objectives.md",
+    )
+    group.addoption(
         "--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
         help="DDP's find_unused_parameters for the battery's ranks: auto (default) turns it on, with a note, when the "
         "single-device reference finds a parameter without a gradient in some microbatch; on; off",
@@ -114,6 +120,14 @@ def pytest_configure(config: pytest.Config) -> None:
             load_recipe(config.getoption("recipe"))
         except RecipeError as exc:
             raise pytest.UsageError(f"--recipe: {exc}") from None
+        objective = config.getoption("objective")
+        if objective == "fixed_normalizer":  # the constant is the recipe's to declare: say so before any run
+            from harness.battery.objective import resolve
+
+            try:
+                resolve(objective, config.getoption("recipe"))
+            except ValueError as exc:
+                raise pytest.UsageError(f"--objective: {exc}") from None
     if config.getoption("trainer") is not None:
         from harness.resume.contract import TrainerError, resolve_factory
 
@@ -266,8 +280,8 @@ def resume_options(pytestconfig: pytest.Config) -> ResumeOptions:
 @pytest.fixture(scope="session")
 def battery_options(pytestconfig: pytest.Config) -> BatteryOptions:
     """The session's :class:`~harness.battery.options.BatteryOptions`, parsed once from ``--model``,
-    ``--batch-format``, ``--strategy``, ``--precision``, ``--battery-world-sizes``, ``--battery-examples``,
-    ``--battery-deadline``, ``--find-unused-parameters`` and ``--battery-report``."""
+    ``--batch-format``, ``--strategy``, ``--objective``, ``--precision``, ``--battery-world-sizes``,
+    ``--battery-examples``, ``--battery-deadline``, ``--find-unused-parameters`` and ``--battery-report``."""
     return options_from(pytestconfig)
 
 

@@ -47,7 +47,8 @@ def battery_options(args: argparse.Namespace) -> BatteryOptions:
             model=getattr(args, "model", None), batch_format=getattr(args, "batch_format", "harness"),
             strategy=getattr(args, "strategy", "ddp"), precision=args.precision, world_sizes=args.world_sizes,
             examples=args.examples, deadline=args.deadline,
-            find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json)
+            find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json,
+            objective=getattr(args, "objective", "token_mean"))
     except ValueError as exc:
         raise BadInput(str(exc)) from None
 

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"),
                    help="the data-parallel strategy the ranks run under: ddp (DistributedDataParallel, default), "
                    "fsdp2 (the harness shards the model with fully_shard per block and the root), or both")
+    p.add_argument("--objective", default="token_mean", metavar="NAME",
+                   help="what the gradient must be the gradient of: token_mean (default), sequence_mean, "
+                   "weighted_token_mean or fixed_normalizer (docs/objectives.md)")
     p.add_argument("--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
                    help="DDP's find_unused_parameters for the ranks: auto (default) turns it on, and says so, when the "
                    "reference finds a parameter without a gradient in some microbatch; on; off")

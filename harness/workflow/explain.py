@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: the built-in TinyCausalLM)")
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
                    help="what the recipe receives: harness Microbatches or HF-style dicts (default: harness)")
+    p.add_argument("--objective", default="token_mean", metavar="NAME",
+                   help="the declared objective the weights are read against (default: token_mean)")
     p.add_argument("--window", type=int, default=None, help="window to read (default: the worst one)")
     p.add_argument("--rank", type=int, default=None, help="rank whose gradient is read (default: the worst one)")
     p.add_argument("--per-sequence", action="store_true", help="also fit one weight per sequence")
@@ -93,6 +95,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from harness.battery import runner, scenarios
     from harness.battery.checks import crash_summary
     from harness.battery.diagnose import diagnose
+    from harness.battery.options import check_objective
     from harness.recipes import RecipeError, load_recipe
     from harness.workflow.checks import check_model_option
 
@@ -105,9 +108,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         raise BadInput(f"--recipe: {exc}") from None
     model = check_model_option(args.model, args.batch_format)
+    try:
+        check_objective(args.objective)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
     start = time.monotonic()
     run = runner.run(args.recipe, args.scenario, args.world_size, args.precision, model=model,
-                     batch_format=args.batch_format, deadline=args.deadline)
+                     batch_format=args.batch_format, deadline=args.deadline, objective=args.objective)
     ran = time.monotonic() - start
     if run.failure is not None:
         print(f"the run failed ({run.failure.kind}), so there is no gradient to read:")

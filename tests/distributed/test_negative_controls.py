@@ -61,7 +61,8 @@ def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name
     # One truth, on the same cached run: a parity verdict that fails never reads "correct" (a control whose own check
     # is another reads "correct" only where parity passes).
     target = CONTROLS[name]
-    run = runner.run(control(name), target.scenario, world_size, target.precision, batch_format=target.batch_format)
+    run = runner.run(control(name), target.scenario, world_size, target.precision, batch_format=target.batch_format,
+                     objective=target.objective)
     if run.failure is None and worst(run) is not None:
         parity = checks.parity(run)
         if not parity.passed and parity.diagnosis is not None:

@@ -16,7 +16,7 @@ from harness.workflow.outputs import BadInput
 
 FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
-         "--battery-report": "out.json", "--strategy": "both"}
+         "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean"}
 
 
 class _Config:
@@ -26,7 +26,7 @@ class _Config:
         self.values: dict[str, object] = {
             "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
             "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
-            "find_unused_parameters": "auto", "battery_report": None}
+            "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean"}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -45,7 +45,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     cli, pytest_side = _cli(FLAGS), options_from(_Config(FLAGS))  # type: ignore[arg-type]
     assert cli == pytest_side
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
-                                 find_unused="off", report="out.json", strategy="both")
+                                 find_unused="off", report="out.json", strategy="both", objective="sequence_mean")
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
@@ -56,6 +56,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     ("--battery-world-sizes", "two", "--battery-world-sizes='two' must be comma-separated world sizes"),
     ("--battery-examples", "-1", "--battery-examples=-1 must be 0 (no drawn layouts) or a positive number"),
     ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
+    ("--objective", "mean", "--objective='mean' must be one of token_mean, sequence_mean, weighted_token_mean, "
+                            "fixed_normalizer"),
 ])
 def test_a_bad_value_gets_one_message_on_both_surfaces(flag: str, value: str, says: str) -> None:
     """The command line's bad input (exit 2) and pytest's usage error carry the same words, naming the shared
@@ -80,6 +82,8 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
     assert spec.at("long", 3, "fp64") == RunSpec("harness.recipes:global_token_mean", "long", 3, "fp64")
     # Its negative control: any field that changes what runs gives another key.
     assert spec != options.spec("harness.recipes:global_token_mean", case.scenario, case.world_size, "fp64")
+    assert spec != BatteryOptions(objective="sequence_mean").spec("harness.recipes:global_token_mean", case.scenario,
+                                                                  case.world_size, case.precision)
     assert spec != BatteryOptions(find_unused="on").spec("harness.recipes:global_token_mean", case.scenario,
                                                          case.world_size, case.precision)
 
@@ -93,6 +97,7 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
     ({"deadline": -1}, "deadline=-1 must be a positive number of seconds"),
     ({"nodes": 3}, "nodes=3 must be a positive number of nodes that divides world_size=2"),
     ({"nodes": 0}, "nodes=0 must be a positive number of nodes"),
+    ({"objective": "tokens"}, "objective='tokens' must be one of token_mean, sequence_mean"),
 ])
 def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
     base: dict[str, object] = {"recipe": "harness.recipes:global_token_mean"}

@@ -2,9 +2,11 @@
 
 One module per family (:data:`FAMILIES`): how the loss is normalized, how microbatches are accumulated, when gradients
 synchronize, windows without tokens, what a step must leave alone (hygiene), the hf batch format, and mistakes that
-depend on the world size (world: right at the W their author tested, declared where they show), and how a recipe
-meets its strategy (strategies: FSDP2's knobs, one strategy's no-sync under the other), and clipping at the wrong
-moment or over the wrong gradient (clipping). A control is one
+depend on the world size (world: right at the W their author tested, declared where they show), recipes right
+for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
+normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
+FSDP2's knobs, one strategy's no-sync under the other), and clipping at the wrong moment or over the wrong gradient
+(clipping). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -19,9 +21,20 @@ Mistakes outside the recipe contract have their controls beside what they break:
 from __future__ import annotations
 
 from harness.recipes.catalog import REGISTRY, Target, diagnoses, scenario_controls, targets
-from harness.recipes.controls import accumulation, clipping, empty, hf, hygiene, normalization, strategies, sync, world
+from harness.recipes.controls import (
+    accumulation,
+    clipping,
+    empty,
+    hf,
+    hygiene,
+    normalization,
+    objectives,
+    strategies,
+    sync,
+    world,
+)
 
-FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, strategies, clipping)
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()

@@ -152,6 +152,20 @@ for the Trainer's local count, a mean per microbatch for accelerate's loop, the 
 torchtitan under DDP, float32 computation where only the float64 lane fails)."""
 
 
+NOT_ROWS: dict[str, str] = {
+    "trl": "no row: TRL's preference and RL losses are trainer methods, not functions. GRPO's loss types (grpo: a mean "
+           "per sequence, then over sequences; bnpo and dapo: a token mean over the local or the accumulated global "
+           "batch; dr_grpo: a sum over batch size x max_completion_length) live in GRPOTrainer._compute_loss(self, "
+           "model, inputs), which reads the trainer's loss_type, max_completion_length, beta, temperature, "
+           "accelerator and metrics, and DPO's in DPOTrainer's methods; none can be called without building the "
+           "trainer (a model, a tokenizer, a dataset, reward functions), and trl is not installed here (the "
+           "integrations extra does not list it). The same normalizations are the battery's own policy-gradient "
+           "recipes, each checked under its objective: harness.recipes.objectives:pg_sequence_mean (grpo), "
+           "pg_token_mean (dapo; bnpo where the batch is the window), pg_fixed_normalizer (dr_grpo)",
+}
+"""Libraries asked about that have no row, and why (``benchmarks/library_table.py`` writes them beside the rows)."""
+
+
 def installed_version(library: str) -> str | None:
     """The installed version of a distribution, without importing it (None: not installed)."""
     try:
@@ -160,4 +174,4 @@ def installed_version(library: str) -> str | None:
         return None
 
 
-__all__ = ["CASES", "LIBRARY_RECIPES", "TESTED_WITH", "Expect", "LibraryRecipe", "installed_version"]
+__all__ = ["CASES", "LIBRARY_RECIPES", "NOT_ROWS", "TESTED_WITH", "Expect", "LibraryRecipe", "installed_version"]

@@ -1,0 +1,229 @@
+"""The diagnosis's readings of the declared objective (:mod:`harness.core.objectives`): the expected weights come from
+the objective's own normalizer, a gradient that is exactly another declared objective's is named as that objective,
+and an auxiliary term's fitted weight is read against its unit's.
+
+:mod:`harness.battery.diagnose` fits each microbatch's gradient of the objective's numerator term (the plain loss sum
+under the token mean), so that the right weight of every block is ``1/Z``; where the recipe declares an auxiliary term,
+each microbatch's auxiliary gradient is one more column of the same fit, whose right weight is ``1/D`` (D: every
+microbatch of the window, or N for a per-token term).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from harness.battery.runner import Run
+from harness.core import diagnosis as dx
+from harness.core import objectives as ob
+from harness.core.compare import compare, flat_grad
+from harness.core.microbatch import Microbatch
+
+AUX_TOLERANCE = 1e-3
+"""Largest relative deviation of an auxiliary term's fitted ratio from a named factor (its columns are fitted beside
+the main blocks', a little less accurately)."""
+
+KEPT = frozenset({"correct", "float32_computation", "nonfinite", "weights_edited", "model_not_fixed",
+                  "started_elsewhere", "not_synchronized", "dropped", "double_counted"})
+"""Readings an objective reading never replaces: they are right, or name what no objective explains."""
+
+
+def normalizer(run: Run, window: int) -> float:
+    """``Z`` of the declared objective over the run's window ``window`` (the supervised count under the token mean)."""
+    return run.objective.window_normalizer(run.windows[window])
+
+
+def auxiliary_columns(run: Run, model: torch.nn.Module, window: int) -> torch.Tensor | None:
+    """``[components, microbatches]``: each microbatch's gradient of its auxiliary value (None: no auxiliary term)."""
+    if run.objective.auxiliary_unit is None:
+        return None
+    cols = []
+    for mbs in run.windows[window]:
+        for mb in mbs:
+            model.zero_grad(set_to_none=True)
+            _, aux = run.terms(model, mb)
+            assert aux is not None
+            aux.backward()
+            cols.append(flat_grad(model))
+    return torch.stack(cols, dim=1)
+
+
+def _gradient(run: Run, objective: ob.Objective, model: torch.nn.Module, windows: Sequence[Sequence[Microbatch]]
+              ) -> torch.Tensor:
+    """The single-device gradient of ``objective`` over one global window at the model's weights."""
+    from harness.battery.objective import terms
+
+    z = objective.window_normalizer(windows)
+    d = objective.auxiliary_denominator(windows) if objective.auxiliary_unit else 1.0
+    model.zero_grad(set_to_none=True)
+    for rank in windows:
+        for mb in rank:
+            term, aux = terms(run.spec, objective, model, mb)
+            (term / z if aux is None else term / z + aux / d).backward()
+    return flat_grad(model)
+
+
+def alternatives(objective: ob.Objective, windows: Sequence[Sequence[Microbatch]]) -> list[ob.Objective]:
+    """The other declared objectives this window can be judged under: every one, ``fixed_normalizer`` where the
+    recipe declares its constant (``normalizer``). Drawn weights belong to the weighted
+    token mean (the others read the plain loss); advantages belong to the loss (kept under every normalization)."""
+    weighted = any(mb.weights is not None for rank in windows for mb in rank)
+    out = []
+    for name in (ob.TOKEN_MEAN, ob.SEQUENCE_MEAN, ob.WEIGHTED_TOKEN_MEAN):
+        if name == objective.name:
+            continue
+        if name == ob.WEIGHTED_TOKEN_MEAN and (not weighted or objective.weights == ob.ADVANTAGES):
+            continue
+        weights = objective.weights if objective.weights == ob.ADVANTAGES else (ob.WEIGHTS if name ==
+                                                                               ob.WEIGHTED_TOKEN_MEAN else None)
+        alt = dataclasses.replace(objective, name=name, weights=weights)
+        if alt.window_normalizer(windows) > 0:
+            out.append(alt)
+    if objective.name != ob.FIXED_NORMALIZER and objective.normalizer is not None:  # a constant the recipe declares
+        out.append(dataclasses.replace(objective, name=ob.FIXED_NORMALIZER,
+                                       weights=objective.weights if objective.weights == ob.ADVANTAGES else None))
+    return out
+
+
+def other_objective(run: Run, model: torch.nn.Module, window: int, g: torch.Tensor, atol: float,
+                    rtol: float) -> dx.Signature | None:
+    """``other_objective`` when ``g`` is, within the verdict's tolerances, the gradient of another declared objective
+    over the same window: "this gradient is the sequence mean"."""
+    windows = run.windows[window]
+    for alt in alternatives(run.objective, windows):
+        expected = _gradient(run, alt, model, windows)
+        if compare(g, expected, atol=atol, rtol=rtol).passed:
+            sentence = (f"this gradient is {alt.describe()}, not {run.objective.describe()}, the declared objective: "
+                        f"the recipe normalizes by {ob.QUANTITIES[alt.name]}; judge it with --objective={alt.name}, or "
+                        f"normalize by {ob.QUANTITIES[run.objective.name]}")
+            return dx.Signature("other_objective", sentence, 1.0, objective=alt.name)
+    return None
+
+
+def _quantities(run: Run, window: int) -> list[tuple[float, str]]:
+    """Every global quantity a recipe may have divided the window by: each objective's all-reduced one, and the
+    declared constant."""
+    windows = run.windows[window]
+    weighted = any(mb.weights is not None for rank in windows for mb in rank)
+    out = []
+    for name in (ob.TOKEN_MEAN, ob.SEQUENCE_MEAN, ob.WEIGHTED_TOKEN_MEAN):
+        if name == ob.WEIGHTED_TOKEN_MEAN and not weighted:
+            continue
+        value = sum(ob.share(name, mb) for rank in windows for mb in rank)
+        out.append((value, f"{ob.QUANTITIES[name]} ({value:g})"))
+    if run.objective.normalizer is not None:
+        out.append((float(run.objective.normalizer), f"the declared constant ({run.objective.normalizer:g})"))
+    return out
+
+
+def wrong_normalizer(run: Run, window: int, c: float) -> dx.Signature | None:
+    """``wrong_normalizer`` when a common scale ``c`` on every weight is the declared normalizer over another
+    quantity of the window (the recipe divided by that one)."""
+    if not math.isfinite(c) or c <= 0:
+        return None
+    z = normalizer(run, window)
+    used = z / c
+    declared = f"{ob.QUANTITIES[run.objective.name]} ({z:g})"
+    for value, words in _quantities(run, window):
+        if value > 0 and value != z and abs(used / value - 1) <= dx.MATCH_TOLERANCE:
+            return dx.Signature("wrong_normalizer", f"the window was divided by {words} where {run.objective.name} "
+                                f"divides by {declared}: every weight is {c:.4g}x the right one; all-reduce "
+                                f"{ob.QUANTITIES[run.objective.name]} before any backward, not "
+                                f"{words.split(' (')[0]}", c)
+    return None
+
+
+def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Sequence[float]) -> dx.Signature | None:
+    """``per_rank_normalizer`` when every rank's blocks share one ratio to the right weight and ranks differ: each
+    rank divided by a normalizer of its own."""
+    by_rank: dict[int, list[float]] = {}
+    for b, v in zip(blocks, q):
+        if b.tokens > 0 and math.isfinite(v):
+            by_rank.setdefault(b.rank, []).append(v)
+    if len(by_rank) < 2:
+        return None
+    means = {}
+    for r, values in by_rank.items():
+        top = max(abs(v) for v in values)
+        if top == 0 or max(values) - min(values) > dx.MATCH_TOLERANCE * top:
+            return None
+        means[r] = sum(values) / len(values)
+    if max(means.values()) - min(means.values()) <= dx.MATCH_TOLERANCE * max(abs(v) for v in means.values()):
+        return None
+    z = normalizer(run, window)
+    parts = "; ".join(f"rank {r} weighs {v:.4g}x the right weight (divided by {z / v:.4g})"
+                      for r, v in sorted(means.items())[:4])
+    return dx.Signature("per_rank_normalizer", f"each rank's tokens weigh their own factor: {parts}, where "
+                        f"{run.objective.name} divides every rank by {ob.QUANTITIES[run.objective.name]} ({z:g}): "
+                        "each rank took its normalizer from its own batch (its padded length, its size), which "
+                        "differs across ranks", blocks=tuple(f"rank {r}" for r in sorted(means)))
+
+
+def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | None:
+    """The auxiliary term's fitted weights ``u`` (one per microbatch) read against its unit's ``1/D``: None when
+    right, else the signature of the mistake (scaled by the main loss's token normalization, divided by the
+    microbatch count twice, summed over ranks, or another factor, named)."""
+    windows = run.windows[window]
+    d = run.objective.auxiliary_denominator(windows)
+    ratios = [float(x) * d for x in u if math.isfinite(float(x))]
+    if not ratios:
+        return None
+    c = sum(ratios) / len(ratios)
+    spread = max(abs(v - c) for v in ratios) / max(abs(c), 1e-300)
+    if spread <= AUX_TOLERANCE and abs(c - 1) <= AUX_TOLERANCE:
+        return None
+    unit = run.objective.auxiliary_unit
+    w = len(windows)
+    ks = {len(rank) for rank in windows}
+    n = sum(mb.supervised for rank in windows for mb in rank)
+    head = f"the main loss's weights are right; the auxiliary term (unit {unit}, right weight 1/{d:g}) weighs {c:.4g}x"
+    if spread > AUX_TOLERANCE:
+        listed = ", ".join(f"{v:.3g}x" for v in ratios[:6])
+        return dx.Signature("auxiliary_misweighted", f"the main loss's weights are right; the auxiliary term's "
+                            f"microbatches weigh {listed} the right weight: not one factor (a term added on some "
+                            "microbatches only, or scaled by each microbatch's own count)", c)
+    named: list[tuple[float, str, str]] = []
+    if unit == ob.MICROBATCH and n > 0:
+        named.append((d / n, "auxiliary_token_normalized", "it was scaled by the main loss's token normalization "
+                      f"(W/N = {w}/{n} on each rank) instead of averaged over the window's microbatches (1/k on each "
+                      "rank: DDP's average does the rest)"))
+    if len(ks) == 1 and next(iter(ks)) > 1:
+        (k,) = ks
+        named.append((1 / k, "auxiliary_divided_twice", f"it was divided by the microbatch count k={k} twice (once "
+                      "in the loop, once more where it was added)"))
+    if w > 1:
+        named.append((float(w), "auxiliary_summed_over_ranks", f"it was summed over the ranks instead of averaged "
+                      f"(multiplied by W={w} like the main loss, whose W only cancels DDP's division of a global "
+                      "normalizer)"))
+    for value, name, words in named:
+        if abs(c / value - 1) <= AUX_TOLERANCE:
+            return dx.Signature(name, f"{head}: {words}", c)
+    return dx.Signature("auxiliary_misweighted", f"{head} the right weight: a factor no count of this window names", c)
+
+
+def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: dx.Signature, blocks: Sequence[dx.Block],
+                      q: Sequence[float], g: torch.Tensor, atol: float, rtol: float) -> dx.Signature:
+    """The reading once the declared objective is taken into account: another declared objective the gradient is
+    exactly (it leads: "this gradient is the sequence mean"), the quantity a scaled window was divided by, or a
+    normalizer per rank. ``q``: each block's fitted weight over the right one, ``1/Z``."""
+    if sig.name in KEPT:
+        return sig
+    other = other_objective(run, model, window, g, atol, rtol)
+    if other is not None:
+        if sig.name == "per_sequence_mean":  # the catalog's own name for it under the token mean stays
+            return dataclasses.replace(sig, sentence=f"{sig.sentence}; {other.sentence}", objective=other.objective)
+        return other
+    if run.objective.plain:
+        return sig
+    if sig.name == "global_scale" and sig.factor is not None:
+        return wrong_normalizer(run, window, sig.factor) or sig
+    if sig.name in ("unexplained", "mean_of_local_means", "block_scaled"):
+        return per_rank_normalizer(run, window, blocks, q) or sig
+    return sig
+
+
+__all__ = ["alternatives", "auxiliary_columns", "auxiliary_reading", "normalizer", "objective_reading",
+           "other_objective", "per_rank_normalizer", "wrong_normalizer"]
