@@ -41,6 +41,7 @@ def test_the_correct_recipe_passes_under_fsdp2_on_the_long_windows_at_three_rank
     assert all(v.status == "pass" for v in verdicts.values()), [v.message for v in verdicts.values()]
 
 
+@pytest.mark.slow
 def test_the_divide_factor_on_the_root_only_is_named_in_the_verdict() -> None:
     """The failing parity names the setter and the modules it was not called on."""
     verdict = _verdicts("harness.recipes:divide_factor_on_root_only", "fsdp2")["parity"]

@@ -57,6 +57,7 @@ def test_a_checkpoint_whose_data_position_disagrees_with_its_name_is_refused() -
     assert "labels of this checkpoint disagree" in failure.message or "labels disagree" in failure.message
 
 
+@pytest.mark.slow
 def test_a_save_that_is_not_atomic_is_caught_by_the_kill_inside_the_save_alone() -> None:
     """Negative control: state overwritten in place beside the checkpoints passes a planned stop, fails the kill."""
     report = run_battery(CONTROLS["not_atomic"], ResumeOptions(**SMALL, cases=("stop-resume", "kill-in-save")))
