@@ -337,6 +337,14 @@ def _edited_before(run: Run, rank: int, window: int) -> str | None:
     return None
 
 
+def _scalar_tolerances(run: Run) -> tuple[float, float]:
+    """``(atol, rtol)`` for a logged loss or a gradient norm: the lane's own, and in the bf16 lane the derived bound
+    as a relative tolerance (a loss computed in bf16 carries its rounding like the gradient does)."""
+    if run.precision == "bf16" and run.bf16 is not None:
+        return 0.0, float(run.bf16.bound)
+    return tolerances(torch.float32 if run.precision == "fp32" else torch.float64)
+
+
 def _strategy(run: Run) -> str:
     return run.run_spec.strategy if run.run_spec is not None else "ddp"
 
@@ -353,6 +361,8 @@ def parity(run: Run) -> Verdict:
     if bad:
         return bad
     assert run.records is not None
+    if run.precision == "bf16":
+        return _parity_bf16(run)
     autocast = _autocast(run)
     if autocast is not None and run.precision == "fp64":
         return _verdict("parity", run, NOT_APPLICABLE, f"the recipe's forward runs under autocast ({autocast}); "
@@ -405,6 +415,42 @@ def parity(run: Run) -> Verdict:
                    **numbers)
 
 
+def _parity_bf16(run: Run) -> Verdict:
+    """Parity in the bf16 lane: each judged window's error (relative L2 against the float64 gradient at the rank's
+    own starting weights) within the bound derived from the correct computation's measured noise
+    (:mod:`harness.battery.bf16`); windows too balanced for a mean of local means to stand above the bound are
+    refused, and said so."""
+    from harness.battery import bf16
+
+    noise = run.bf16
+    assert noise is not None, "a bf16 run carries its measured noise (runner.prepare)"
+    read = bf16.read_windows(run, bf16.gradient_function(run.spec, run.objective))
+    judged = [w for w in read if w.mistake >= bf16.SEPARATION * noise.bound]
+    refused = [w for w in read if w not in judged]
+    said = noise.describe()
+    if refused:
+        said += "; window(s) " + ", ".join(
+            f"{w.window} (a mean of local means would miss by {w.mistake:.2e} only)" for w in refused) + (
+            f" not judged: too balanced for a weighting mistake to stand {bf16.SEPARATION:g}x above the bound")
+    if not judged:
+        return _verdict("parity", run, NOT_APPLICABLE, f"no window of this case can be judged in bf16: {said}")
+    w = max(judged, key=lambda w: w.error)
+    k, rank = w.window, w.rank
+    detail = (f"worst on rank {rank}, window {k}: error {w.error:.2e}, {w.error / noise.bound:.2f}x the bound; "
+              f"{said}; a mean of local means would miss by {w.mistake:.2e} here ({w.mistake / noise.bound:.0f}x "
+              "the bound)")
+    numbers = {"max_error": w.error, "worst_ratio": w.error / noise.bound}
+    if w.error <= noise.bound:
+        return _passed("parity", run, detail, window=k, **numbers)
+    from harness.core.diagnosis import accuracy
+
+    with accuracy(noise.bound):  # the weights are read to the accuracy bf16 allows, no finer
+        found = diagnose(run, k, rank)
+    if found is not None:
+        detail += "\n  " + found.line() + f" (read from a bf16 gradient: weights to within {noise.bound:.1e})"
+    return _failed("parity", run, detail, k, diagnosis=None if found is None else found.to_dict(), **numbers)
+
+
 @check()
 def one_sync(run: Run) -> Verdict:
     """Exactly one gradient synchronization per window: the earlier microbatches ran inside ``no_sync()``."""
@@ -447,7 +493,7 @@ def logged_loss(run: Run) -> Verdict:
     if bad:
         return bad
     assert run.records is not None
-    atol, rtol = tolerances(torch.float32 if run.precision == "fp32" else torch.float64)
+    atol, rtol = _scalar_tolerances(run)
     worst: float | None = None
     for k, ref in enumerate(run.references):
         if ref is None:
@@ -484,7 +530,7 @@ def hygiene(run: Run) -> Verdict:
     if bad:
         return bad
     assert run.records is not None
-    dtype = "torch.float32" if run.precision == "fp32" else "torch.float64"
+    dtype = "torch.float64" if run.precision == "fp64" else "torch.float32"  # bf16: float32 master weights
     notes: list[str] = []
     for rank, records in enumerate(run.records):
         for k, rec in enumerate(records):
@@ -514,7 +560,7 @@ def clipping(run: Run) -> Verdict:
     if bad:
         return bad
     assert run.records is not None
-    atol, rtol = tolerances(torch.float32 if run.precision == "fp32" else torch.float64)
+    atol, rtol = _scalar_tolerances(run)
     worst_error, engaged = 0.0, 0
     for k, want in enumerate(run.reference_norms):
         if want is None:

@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"))
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"))
     p.add_argument("--objective", default="token_mean", metavar="NAME", help="the declared objective (token_mean)")
-    p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"))
+    p.add_argument("--precision", default="both", metavar="LANES", help="fp32, fp64, bf16, both, or fp32,bf16 ...")
     p.add_argument("--scenarios", default=",".join(scenarios.BATTERY_SCENARIOS), metavar="NAME,...",
                    help=f"scenarios to run (default: all of {', '.join(scenarios.BATTERY_SCENARIOS)})")
     p.add_argument("--battery-report", dest="report", default=None, metavar="PATH", help="the JSON report (rank 0)")

@@ -28,8 +28,14 @@ r-th of W length bands of the corpus, and past 32 the narrowest band holds no se
 WORLD_SIZES = (1, 2, 3, 4)
 """World sizes every recipe runs at: 1 is the sanity lane, 2-4 the data-parallel ones."""
 
-PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "both": ("fp32", "fp64")}
-"""``--precision``: the float32 lane (tolerances atol 1e-6, rtol 1e-4), the strict float64 lane, or both."""
+PRECISIONS = ("fp32", "fp64", "bf16")
+"""The battery's lanes: float32 (tolerances atol 1e-6, rtol 1e-4), the strict float64 lane, and bf16 (autocast under
+DDP, ``MixedPrecisionPolicy`` under FSDP2; judged against float64 with a bound derived from the measured noise,
+:mod:`harness.battery.bf16`)."""
+
+PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "bf16": ("bf16",), "both": ("fp32", "fp64")}
+"""``--precision``: one lane, ``both`` (float32 and float64), or a comma-separated list of lanes
+(``fp32,bf16``)."""
 
 STRATEGY_CHOICES = {"ddp": ("ddp",), "fsdp2": ("fsdp2",), "both": ("ddp", "fsdp2")}
 """``--strategy``: the ranks wrap the model in DDP (the default), shard it with FSDP2 (``fully_shard``), or both."""
@@ -86,10 +92,15 @@ def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world
 
 
 def precisions(choice: str, option: str = "--precision") -> tuple[str, ...]:
-    if choice not in PRECISION_CHOICES:
-        msg = f"{option}={choice!r} must be one of {', '.join(PRECISION_CHOICES)}"
+    """The lanes of ``--precision``: a name of :data:`PRECISION_CHOICES`, or lanes separated by commas."""
+    if isinstance(choice, str) and choice in PRECISION_CHOICES:
+        return PRECISION_CHOICES[choice]
+    lanes = choice.split(",") if isinstance(choice, str) else []
+    if not lanes or any(lane not in PRECISIONS for lane in lanes):
+        msg = (f"{option}={choice!r} must be one of {', '.join(PRECISION_CHOICES)} or lanes separated by commas "
+               f"(from {', '.join(PRECISIONS)}, e.g. fp32,bf16)")
         raise ValueError(msg)
-    return PRECISION_CHOICES[choice]
+    return tuple(dict.fromkeys(lanes))
 
 
 def strategies(choice: str, option: str = "--strategy") -> tuple[str, ...]:
@@ -154,7 +165,7 @@ class RunSpec:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             msg = f"world_size={self.world_size!r} must be a positive number of ranks"
             raise ValueError(msg)
-        _choice(self.precision, ("fp32", "fp64"), "precision")
+        _choice(self.precision, PRECISIONS, "precision")
         _choice(self.strategy, STRATEGY_CHOICES["both"], "strategy")
         _choice(self.batch_format, BATCH_FORMATS, "batch_format")
         if self.reduction is not None:
@@ -212,7 +223,7 @@ class BatteryOptions:
 
     @property
     def lanes(self) -> tuple[str, ...]:
-        return PRECISION_CHOICES[self.precision]
+        return precisions(self.precision)
 
     @property
     def strategy_lanes(self) -> tuple[str, ...]:
@@ -257,6 +268,7 @@ __all__ = [
     "MAX_SCENARIO_WORLD_SIZE",
     "MAX_WORLD_SIZE",
     "OBJECTIVES",
+    "PRECISIONS",
     "PRECISION_CHOICES",
     "PYTEST_OPTIONS",
     "STRATEGY_CHOICES",

@@ -13,6 +13,7 @@ as one :class:`~harness.battery.spec.ModelSpec`, and the reference is computed w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -119,6 +120,8 @@ class Run:
     """The ``max_norm`` the harness passed a clipping recipe (None: the recipe does not clip)."""
     reference_norms: list[float | None] = field(default_factory=list)
     """Each window's reference gradient norm before clipping (a clipping run only; None: a window without tokens)."""
+    bf16: Any = None
+    """The bf16 lane's measured noise and derived bound (:class:`harness.battery.bf16.Noise`); None elsewhere."""
     objective: Objective = PLAIN
     """The declared objective as the recipe declares its parts (:func:`harness.battery.objective.resolve`): what the
     reference, the logged-loss check and the diagnosis compute."""
@@ -270,9 +273,14 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
 
+    # The bf16 lane: FSDP2 computes in bf16 through its own policy (reducing in float32); DDP has none, so the
+    # recipe runs under autocast, as a bf16 DDP training loop does.
+    low = run.precision == "bf16"
     wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
                                                 reduction=declared_reduction(recipe, run.reduction),
-                                                on_comm_hook=refuse_comm_hook)
+                                                on_comm_hook=refuse_comm_hook,
+                                                mixed_precision=torch.bfloat16 if low else None)
+    autocast_bf16 = low and run.strategy != "fsdp2"
     ddp = wrapped.module
     autocast = _AutocastSeen(dev.type)
     model.register_forward_pre_hook(autocast)
@@ -294,10 +302,11 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         logged = None
         norm = None
         try:
-            if max_norm is None:
-                out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
-            else:
-                out = recipe.backward_window(ddp, mine, max_norm=max_norm)  # type: ignore[call-arg,arg-type]
+            with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
+                if max_norm is None:
+                    out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
+                else:
+                    out = recipe.backward_window(ddp, mine, max_norm=max_norm)  # type: ignore[call-arg,arg-type]
                 if isinstance(out, tuple) and len(out) == 2:
                     out, norm = out[0], None if out[1] is None else _as_float(out[1])
             logged = None if out is None else float(out)
@@ -575,6 +584,9 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
     return launch_run(spec, windows, env=env)
 
 
+_NOISE: dict[tuple[object, ...], Any] = {}
+"""The bf16 lane's measured noise (:class:`harness.battery.bf16.Noise`) by case, model, objective and strategy."""
+
 _CHAINS: dict[tuple[object, ...], Chain] = {}
 """Reference chains of named scenarios, by (scenario, world size, model spec): every recipe judged on one case (the
 recipe under test and each negative control) is compared with the same reference, computed once per process."""
@@ -595,6 +607,8 @@ class Prepared:
     notes: tuple[str, ...]
     computes_in: str | None
     objective: Objective = PLAIN
+    noise: Any = None
+    """The bf16 lane's measured noise and bound (:class:`harness.battery.bf16.Noise`); None in the other lanes."""
 
     @property
     def digest(self) -> str | None:
@@ -608,7 +622,7 @@ class Prepared:
                    init_seed=s.init_seed, model_path=s.model, batch_format=s.batch_format,
                    computes_in=self.computes_in, reference_starts=chain.starts, run_spec=s,
                    find_unused=self.wrap, objective=self.objective, max_norm=chain.max_norm,
-                   reference_norms=chain.norms, **fields)
+                   reference_norms=chain.norms, bf16=self.noise, **fields)
 
     def failed(self, exc: LaunchError) -> Run:
         """The run whose ranks failed with ``exc`` (DDP's parameter indices named)."""
@@ -644,12 +658,25 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     from harness.recipes.contract import clips
 
     clip = clips(load_recipe(spec.recipe))
-    key = (spec.scenario, spec.world_size, model, objective, clip)
+    # The bf16 lane is judged against float64: its chain is the float64 one, and its bound comes from the noise.
+    truth = replace(model, precision="fp64") if spec.precision == "bf16" else model
+    key = (spec.scenario, spec.world_size, truth, objective, clip)
     chain = _CHAINS.get(key) if share_chain else None
     if chain is None:
-        chain = compute_chain(windows, spec.precision, spec.init_seed, model, objective, clip=clip)
+        chain = compute_chain(windows, truth.precision, spec.init_seed, truth, objective, clip=clip)
         if share_chain and len(_CHAINS) < 64:
             _CHAINS[key] = chain
+    noise = None
+    if spec.precision == "bf16" and chain.model_error is None:
+        from harness.battery import bf16
+
+        noise_key = (spec.scenario, spec.world_size, model, objective, spec.strategy)
+        noise = _NOISE.get(noise_key) if share_chain else None
+        if noise is None:
+            noise = bf16.measure_noise(model, windows, spec.strategy,
+                                       lambda m: bf16.gradient_function(m, objective))
+            if share_chain and len(_NOISE) < 64:
+                _NOISE[noise_key] = noise
     wrap = False
     if chain.model_error is None:
         needs, unused = unused_notes(chain)
@@ -660,7 +687,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                    "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
                    "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
             notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
-    return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective)
+    return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective, noise)
 
 
 def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,

@@ -19,11 +19,16 @@ from torch import nn
 
 from harness.battery import scenarios
 from harness.battery.options import RunSpec
-from harness.core.compare import PRECISIONS, flat_params
+from harness.core.compare import PRECISIONS as COMPUTE_DTYPES
+from harness.core.compare import flat_params
 from harness.core.formats import HARNESS, HF, batch_as, check_batch_format, logits_of, shifted_loss_sum, to_hf
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
 from harness.model import build_model, build_user_model, disable_dropout, load_model_factory
+
+PRECISIONS = {**COMPUTE_DTYPES, "bf16": torch.float32}
+"""The dtype a model is built in for each battery lane: the bf16 lane keeps float32 weights (autocast, or FSDP2's
+policy, computes in bf16)."""
 
 _BUILT: dict[tuple[object, ...], nn.Module] = {}
 """Models this process has built, by (path, seed, precision): :meth:`ModelSpec.build` hands out copies."""

@@ -14,8 +14,10 @@ patterns through the fit; ``tests/distributed/test_diagnosis.py`` diagnoses ever
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -101,6 +103,44 @@ rounding. Above it, right weights with a residual are an extra term (:data:`SIGN
 
 ROUNDING_RESIDUAL = {"fp32": FLOAT32_RESIDUAL, "fp64": FLOAT64_RESIDUAL}
 """The residual a gradient of each precision may carry from rounding alone, the rest being explained."""
+
+_ACCURACY: contextvars.ContextVar[float | None] = contextvars.ContextVar("diagnosis_accuracy", default=None)
+
+
+@contextlib.contextmanager
+def accuracy(relative: float) -> Iterator[None]:
+    """Read gradients whose own error is up to ``relative`` (a relative L2): the bf16 lane's bound. Inside, every
+    match, exactness and residual threshold is at least ``relative``: the weights are read to that accuracy, and
+    signatures closer than it are not told apart."""
+    token = _ACCURACY.set(relative)
+    try:
+        yield
+    finally:
+        _ACCURACY.reset(token)
+
+
+def _floor(value: float) -> float:
+    stated = _ACCURACY.get()
+    return value if stated is None else max(value, stated)
+
+
+def match_tolerance() -> float:
+    """:data:`MATCH_TOLERANCE`, or the stated accuracy inside :func:`accuracy`."""
+    return _floor(MATCH_TOLERANCE)
+
+
+def explained_residual() -> float:
+    """:data:`EXPLAINED_RESIDUAL`, or the stated accuracy inside :func:`accuracy`."""
+    return _floor(EXPLAINED_RESIDUAL)
+
+
+def exact_tolerance(precision: str) -> float:
+    return _floor(EXACT_TOLERANCE.get(precision, EXACT_TOLERANCE["fp32"]))
+
+
+def rounding_residual(precision: str) -> float:
+    return _floor(ROUNDING_RESIDUAL.get(precision, FLOAT32_RESIDUAL))
+
 
 
 @dataclass(frozen=True)
@@ -207,12 +247,12 @@ def locate(rows: Sequence[ParameterRow]) -> str:
     if not bad:
         return "every parameter tensor is within tolerance"
     live = [r for r in rows if r.note != "no gradient (none expected)"]
-    if live and all(abs(r.ratio - 1) <= MATCH_TOLERANCE for r in live):
+    if live and all(abs(r.ratio - 1) <= match_tolerance() for r in live):
         return (f"{len(bad)} of {len(rows)} parameter tensors are over tolerance, every one at ratio 1 (within "
-                f"{MATCH_TOLERANCE:g}): noise spread over every component, not a scale: a lower precision somewhere")
+                f"{match_tolerance():g}): noise spread over every component, not a scale: a lower precision somewhere")
     if len(bad) == len(rows):
         ratios = [r.ratio for r in bad]
-        if max(ratios) - min(ratios) <= MATCH_TOLERANCE * max(abs(x) for x in ratios):
+        if max(ratios) - min(ratios) <= match_tolerance() * max(abs(x) for x in ratios):
             return f"every parameter tensor is off by the same ratio {ratios[0]:.4g}: a scale on the whole gradient"
     worst = sorted(bad, key=lambda r: -r.max_abs_error)
     listed = ", ".join(f"{r.name} ({r.shown()}, {r.over_tolerance} of {r.components} over)" for r in worst[:4])
@@ -323,7 +363,7 @@ def _window_counts(blocks: Sequence[Block], world_size: int,
 
 
 def _close(c: float, value: float) -> bool:
-    return value != 0 and abs(c / value - 1) <= MATCH_TOLERANCE
+    return value != 0 and abs(c / value - 1) <= match_tolerance()
 
 
 def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
@@ -404,12 +444,12 @@ def _block_groups(blocks: Sequence[Block], q: Sequence[float]) -> tuple[float, d
     top = max(abs(v) for _, v in live)
     best: tuple[int, float, dict[int, list[int]]] | None = None
     for _, c in live:
-        if abs(c) <= MATCH_TOLERANCE * top:
+        if abs(c) <= match_tolerance() * top:
             continue
         groups: dict[int, list[int]] = {0: [], 1: [], 2: []}
         for i, v in live:
             m = round(v / c)
-            if m not in groups or abs(v - m * c) > MATCH_TOLERANCE * abs(c) * max(m, 1):
+            if m not in groups or abs(v - m * c) > match_tolerance() * abs(c) * max(m, 1):
                 break
             groups[m].append(i)
         else:
@@ -432,31 +472,31 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         return Signature("unexplained", f"the blocks' gradients are too alike to weigh them apart (condition number "
                          f"{fit.condition:.3g}; more blocks than gradient components, or microbatches that give the "
                          "same gradient): read the per-parameter table")
-    if fit.residual > EXPLAINED_RESIDUAL:
+    if fit.residual > explained_residual():
         return Signature("unexplained", f"not a re-weighting of the microbatches' losses (the best weights leave "
                          f"{fit.residual:.2e} of the gradient unexplained)")
-    exact = EXACT_TOLERANCE.get(precision, EXACT_TOLERANCE["fp32"])
+    exact = exact_tolerance(precision)
     unsynced = _own_blocks_only(blocks, q, world_size, rank)
     if unsynced is not None:
         return unsynced
     found: list[tuple[float, str, float]] = []
     for name, p in patterns(blocks, world_size).items():
         c, dev = _scale_fit(q, p)
-        if dev <= MATCH_TOLERANCE:
+        if dev <= match_tolerance():
             found.append((dev, name, c))
     if found:
         # A pattern that holds as it is explains the weights with one mistake; the same weights read as another
         # pattern times a factor would need two. A pattern these counts cannot tell from a common scale (one rank
         # holds every token, microbatches of equal counts) is not evidenced: the scale is read first.
         plain = any(other == "correct" for _, other, _ in found)
-        found.sort(key=lambda t: (not (plain and t[1] == "correct"), abs(t[2] - 1) > MATCH_TOLERANCE, t[0]))
+        found.sort(key=lambda t: (not (plain and t[1] == "correct"), abs(t[2] - 1) > match_tolerance(), t[0]))
         dev, name, c = found[0]
         others = tuple(dict.fromkeys(
-            ("global_scale" if other == "correct" and abs(oc - 1) > MATCH_TOLERANCE else other)
+            ("global_scale" if other == "correct" and abs(oc - 1) > match_tolerance() else other)
             for _, other, oc in found[1:]))
         worst = max(abs(v - 1) for v in _finite(q))
         if name == "correct":
-            rounding = ROUNDING_RESIDUAL.get(precision, FLOAT32_RESIDUAL)
+            rounding = rounding_residual(precision)
             if worst <= exact and fit.residual <= rounding:
                 return Signature("correct", f"the weighting is right: every token weighs 1/N (N={n}) to within "
                                  f"{worst:.1e}, residual {fit.residual:.1e} (under the {precision} rounding bound "
@@ -481,7 +521,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
                                  f"count): each microbatch's mean divided by a fixed accumulation constant K={big_k} "
                                  f"where the window has k={k} microbatches", c, alternatives=others)
         named = name_factor(c, blocks, world_size, other_counts)
-        scale = "" if abs(c - 1) <= MATCH_TOLERANCE else f", and then {named}"
+        scale = "" if abs(c - 1) <= match_tolerance() else f", and then {named}"
         return Signature(name, _describe(name, blocks, q, world_size) + scale, c, alternatives=others)
     subgroup = _subgroup_count(blocks, q, world_size, other_counts)
     if subgroup is not None:
@@ -496,7 +536,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
             parts.append(f"{_join(dropped)} contributed nothing")
         if doubled:
             parts.append(f"{_join(doubled)} counted twice")
-        if abs(c - 1) > MATCH_TOLERANCE:
+        if abs(c - 1) > match_tolerance():
             parts.append(f"the others: {name_factor(c, blocks, world_size, other_counts)}")
         name = "dropped" if dropped else "double_counted"
         return Signature(name, "; ".join(parts), c, blocks=dropped or doubled)
@@ -509,7 +549,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
 
 def extra_term_sentence(residual: float, precision: str, worst: float | None = None) -> str:
     """The words for right weights that leave ``residual`` unexplained, with the rounding bound it exceeds."""
-    bound = ROUNDING_RESIDUAL.get(precision, FLOAT32_RESIDUAL)
+    bound = rounding_residual(precision)
     weights = "the weights are right" + ("" if worst is None else f" (every weight 1/N to {worst:.1e})")
     return (f"{weights}, and {residual:.2e} of the gradient is no re-weighting of the losses (above the {precision} "
             f"rounding bound {bound:g}): an extra term (an auxiliary loss, a regularizer, a custom backward adding "
@@ -535,7 +575,7 @@ def _blocks_scaled(blocks: Sequence[Block], q: Sequence[float], world_size: int,
     """``block_scaled``: every block right (ratio 1) but those of one microbatch index or one rank, each off by a
     factor (named as a count of the window where one matches)."""
     live = [(b, v) for b, v in zip(blocks, q) if b.tokens > 0 and math.isfinite(v)]
-    off = [(b, v) for b, v in live if abs(v - 1) > MATCH_TOLERANCE]
+    off = [(b, v) for b, v in live if abs(v - 1) > match_tolerance()]
     if not off or len(off) == len(live) or any(v <= 0 for _, v in off):
         return None
     same_index = len({b.microbatch for b, _ in off}) == 1 and len({b.rank for b, _ in live}) > 1
@@ -568,7 +608,7 @@ def _subgroup_count(blocks: Sequence[Block], q: Sequence[float], world_size: int
         if len({c for c in group.values() if c > 0}) < 2:
             continue
         c, dev = _scale_fit(q, [n / group[b.rank] if group[b.rank] > 0 else math.nan for b in blocks])
-        if dev > MATCH_TOLERANCE:
+        if dev > match_tolerance():
             continue
         parts = []
         for first in range(0, world_size, size)[:4]:
@@ -578,7 +618,7 @@ def _subgroup_count(blocks: Sequence[Block], q: Sequence[float], world_size: int
                              "the right weight")
         more = "; and more groups" if world_size // size > 4 else ""
         named = name_factor(c, blocks, world_size, other_counts)
-        scale = "" if abs(c - 1) <= MATCH_TOLERANCE else f", and then {named}"
+        scale = "" if abs(c - 1) <= match_tolerance() else f", and then {named}"
         return Signature("subgroup_count", f"each group of {size} consecutive ranks' tokens weigh 1/(its group's "
                          f"count): the count was all-reduced over a sub-group of {size} ranks (the ranks of one node, "
                          f"LOCAL_WORLD_SIZE={size}), not over every data-parallel rank; {'; '.join(parts)}{more}"
@@ -598,11 +638,11 @@ def _own_blocks_only(blocks: Sequence[Block], q: Sequence[float], world_size: in
     top = max((abs(v) for _, v in live), default=0.0)
     if not own or not others or top == 0:
         return None
-    if any(abs(v) > MATCH_TOLERANCE * top for v in others) or any(abs(v) <= MATCH_TOLERANCE * top for v in own):
+    if any(abs(v) > match_tolerance() * top for v in others) or any(abs(v) <= match_tolerance() * top for v in own):
         return None
     head = (f"rank {rank}'s gradient holds only its own microbatches: the gradients were never synchronized (the last "
             "backward ran inside no_sync(), or the synchronization was keyed to something other than the window's end)")
-    if all(abs(v - world_size) <= MATCH_TOLERANCE * world_size for v in own):
+    if all(abs(v - world_size) <= match_tolerance() * world_size for v in own):
         words = f"; its own tokens weigh W={world_size} times the right weight, as a synchronized step would have given"
     else:
         words = f"; its own microbatches weigh {_join([f'{v:.3g}x' for v in own])} the right weight"
@@ -613,7 +653,7 @@ def _own_blocks_only(blocks: Sequence[Block], q: Sequence[float], world_size: in
 def classify_sequences(blocks: Sequence[Block], fit: Fit) -> Signature | None:
     """The per-sequence reading of a sequence-level fit (one block per row): a mean per sequence when every row's
     weight times its token count is one value per rank."""
-    if fit.residual > EXPLAINED_RESIDUAL:
+    if fit.residual > explained_residual():
         return None
     by_rank: dict[int, list[float]] = {}
     for b, w in zip(blocks, fit.weights):
@@ -623,7 +663,7 @@ def classify_sequences(blocks: Sequence[Block], fit: Fit) -> Signature | None:
         return None
     for values in by_rank.values():
         top = max(abs(v) for v in values)
-        if top == 0 or max(values) - min(values) > MATCH_TOLERANCE * top:
+        if top == 0 or max(values) - min(values) > match_tolerance() * top:
             return None
     live = [(b, float(w)) for b, w in zip(blocks, fit.weights) if b.tokens > 0 and math.isfinite(float(w))]
     if len({b.tokens for b, _ in live}) == 1:
@@ -670,14 +710,19 @@ __all__ = [
     "Fit",
     "ParameterRow",
     "Signature",
+    "accuracy",
     "classify",
     "classify_sequences",
+    "exact_tolerance",
+    "explained_residual",
     "extra_term_sentence",
     "factor_readings",
     "fit_weights",
     "locate",
+    "match_tolerance",
     "name_factor",
     "parameter_table",
     "patterns",
     "residual_shares",
+    "rounding_residual",
 ]

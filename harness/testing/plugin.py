@@ -76,8 +76,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "error, tolerance ratio), the expected and run counts, errors outside a verdict, and pytest's exit status",
     )
     group.addoption(
-        "--precision", default="both", choices=("fp32", "fp64", "both"),
-        help="the battery's lanes: float32 (atol 1e-6, rtol 1e-4), the strict float64 lane, or both (default)",
+        "--precision", default="both", metavar="LANES",
+        help="the battery's lanes: fp32 (atol 1e-6, rtol 1e-4), fp64 (the strict lane), bf16 (autocast under DDP, "
+        "MixedPrecisionPolicy under FSDP2, judged by a bound derived from the measured noise), both (fp32,fp64: the "
+        "default), or lanes separated by commas (fp32,bf16)",
     )
     group.addoption(
         "--battery-world-sizes", default="1,2,3,4", metavar="W,...",

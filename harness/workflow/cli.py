@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--battery-world-sizes", dest="world_sizes", default="1,2,3,4", metavar="W,...",
                    help="comma-separated world sizes, the drawn layouts' included (default: 1,2,3,4)")
     _deprecated(p, "--world-sizes", "--battery-world-sizes", dest="world_sizes")
-    p.add_argument("--precision", default="both", choices=("fp32", "fp64", "both"),
-                   help="float32 lane, float64 lane or both (default: both)")
+    p.add_argument("--precision", default="both", metavar="LANES",
+                   help="fp32, fp64, bf16 (a bound derived from the measured noise), both (fp32,fp64: the default) "
+                   "or lanes separated by commas (fp32,bf16)")
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model to check the recipes on: a zero-argument callable returning a torch.nn.Module (or "
                    "an nn.Module class), seeded and built on every rank and for the reference, dropout disabled "

@@ -91,7 +91,7 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
 @pytest.mark.parametrize(("fields", "says"), [
     ({"recipe": "no_colon"}, "recipe='no_colon' must be a 'package.module:attr' string"),
     ({"world_size": 0}, "world_size=0 must be a positive number of ranks"),
-    ({"precision": "bf16"}, "precision='bf16' must be one of fp32, fp64"),
+    ({"precision": "fp16"}, "precision='fp16' must be one of fp32, fp64, bf16"),
     ({"batch_format": "json"}, "batch_format='json' must be one of harness, hf"),
     ({"find_unused": "maybe"}, "find_unused='maybe' must be one of auto, on, off"),
     ({"deadline": -1}, "deadline=-1 must be a positive number of seconds"),
@@ -103,3 +103,14 @@ def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], s
     base: dict[str, object] = {"recipe": "harness.recipes:global_token_mean"}
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
         RunSpec(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_precision_takes_lanes_separated_by_commas() -> None:
+    """``--precision fp32,bf16`` is two lanes, in that order; a lane that does not exist is refused naming them."""
+    from harness.battery.options import precisions
+
+    assert ("fp32", "bf16") == precisions("fp32,bf16")
+    assert ("fp32", "fp64") == precisions("both")
+    assert ("fp32", "bf16") == BatteryOptions.parse(precision="fp32,bf16").lanes
+    with pytest.raises(ValueError, match=r"--precision='fp32,fp16' must be one of .* \(from fp32, fp64, bf16"):
+        precisions("fp32,fp16")

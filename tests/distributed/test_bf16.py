@@ -1,0 +1,52 @@
+"""The bf16 lane (``--precision bf16``): autocast under DDP, ``MixedPrecisionPolicy`` under FSDP2, judged against
+float64 with a bound derived from the correct computation's measured noise (:mod:`harness.battery.bf16`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.battery import bf16, checks, runner
+from harness.battery.options import RunSpec
+from harness.battery.scenarios import build
+from harness.recipes import CORRECT_RECIPE
+
+
+def _parity(recipe: str, strategy: str = "ddp", scenario: str = "uneven") -> checks.Verdict:
+    return checks.parity(runner.run(RunSpec(recipe, scenario, 2, "bf16", strategy=strategy)))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_the_correct_recipe_stays_within_the_bound_derived_from_the_noise(strategy: str) -> None:
+    """Its error is a fraction of the bound; the verdict prints the noise, the bound and the ratio."""
+    verdict = _parity(CORRECT_RECIPE, strategy)
+    assert "pass" == verdict.status, verdict.message
+    assert verdict.worst_ratio is not None and verdict.worst_ratio < 1
+    assert "the correct computation's own bf16 noise is" in verdict.message and "x the bound" in verdict.message
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_the_mean_of_local_means_fails_in_bf16_and_is_diagnosed(strategy: str) -> None:
+    """Negative control: the mistake stands many times the bound above the noise, and the diagnosis reads it
+    from the bf16 gradient to the accuracy it states."""
+    verdict = _parity("harness.recipes:mean_of_local_means", strategy)
+    assert ("fail", "numbers") == (verdict.status, verdict.cause)
+    assert verdict.diagnosis is not None and "mean_of_local_means" == verdict.diagnosis["signature"]
+    assert "read from a bf16 gradient: weights to within" in verdict.message
+
+
+def test_a_window_too_balanced_for_a_mistake_to_show_is_not_judged() -> None:
+    """Every rank holds the same microbatches: the mean of local means is the token mean, no bound can tell them
+    apart, and the lane says so instead of passing."""
+    window = build("uneven", 2)[0]
+    balanced = [[window[1], window[1]]]
+    run = runner.run_windows("harness.recipes:mean_of_local_means", balanced, "bf16", scenario="balanced")
+    verdict = checks.parity(run)
+    assert "n/a" == verdict.status, verdict.message
+    assert "too balanced" in verdict.message and "no window of this case can be judged in bf16" in verdict.message
+
+
+def test_the_bound_is_a_stated_multiple_of_the_measured_noise() -> None:
+    """The bound is derived: NOISE_MULTIPLE times the largest error over the seeds, never a constant."""
+    noise = bf16.Noise(0.004, (0.003, 0.004, 0.002), "autocast")
+    assert bf16.NOISE_MULTIPLE * 0.004 == noise.bound
+    assert "over 3 seeds" in noise.describe()
