@@ -9,11 +9,11 @@ nearly the same number of tokens. So, for each run:
    against the float64 gradient, on the run's windows, from the initial weights of :data:`NOISE_SEEDS` seeds. The
    noise is the largest relative L2 error seen.
 2. **The bound** is :data:`NOISE_MULTIPLE` times the noise.
-3. **The windows it can judge** (:func:`judge`): at the weights a rank started a window from, the float64 gradient
-   of the declared objective is the truth, and the mean of local means (each rank's own normalization, the mistake
-   every re-weighting of ranks resembles) must stand at least :data:`SEPARATION` times the bound away from it; a
-   window too balanced for that is refused, and the verdict says so. If every window is refused the check does not
-   apply.
+3. **The windows it can judge** (:func:`read_windows`): at the weights a rank started a window from, the float64
+   gradient of the declared objective is the truth, and the mean of local means (each rank's own normalization, a
+   rank without tokens contributing zero, over W: the mistake every re-weighting of ranks resembles) must stand at
+   least :data:`SEPARATION` times the bound away from it; a window too balanced for that is refused, and the verdict
+   says so. If every window is refused the check does not apply.
 4. The recipe's error on each judged window, as a relative L2 against the truth, is held to the bound; the verdict
    prints the noise, the bound, the error and their ratio.
 """
@@ -151,8 +151,9 @@ def read_windows(run: Run, gradient_of: Callable[..., torch.Tensor]) -> list[Win
                 if key not in truths:
                     model = run.model_at(before, torch.float64)
                     truth = gradient_of(model, window).double()
-                    locals_ = [gradient_of(model, [mbs]).double() for mbs in window
-                               if sum(mb.supervised for mb in mbs) > 0]
+                    # Each rank's own mean, a rank without tokens contributing zero (the guarded 0/0), over W.
+                    locals_ = [gradient_of(model, [mbs]).double() if sum(mb.supervised for mb in mbs) > 0
+                               else torch.zeros_like(truth) for mbs in window]
                     mean_of_means = torch.stack(locals_).mean(0)
                     truths[key] = (truth, relative_l2(mean_of_means, truth))
                 truth, mistake = truths[key]

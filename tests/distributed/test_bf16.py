@@ -3,6 +3,11 @@ float64 with a bound derived from the correct computation's measured noise (:mod
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness.battery import bf16, checks, runner
@@ -50,3 +55,20 @@ def test_the_bound_is_a_stated_multiple_of_the_measured_noise() -> None:
     noise = bf16.Noise(0.004, (0.003, 0.004, 0.002), "autocast")
     assert bf16.NOISE_MULTIPLE * 0.004 == noise.bound
     assert "over 3 seeds" in noise.describe()
+
+
+@pytest.mark.slow  # a pytest subprocess over both strategies and two lanes: about a minute
+@pytest.mark.timeout(600)
+def test_the_battery_passes_the_correct_recipe_under_both_strategies_in_fp32_and_bf16(tmp_path: Path) -> None:
+    """``pytest -m recipe --strategy=both --precision=fp32,bf16`` from outside the checkout: every case passes (or
+    does not apply), and the report holds verdicts of both strategies and both lanes."""
+    report = tmp_path / "battery.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "harness.battery", "-m", "recipe", "-q", "-p", "no:cacheprovider",
+         "--strategy=both", "--precision=fp32,bf16", "--battery-world-sizes=2", "--battery-examples=0",
+         f"--battery-report={report}"], cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert 0 == done.returncode, done.stdout[-3000:]
+    checks_run = json.loads(report.read_text())["checks"]
+    assert {("ddp", "fp32"), ("ddp", "bf16"), ("fsdp2", "fp32"), ("fsdp2", "bf16")} == {
+        (c["strategy"], c["precision"]) for c in checks_run}
+    assert all(c["status"] != "fail" for c in checks_run)
