@@ -94,7 +94,7 @@ def measure() -> dict[str, object]:
     for recipe in LIBRARY_RECIPES:
         cells = {}
         for column, (check, scenario, world, precision) in CASES.items():
-            run = runner.run(recipe.path, scenario, world, precision)
+            run = runner.run(recipe.path, scenario, world, precision, strategy=recipe.strategy)
             v = checks.CHECKS[check](run)
             want = recipe.expect(column)
             found = None

@@ -41,7 +41,7 @@ def _params() -> list[object]:
 def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, column: str) -> None:
     _require(recipe.library)
     check, scenario, world, precision = CASES[column]
-    run = runner.run(recipe.path, scenario, world, precision)
+    run = runner.run(recipe.path, scenario, world, precision, strategy=recipe.strategy)
     verdict = checks.CHECKS[check](run)
     want = recipe.expect(column)
     version = installed_version(recipe.library)

@@ -25,10 +25,12 @@ CASES: dict[str, tuple[str, str, int, str]] = {
     "logged_loss": ("logged_loss", "uneven", 2, "fp32"),
     "hygiene": ("hygiene", "uneven", 2, "fp32"),
     "empty_window": ("empty_window", "all_empty", 2, "fp32"),
+    "parity bf16": ("parity", "uneven", 2, "bf16"),
 }
 """Column name -> (check, scenario, world size, precision): the cases that tell these libraries apart. ``uneven``:
 one window of two microbatches per rank with different counts per rank; ``single``: one microbatch per rank (a short
-final window); ``all_empty``: no supervised token anywhere."""
+final window); ``all_empty``: no supervised token anywhere; ``parity bf16``: the bf16 lane (autocast under DDP, the
+mixed-precision policy under FSDP2) against its derived bound."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class LibraryRecipe:
     fix: str
     """What to change when it fails (empty for the corrected configurations)."""
     expected: dict[str, Expect] = field(default_factory=dict)
+    strategy: str = "ddp"
+    """The data-parallel strategy the configuration runs under (``"fsdp2"``: the harness shards the model)."""
 
     @property
     def name(self) -> str:
@@ -88,6 +92,8 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         {
             "parity": Expect("fail", "a mean of local means: each rank divides by its own count, DDP averages",
                              diagnosis="mean_of_local_means"),
+            "parity bf16": Expect("fail", "a mean of local means, seen through bf16 noise",
+                                  diagnosis="mean_of_local_means"),
             "parity fp64": Expect("fail", "a mean of local means (and float32 computation)",
                                   diagnosis="mean_of_local_means"),
             "parity single": Expect("fail", "a mean of local means", diagnosis="mean_of_local_means"),
@@ -105,6 +111,8 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         {
             "parity": Expect("fail", "a mean of per-microbatch means, divided by gradient_accumulation_steps",
                              diagnosis="per_microbatch_mean"),
+            "parity bf16": Expect("fail", "a mean of per-microbatch means, seen through bf16 noise",
+                                  diagnosis="per_microbatch_mean"),
             "parity fp64": Expect("fail", "a mean of per-microbatch means", diagnosis="per_microbatch_mean"),
             # Each rank's gradient holds its own microbatch only, at its local mean halved by backward (see the
             # module): read as not synchronized, with the own block's weight named.
@@ -134,10 +142,23 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
                              "averages", diagnosis="global_scale"),
             "parity fp64": Expect("fail", "the world-size factor is missing", diagnosis="global_scale"),
             "parity single": Expect("fail", "the world-size factor is missing", diagnosis="global_scale"),
+            "parity bf16": Expect("fail", "the world-size factor is missing", diagnosis="global_scale"),
             "one_sync": Expect("fail", "no gradient-sync suppression: DDP synchronizes after every microbatch (a "
                                "cost, not a wrong gradient)"),
             "empty_window": NAN_ON_EMPTY,
         },
+    ),
+    LibraryRecipe(
+        f"{_TT}:torchtitan_loss_fsdp2", "torchtitan",
+        "the same loss (sum / global count, a backward per microbatch) under FSDP2 with the summing reduction it is "
+        "written for (`reduction = \"sum\"` declared: the divisor knobs on every sharded module)",
+        "`set_requires_gradient_sync(False)` on all but the last microbatch; stop when `global_valid_tokens` is 0",
+        {
+            "parity fp64": FLOAT32_LOSS,
+            "one_sync": Expect("fail", "every microbatch reduce-scatters (a cost, not a wrong gradient)"),
+            "empty_window": NAN_ON_EMPTY,
+        },
+        strategy="fsdp2",
     ),
     LibraryRecipe(
         f"{_TT}:torchtitan_loss_corrected", "torchtitan",
@@ -153,6 +174,10 @@ torchtitan under DDP, float32 computation where only the float64 lane fails)."""
 
 
 NOT_ROWS: dict[str, str] = {
+    "accelerate fsdp2": "no row: accelerate 1.15 with `Accelerator(cpu=True, fsdp_plugin="
+                        "FullyShardedDataParallelPlugin(fsdp_version=2))` under a process group prepares a "
+                        "DistributedDataParallel model (distributed type MULTI_CPU): its FSDP2 path is not taken on "
+                        "the CPU, so there is no FSDP2 behaviour of its own to check here",
     "trl": "no row: TRL's preference and RL losses are trainer methods, not functions. GRPO's loss types (grpo: a mean "
            "per sequence, then over sequences; bnpo and dapo: a token mean over the local or the accumulated global "
            "batch; dr_grpo: a sum over batch size x max_completion_length) live in GRPOTrainer._compute_loss(self, "

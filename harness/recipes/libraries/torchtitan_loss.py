@@ -101,5 +101,15 @@ class TorchtitanLossCorrected(TorchtitanLoss):
     corrected = True
 
 
+class TorchtitanLossFsdp2(TorchtitanLoss):
+    """torchtitan's loss as its trainer uses it (``S_r / N``, a backward per microbatch) under the summing FSDP2
+    reduction it is written for: it declares ``reduction = "sum"``, so the harness sets FSDP2's divisor knobs on
+    every sharded module. Right gradients; every microbatch reduce-scatters (torchtitan does not disable the sync)."""
+
+    name = "torchtitan_loss_fsdp2"
+    reduction = "sum"
+
+
 torchtitan_loss = TorchtitanLoss
 torchtitan_loss_corrected = TorchtitanLossCorrected
+torchtitan_loss_fsdp2 = TorchtitanLossFsdp2
