@@ -31,8 +31,8 @@ def _run(recipe: str, objective: str, scenario: str = "uneven", world: int = 2, 
 
 @pytest.mark.parametrize(("recipe", "objective"), [
     (f"{M}:sequence_mean", "sequence_mean"),
-    (f"{M}:weighted_token_mean", "weighted_token_mean"),
-    (f"{M}:pg_fixed_normalizer", "fixed_normalizer"),
+    pytest.param(f"{M}:weighted_token_mean", "weighted_token_mean", marks=pytest.mark.slow),
+    pytest.param(f"{M}:pg_fixed_normalizer", "fixed_normalizer", marks=pytest.mark.slow),
     pytest.param(f"{M}:token_mean_with_load_balance", "token_mean", marks=pytest.mark.slow),
 ], ids=["sequence_mean", "weighted_token_mean", "pg_fixed_normalizer", "load_balance"])
 def test_each_objectives_correct_recipe_matches_the_reference_of_its_own_objective(recipe: str, objective: str) -> None:

@@ -30,6 +30,7 @@ SMALL = {"steps": 16, "every": 5}  # the least the battery allows at every=5, st
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.mark.slow  # the default tier's test_resume.py resumes the same trainer; its control below stays here
 def test_the_harness_trainer_passes_a_drawn_stop_and_a_kill_inside_its_save() -> None:
     """Stop at a drawn step, resume; SIGKILL inside the save, resume into the same directory: every state equal."""
     report = run_battery(HARNESS_TRAINER, ResumeOptions(**SMALL, cases=("stop-resume", "kill-in-save")))
