@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+# --objective: what the recipe's gradient must be the gradient of (the names, pure Python; the formulas are in
+# harness.core.objectives).
+from harness.core.objective_names import OBJECTIVES, check_objective
+
 DEADLINE = 30.0
 """Seconds one battery run (one launch) may take (``--battery-deadline``)."""
 
@@ -54,17 +58,6 @@ DEFAULT_EXAMPLES = 12
 REDUCTIONS = ("mean", "sum")
 """How the harness's comm hook combines the ranks' gradients: DDP's average, or a sum."""
 
-OBJECTIVES = ("token_mean", "sequence_mean", "weighted_token_mean", "fixed_normalizer")
-"""``--objective``: what the recipe's gradient must be the gradient of (:mod:`harness.core.objectives`, which holds
-the formulas; kept here as names so that the options stay pure Python)."""
-
-
-def check_objective(value: object, option: str = "--objective") -> str:
-    if value not in OBJECTIVES:
-        msg = (f"{option}={value!r} must be one of {', '.join(OBJECTIVES)} (token_mean, the default, is the mean over "
-               "every supervised token of the global window; docs/objectives.md says what each one computes)")
-        raise ValueError(msg)
-    return str(value)
 
 
 def parse_world_sizes(text: str | Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:

@@ -42,13 +42,14 @@ from dataclasses import dataclass
 import torch
 
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-
-TOKEN_MEAN = "token_mean"
-SEQUENCE_MEAN = "sequence_mean"
-WEIGHTED_TOKEN_MEAN = "weighted_token_mean"
-FIXED_NORMALIZER = "fixed_normalizer"
-OBJECTIVES = (TOKEN_MEAN, SEQUENCE_MEAN, WEIGHTED_TOKEN_MEAN, FIXED_NORMALIZER)
-"""``--objective`` values; the first is the default."""
+from harness.core.objective_names import (
+    FIXED_NORMALIZER,
+    OBJECTIVES,
+    SEQUENCE_MEAN,
+    TOKEN_MEAN,
+    WEIGHTED_TOKEN_MEAN,
+    check_objective,
+)
 
 DESCRIPTIONS = {
     TOKEN_MEAN: "the token mean (every supervised token of the global window weighs 1/N)",
@@ -76,15 +77,6 @@ MICROBATCH = "microbatch"
 TOKEN = "token"
 AUXILIARY_UNITS = (MICROBATCH, TOKEN)
 """The units an auxiliary term may declare (``auxiliary_unit``)."""
-
-
-def check_objective(value: object, option: str = "--objective") -> str:
-    """``value`` if it names an objective; ValueError naming the option, the value and the choices otherwise."""
-    if value not in OBJECTIVES:
-        msg = (f"{option}={value!r} must be one of {', '.join(OBJECTIVES)} (token_mean, the default, is the mean over "
-               "every supervised token of the global window; docs/objectives.md says what each one computes)")
-        raise ValueError(msg)
-    return str(value)
 
 
 @dataclass(frozen=True)

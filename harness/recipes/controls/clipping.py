@@ -16,7 +16,7 @@ from torch import nn
 from harness.core.loss import global_token_loss
 from harness.core.microbatch import Microbatch
 from harness.recipes.catalog import Target, control
-from harness.recipes.correct import _world_size, forward_loss_sum, global_sum, window_count
+from harness.recipes.correct import _world_size, accumulate, forward_loss_sum, global_sum, window_count
 from harness.recipes.helpers import sync_context
 
 
@@ -52,12 +52,7 @@ class ClipOnOneRank:
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch],
                         max_norm: float = 1.0) -> tuple[float, float]:
         total, world = window_count(window), _world_size()
-        local = 0.0
-        for i, mb in enumerate(window):
-            with sync_context(model, i, len(window)):
-                s = forward_loss_sum(model, mb)
-                global_token_loss(s, total, world).backward()
-            local += float(s.detach())
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
         limit = max_norm if not dist.is_initialized() or dist.get_rank() == 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), limit))
         return global_sum(local) / total, norm
@@ -73,12 +68,7 @@ class LocalShardNorm:
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch],
                         max_norm: float = 1.0) -> tuple[float, float]:
         total, world = window_count(window), _world_size()
-        local = 0.0
-        for i, mb in enumerate(window):
-            with sync_context(model, i, len(window)):
-                s = forward_loss_sum(model, mb)
-                global_token_loss(s, total, world).backward()
-            local += float(s.detach())
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
         shards = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                   for p in model.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in shards])))
