@@ -40,7 +40,7 @@ for _path in (ROOT / "tests", ROOT):  # tests/ for support.ports (tests/support/
 import torch  # noqa: E402
 from support.ports import HOST, free_port, port_taken  # noqa: E402
 
-from harness.training.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
+from harness.resume.checkpoint import MANIFEST, SHARED, rank_file  # noqa: E402
 from harness.training.evaluation import EVAL_FILE  # noqa: E402
 from harness.training.trainer import state_difference  # noqa: E402
 

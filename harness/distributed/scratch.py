@@ -95,7 +95,7 @@ def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and has not ended (a zombie has ended). A process of another user counts as
     alive: what it left is not ours to judge. A pid no process can have (0, negative, too large) is not alive. The one
     answer to this question in the package: launch folders (:func:`stale`), the audit of a run directory's temporaries
-    (:func:`harness.training.checkpoint.audit_run_dir`) and the outputs' swap leftovers use it."""
+    (:func:`harness.resume.checkpoint.audit_run_dir`) and the outputs' swap leftovers use it."""
     if pid <= 0:
         return False
     try:

@@ -15,7 +15,7 @@ Cases, for a trainer stepped to ``S`` with a checkpoint every ``every`` steps (a
 Compared on every rank, bitwise: everything ``state()`` returns (weights, optimizer, scheduler, data position, the
 trainer's own generators, ``step``), the global generators (Python, numpy, torch CPU and CUDA) after the battery's
 draws, and the loss of every step the leg ran. Every committed step directory's name, manifest step and the ranks'
-data positions must agree (:func:`harness.training.checkpoint.check_step_dir`).
+data positions must agree (:func:`harness.resume.checkpoint.check_step_dir`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from harness.distributed.launcher import Expected, LaunchError, launch
+from harness.resume.checkpoint import MANIFEST, check_step_dir, step_dir_name, step_dirs
 from harness.resume.compare import first_difference
+from harness.resume.faults import FAULT_RECORD, Fault
 from harness.resume.generators import CUBLAS_ENV, DETERMINISTIC_SETTINGS
 from harness.resume.options import CASES, ResumeOptions
 from harness.resume.runner import Leg, ResumeMismatch, run_leg
-from harness.training.checkpoint import MANIFEST, check_step_dir, step_dir_name, step_dirs
-from harness.training.faults import FAULT_RECORD, Fault
 
 PASSED, FAILED, NOT_BITWISE = "pass", "fail", "not-bitwise"
 

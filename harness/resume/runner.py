@@ -18,18 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.resume.contract import Trainer, load_trainer
-from harness.resume.generators import apply_deterministic, draw_globals, global_states, seed_globals
-from harness.resume.options import KILL_POINTS
-from harness.training.checkpoint import (
+from harness.resume.checkpoint import (
     LAYOUT_TRAINER,
     begin_step_dir,
     check_step_dir,
     commit_step_dir,
     newest_valid_checkpoint,
 )
-from harness.training.faults import Fault, die_at
-from harness.training.state import cpu_copy
+from harness.resume.contract import Trainer, load_trainer
+from harness.resume.faults import Fault, die_at
+from harness.resume.generators import apply_deterministic, draw_globals, global_states, seed_globals
+from harness.resume.options import KILL_POINTS
+from harness.resume.state import cpu_copy
 
 
 class ResumeMismatch(ValueError):

@@ -21,7 +21,7 @@ from harness.core.microbatch import IGNORE_INDEX
 from harness.data.batching import collate
 from harness.data.config import Config
 from harness.data.corpus import Row, split_rows
-from harness.training.atomic import write_atomic
+from harness.resume.atomic import write_atomic
 
 EVAL_FILE = "eval.json"
 EVAL_BATCH = 32

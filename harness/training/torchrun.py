@@ -33,7 +33,7 @@ import torch.distributed as dist
 from harness.data.config import load_config
 from harness.data.corpus import data_lock, make_corpus
 from harness.distributed.worker import default_backend, exit_worker
-from harness.training.checkpoint import (
+from harness.resume.checkpoint import (
     MANIFEST,
     CorruptCheckpoint,
     load_checkpoint,

@@ -14,8 +14,8 @@ forgets one is caught by the bitwise comparison at the last step:
 ``resume_bug`` reproduces real resume mistakes as negative controls for the tests; never set it in a real run.
 
 The pieces the loop uses live by job beside it: :mod:`~harness.training.schedule` (the learning-rate factor),
-:mod:`~harness.training.rng` (per-rank generators), :mod:`~harness.training.faults` (``HARNESS_FAULT`` kill points),
-:mod:`~harness.training.state` (CPU copies and :func:`state_difference`), :mod:`~harness.training.checkpoint` and
+:mod:`~harness.training.rng` (per-rank generators), :mod:`~harness.resume.faults` (``HARNESS_FAULT`` kill points),
+:mod:`~harness.resume.state` (CPU copies and :func:`state_difference`), :mod:`~harness.resume.checkpoint` and
 :mod:`~harness.training.evaluation`.
 """
 
@@ -39,17 +39,17 @@ from harness.data.plan import make_plan
 from harness.distributed.strategies.ddp import DDPStrategy
 from harness.model import build_model
 from harness.recipes import Recipe, load_recipe
-from harness.training.checkpoint import (
+from harness.resume.checkpoint import (
     load_checkpoint,
     newest_valid_checkpoint,
     save_checkpoint,
     write_checkpoint_files,
 )
+from harness.resume.faults import FAULT_ENV, FAULT_POINTS, FAULT_RECORD, Fault, die_at, parse_fault
+from harness.resume.state import cpu_copy, state_difference
 from harness.training.evaluation import evaluate_model, write_eval
-from harness.training.faults import FAULT_ENV, FAULT_POINTS, FAULT_RECORD, Fault, die_at, parse_fault
 from harness.training.rng import rank_seed, rng_state, seed_rngs, set_rng_state
 from harness.training.schedule import WarmupLinearDecay
-from harness.training.state import cpu_copy, state_difference
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as DDP

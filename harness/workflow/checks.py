@@ -190,8 +190,8 @@ def cmd_check_environment(args: argparse.Namespace) -> int:
 
 def cmd_check_checkpoints(args: argparse.Namespace) -> int:
     """Every step directory's manifest under the run directories, and what a killed run left (incomplete steps,
-    stale temporary files): :func:`harness.training.checkpoint.audit_run_dir`."""
-    from harness.training.checkpoint import audit_run_dir, step_dirs
+    stale temporary files): :func:`harness.resume.checkpoint.audit_run_dir`."""
+    from harness.resume.checkpoint import audit_run_dir, step_dirs
 
     if args.run_dir:
         run_dirs = [Path(d) for d in args.run_dir]

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="negative controls the battery runs (default: every one; e.g. mean_of_local_means)")
     p.add_argument("--resume-trainer", default=None, metavar="PKG.MODULE:FACTORY",
                    help="the trainer the report's resume battery runs on (default: the harness's own; e.g. a control "
-                   "of harness.resume.controls, which must turn the report red)")
+                   "of harness.training.resume_controls, which must turn the report red)")
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("battery", help="judge recipes on every check; run the negative controls on their targets")

@@ -107,7 +107,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Test loss, token accuracy and valid tokens of a run directory's newest checkpoint."""
     from harness.data.corpus import data_lock, make_corpus
-    from harness.training.checkpoint import read_manifest
+    from harness.resume.checkpoint import read_manifest
     from harness.workflow.protocol import checkpoint_to_evaluate, evaluate
 
     config = config_from(args)

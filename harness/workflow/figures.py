@@ -12,7 +12,7 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.training.checkpoint import write_atomic
+from harness.resume.checkpoint import write_atomic
 
 
 def write_figure(

@@ -11,7 +11,7 @@ Layout of an outputs folder (``--outputs``, default ``outputs/``)::
     report.md  report.json  report.png
 
 Every file is written under a temporary name in its own folder, fsynced, renamed over the final name and the folder
-fsynced (:func:`harness.training.checkpoint.write_atomic`): a reader sees the old file or the whole new one. ``runs/``
+fsynced (:func:`harness.resume.checkpoint.write_atomic`): a reader sees the old file or the whole new one. ``runs/``
 is replaced as a whole by :func:`swap_dir`, which exchanges the two folders in one rename where the system can
 (Linux ``renameat2(RENAME_EXCHANGE)``) and otherwise keeps the previous folder under ``.old-runs-PID`` until the new
 one is in place; :func:`restore_dir` puts such a leftover back when a crash came between the two renames, and
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.distributed.scratch import pid_alive
-from harness.training.atomic import fsync_dir, write_atomic
+from harness.resume.atomic import fsync_dir, write_atomic
 
 MARKER = "outputs.json"
 

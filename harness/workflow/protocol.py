@@ -29,7 +29,7 @@ from harness.data.corpus import Row, data_lock, make_corpus
 from harness.data.plan import Plan, make_plan
 from harness.distributed.launcher import launch
 from harness.model import build_model
-from harness.training.checkpoint import MANIFEST, SHARED, read_manifest, step_dir_name, step_dirs
+from harness.resume.checkpoint import MANIFEST, SHARED, read_manifest, step_dir_name, step_dirs
 from harness.workflow.outputs import (
     MARKER,
     BadInput,
@@ -213,7 +213,7 @@ def checkpoint_to_evaluate(run_dir: Path) -> Path:
 
 def evaluate(config: Config, step_dir: Path, lock: str) -> dict[str, Any]:
     """Test loss, token accuracy and valid tokens of ``step_dir``'s weights, on ``config.world_size`` ranks."""
-    from harness.training.checkpoint import load_checkpoint
+    from harness.resume.checkpoint import load_checkpoint
 
     manifest = read_manifest(step_dir)
     try:

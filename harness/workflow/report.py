@@ -73,7 +73,7 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 
     ``controls`` limits the battery's negative controls (default: every one in ``harness.recipes.NEGATIVE_CONTROLS``).
     ``resume_trainer`` is the trainer the resume battery runs on (default: the harness's own): a control of
-    :mod:`harness.resume.controls` there turns the report red with the differing state named.
+    :mod:`harness.training.resume_controls` there turns the report red with the differing state named.
     A :class:`BadInput` raised after ``prepare`` wrote its files names them (relative to ``outputs``).
     """
     chosen = _check_controls(controls)

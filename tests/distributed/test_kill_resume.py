@@ -15,7 +15,7 @@ import pytest
 
 from harness.data.config import Config, load_config
 from harness.distributed.launcher import LaunchError, launch
-from harness.training.checkpoint import MANIFEST, audit_run_dir, latest_checkpoint, step_dir_name
+from harness.resume.checkpoint import MANIFEST, audit_run_dir, latest_checkpoint, step_dir_name
 from harness.training.trainer import FAULT_ENV, FAULT_RECORD, launched_run, state_difference
 
 MINIMUM = Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"

@@ -21,7 +21,7 @@ from harness.data.config import Config, load_config
 from harness.data.corpus import make_corpus, split_rows
 from harness.distributed.launcher import Expected, launch
 from harness.model import build_model
-from harness.training.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file, step_dir_name
+from harness.resume.checkpoint import MANIFEST, SHARED, latest_checkpoint, rank_file, step_dir_name
 from harness.training.evaluation import EVAL_FILE, evaluate_model
 from harness.training.trainer import launched_run, state_difference
 

@@ -19,8 +19,8 @@ import pytest
 
 from harness.resume.battery import run_battery
 from harness.resume.contract import HARNESS_TRAINER
-from harness.resume.controls import CAUGHT_BY, CONTROLS
 from harness.resume.options import ResumeOptions
+from harness.training.resume_controls import CAUGHT_BY, CONTROLS
 from harness.workflow.cli import main
 from harness.workflow.resume import resume_battery
 

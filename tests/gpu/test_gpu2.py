@@ -28,8 +28,8 @@ from support.ports import HOST, free_port
 
 from harness.battery import checks
 from harness.distributed.launcher import launch
+from harness.resume.checkpoint import MANIFEST, SHARED, rank_file
 from harness.testing.skips import requires_two_gpus
-from harness.training.checkpoint import MANIFEST, SHARED, rank_file
 from harness.training.evaluation import EVAL_FILE
 from harness.training.trainer import state_difference
 

@@ -31,8 +31,8 @@ from harness.core.reference import Reference, reference_gradient
 from harness.data.config import Config
 from harness.distributed.launcher import launch
 from harness.model import build_model
+from harness.resume.checkpoint import rank_file
 from harness.testing.skips import requires_cuda, requires_one_gpu_with_nccl
-from harness.training.checkpoint import rank_file
 from harness.training.trainer import launched_run, state_difference
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

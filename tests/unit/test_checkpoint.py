@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness.data.config import Config
-from harness.training.checkpoint import (
+from harness.resume.checkpoint import (
     MANIFEST,
     SHARED,
     latest_checkpoint,
@@ -22,10 +22,10 @@ from harness.training.checkpoint import (
     save_checkpoint,
     trajectory_mismatch,
 )
-from harness.training.faults import FAULT_ENV, Fault, parse_fault
+from harness.resume.faults import FAULT_ENV, Fault, parse_fault
+from harness.resume.state import state_difference
 from harness.training.rng import rank_seed
 from harness.training.schedule import WarmupLinearDecay
-from harness.training.state import state_difference
 
 CONFIG = Config()
 LOCK = "a" * 64
@@ -248,7 +248,8 @@ def test_state_difference_is_zero_only_for_equal_states() -> None:
 
 def test_the_names_that_moved_out_of_the_trainer_are_still_importable_from_it() -> None:
     """The workflow, the benchmarks and the GPU tests import these from ``harness.training.trainer``."""
-    from harness.training import faults, rng, schedule, state, trainer
+    from harness.resume import faults, state
+    from harness.training import rng, schedule, trainer
 
     for module, names in [
         (faults, ["FAULT_ENV", "FAULT_POINTS", "FAULT_RECORD", "Fault", "parse_fault"]),

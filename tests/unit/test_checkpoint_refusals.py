@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.data.config import Config
-from harness.training.checkpoint import (
+from harness.resume.checkpoint import (
     MANIFEST,
     SHARED,
     audit_run_dir,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.training.checkpoint import MANIFEST, save_checkpoint
+from harness.resume.checkpoint import MANIFEST, save_checkpoint
 from harness.workflow.cli import main
 from harness.workflow.figures import write_figure
 

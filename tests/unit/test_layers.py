@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).parents[2] / "harness"
-ORDER = ("core", "data", "model", "distributed", "recipes", "battery", "training", "resume", "testing", "workflow")
+ORDER = ("core", "data", "model", "distributed", "recipes", "battery", "resume", "training", "testing", "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
 
 

@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.resume.compare import first_difference
-from harness.resume.contract import TrainerError, resolve_factory
-from harness.resume.options import ResumeOptions
-from harness.training import checkpoint
-from harness.training.checkpoint import (
+from harness.resume import checkpoint
+from harness.resume.checkpoint import (
     MANIFEST,
     CorruptCheckpoint,
     check_step_dir,
@@ -22,6 +19,9 @@ from harness.training.checkpoint import (
     newest_valid_checkpoint,
     save_checkpoint,
 )
+from harness.resume.compare import first_difference
+from harness.resume.contract import TrainerError, resolve_factory
+from harness.resume.options import ResumeOptions
 
 
 def _write(run_dir: Path, step: int, position: int | None = None) -> Path:

@@ -15,8 +15,8 @@ after a barrier that every rank enters once its own file is in; a folder without
 incomplete checkpoint, and :func:`latest_checkpoint` skips it. Every rank calls :func:`save_checkpoint` and takes part
 in the same collectives: rank 0 writing more files than its peers never means a peer skips a barrier.
 
-The file-level pieces live beside this module: :mod:`~harness.training.atomic` (temporary, fsync, rename) and
-:mod:`~harness.training.manifest` (the manifest and its checks). This module keeps the step directories: their names,
+The file-level pieces live beside this module: :mod:`~harness.resume.atomic` (temporary, fsync, rename) and
+:mod:`~harness.resume.manifest` (the manifest and its checks). This module keeps the step directories: their names,
 writing one collectively, finding the latest, auditing a run directory, and loading one into a run.
 """
 
@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from harness.data.config import Config
 from harness.distributed.scratch import pid_alive
-from harness.training.atomic import TEMP_NAME, commit, fsync_dir, write_atomic, write_temp
-from harness.training.manifest import (
+from harness.resume.atomic import TEMP_NAME, commit, fsync_dir, write_atomic, write_temp
+from harness.resume.manifest import (
     FORMAT,
     LAYOUT_HARNESS,
     LAYOUT_TRAINER,
@@ -106,7 +106,7 @@ def begin_step_dir(run_dir: str | Path, step: int, *, rank: int) -> Path:
 
 def checkpoint_files(folder: Path) -> list[str]:
     """Every file under ``folder`` a manifest vouches for, as relative POSIX paths, sorted; hidden temporaries
-    (:data:`~harness.training.atomic.TEMP_NAME`) and the manifest itself are left out."""
+    (:data:`~harness.resume.atomic.TEMP_NAME`) and the manifest itself are left out."""
     names = []
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()

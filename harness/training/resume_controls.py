@@ -1,5 +1,5 @@
 """Negative controls of the resume battery: the harness's own trainer with one real resume mistake each, as
-``--trainer=harness.resume.controls:<name>``. The battery must fail every one, naming the state that differs
+``--trainer=harness.training.resume_controls:<name>``. The battery must fail every one, naming the state that differs
 (``tests/distributed/test_resume_battery.py`` shows that it does; ``python -m harness report`` runs them too).
 
 The names are :data:`harness.training.trainer.RESUME_BUGS`; what each one does is documented there.
@@ -11,7 +11,7 @@ from typing import Any
 
 from harness.training.trainer import RESUME_BUGS, HarnessTrainer, trainer_factory
 
-CONTROLS = {bug: f"harness.resume.controls:{bug}" for bug in RESUME_BUGS}
+CONTROLS = {bug: f"harness.training.resume_controls:{bug}" for bug in RESUME_BUGS}
 """Each control's ``--trainer`` path, by name."""
 
 CAUGHT_BY = {"not_atomic": ("kill-in-save", "kill-before-commit")}
