@@ -686,7 +686,12 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                    "it too, or every parameter a gradient" if wrap else
                    "the ranks' DDP runs without it here (--find-unused-parameters off): DDP then never finishes the "
                    "reduction of a rank that misses a gradient while the others wait for it (use auto or on)")
-            notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
+            if spec.strategy == "fsdp2":
+                notes += (*unused, "under FSDP2 the ranks shard the model as one group here (a module no forward "
+                          "reaches is never gathered, and its gradients cannot be accumulated under a "
+                          "mixed-precision policy); under DDP it needs find_unused_parameters=True")
+            else:
+                notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
     return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective, noise)
 
 

@@ -74,3 +74,11 @@ def test_the_battery_passes_the_correct_recipe_under_both_strategies_in_fp32_and
     assert {("ddp", "fp32"), ("ddp", "bf16"), ("fsdp2", "fp32"), ("fsdp2", "bf16")} == {
         (c["strategy"], c["precision"]) for c in checks_run}
     assert all(c["status"] != "fail" for c in checks_run)
+
+
+@pytest.mark.slow
+def test_a_clipping_recipe_is_judged_against_the_clipped_truth_in_bf16() -> None:
+    """The float64 truth at the rank's weights is clipped the way the reference is before the recipe's clipped
+    gradient is held to the bound (an unclipped truth would fail every clipping recipe by the clip factor)."""
+    verdict = _parity("harness.recipes:clipped_global_token_mean")
+    assert "pass" == verdict.status, verdict.message

@@ -47,3 +47,14 @@ def test_the_divide_factor_on_the_root_only_is_named_in_the_verdict() -> None:
     verdict = _verdicts("harness.recipes:divide_factor_on_root_only", "fsdp2")["parity"]
     assert ("fail", "numbers") == (verdict.status, verdict.cause)
     assert "set_gradient_divide_factor on the root (1.0) but not on" in verdict.message, verdict.message
+
+
+@pytest.mark.slow
+def test_a_model_with_an_unused_head_passes_under_fsdp2_in_bf16() -> None:
+    """A head no forward reaches: FSDP2 shards the model as one group (a group never gathered cannot accumulate its
+    gradients under a mixed-precision policy), says so, and the correct recipe passes."""
+    run = runner.run(RunSpec(CORRECT_RECIPE, "uneven", 2, "bf16", strategy="fsdp2",
+                             model="user_recipes.models:UnusedHead"))
+    verdict = checks.parity(run)
+    assert "pass" == verdict.status, verdict.message
+    assert any("under FSDP2 the ranks shard the model as one group" in n for n in run.notes), run.notes

@@ -100,7 +100,7 @@ class FSDP2Wrapped:
     """One rank's model sharded with ``fully_shard``."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, reduction: str, count_syncs: bool,
-                 mixed_precision: torch.dtype | None) -> None:
+                 mixed_precision: torch.dtype | None, find_unused: bool = False) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         # FSDP2 warns of every module whose forward returns a view (an in-place op on it would skip the pre-backward
@@ -108,7 +108,10 @@ class FSDP2Wrapped:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         policy = (MixedPrecisionPolicy() if mixed_precision is None else
                   MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32))
-        self.sharded: list[nn.Module] = groups(model)
+        # A module no forward reaches is never gathered, and FSDP2 cannot accumulate such a group's gradients under
+        # a mixed-precision policy with the sync disabled ('FSDPParam' object has no attribute '_unsharded_param'):
+        # where parameters may miss a gradient, the whole model is one group, gathered at every forward.
+        self.sharded: list[nn.Module] = [model] if find_unused else groups(model)
         for m in self.sharded:
             fully_shard(m, mp_policy=policy)
         self.local: nn.Module = model
@@ -191,13 +194,14 @@ class FSDP2Strategy:
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
              count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
              mixed_precision: torch.dtype | None = None) -> FSDP2Wrapped:
-        # find_unused: FSDP2 reduce-scatters the gradients that exist, so a parameter without one needs nothing.
+        # find_unused: parameters may miss a gradient; FSDP2 reduce-scatters the gradients that exist, but a group no
+        # forward reaches cannot be accumulated, so the model is sharded as one group then (FSDP2Wrapped).
         # on_comm_hook: FSDP2 has no DDP communication hook to take.
         if reduction not in ("mean", "sum"):
             msg = f"reduction={reduction!r} must be 'mean' or 'sum'"
             raise ValueError(msg)
         return FSDP2Wrapped(model, device, reduction=reduction, count_syncs=count_syncs,
-                            mixed_precision=mixed_precision)
+                            mixed_precision=mixed_precision, find_unused=find_unused)
 
 
 register(FSDP2Strategy())
