@@ -547,7 +547,7 @@ def hygiene(run: Run) -> Verdict:
     return _passed("hygiene", run, detail, notes=tuple(notes))
 
 
-@check(per_precision=True)
+@check()
 def clipping(run: Run) -> Verdict:
     """A recipe that clips (its ``backward_window`` takes ``max_norm``) returns, on every rank, the reference's global
     gradient norm before clipping: over every parameter and every rank's tokens, not one rank's share, not one

@@ -20,7 +20,7 @@ from harness.battery import checks, runner, scenarios
 from harness.battery.diagnose import worst
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.table import run_controls
-from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS
+from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS, control_class
 from harness.recipes.catalog import IN_PROCESS
 
 ROOT = Path(__file__).parents[2]
@@ -30,15 +30,25 @@ def control(name: str) -> str:
     return f"harness.recipes:{name}"
 
 
+SLOW_FAMILIES = ("strategies", "clipping", "objectives")
+"""Families whose controls past the first run in the slow tier only."""
+
+
 def control_cases() -> list[object]:
     """``(control, world size)`` for every control: the world sizes its target declares (a mistake right at the W its
     author tested), else 2 and 3 (3 in the slow tier); a control whose target needs ranks on several nodes is
     skipped, saying so (every in-process rank is on one node; a torchrun test across nodes runs it)."""
     out: list[object] = []
+    seen: set[str] = set()
     for n, t in CONTROLS.items():
+        family = control_class(n).__module__.rsplit(".", 1)[-1]
+        # The strategy, clipping and objective families' controls past the first of each run at W=2 in the slow
+        # tier (the test command's budget); every other control at W=2 in the default one.
+        representative = family not in SLOW_FAMILIES or family not in seen
+        seen.add(family)
         for w in t.world_sizes or (2, 3):
             marks = [pytest.mark.xdist_group(control_group(n, w))]
-            if not t.world_sizes and w == 3:
+            if (not t.world_sizes and w == 3) or not representative:
                 marks.append(pytest.mark.slow)
             if t.launch != IN_PROCESS:
                 marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on more than one "
@@ -121,7 +131,12 @@ def _failing_checks(name: str, scenario: str, world_size: int = 2) -> list[str]:
     return [n for n in names if not checks.CHECKS[n](run).passed]
 
 
-@pytest.mark.parametrize(("scenario", "name"), sorted(SCENARIO_CONTROLS.items()))
+# Each runs its control on every scenario (seven launches): two in the default tier, every one in the slow tier.
+_SCENARIO_CASES = [pytest.param(s, n, marks=() if s in ("one_empty", "long") else pytest.mark.slow)
+                   for s, n in sorted(SCENARIO_CONTROLS.items())]
+
+
+@pytest.mark.parametrize(("scenario", "name"), _SCENARIO_CASES)
 def test_each_scenario_catches_a_control_that_every_other_scenario_passes(scenario: str, name: str) -> None:
     """What a scenario adds: its control fails it and passes every check of every other battery scenario (W=2)."""
     assert _failing_checks(name, scenario), f"{name} passes {scenario}"
