@@ -74,8 +74,11 @@ def test_a_save_that_is_not_atomic_is_caught_by_the_kill_inside_the_save_alone()
 @pytest.mark.slow
 @pytest.mark.parametrize("control", sorted(CONTROLS))
 def test_every_control_fails_the_full_battery_and_turns_the_report_red(control: str) -> None:
-    """Through the report's resume step (the same battery): not passed, the first failure names a state or label."""
-    check, payload = resume_battery(CONTROLS[control])
+    """Through the report's resume step (the same battery): not passed, the first failure names a state or label.
+    Each runs the cases that catch it (after ``repeatable``, which always runs) at the battery's smallest size: the
+    slow tier's budget; ``report`` itself runs every case."""
+    cases = CAUGHT_BY.get(control, ("stop-resume",))
+    check, payload = resume_battery(CONTROLS[control], ResumeOptions(**SMALL, cases=tuple(cases)))
     assert not check.passed, payload["table"]
     failed = [c["case"] for c in payload["cases"] if c["status"] != "pass"]
     assert set(CAUGHT_BY.get(control, ("stop-resume",))) <= set(failed), payload["table"]
