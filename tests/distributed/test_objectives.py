@@ -74,7 +74,7 @@ def _matrix() -> list[object]:
             # scenario at W=1 and 2 too: the slow tier's budget, the default tier holding W=2's representatives.
             if scenario not in MATRIX_SCENARIOS:
                 continue
-            for world in (1, 2, 3) if scenario == "uneven" else (3,):
+            for world in (2, 3) if scenario == "uneven" else (3,):
                 out.append(pytest.param(recipe, objective, scenario, world, marks=pytest.mark.slow,
                                         id=f"{recipe.split(':')[1]}-{scenario}-world{world}"))
     return out

@@ -24,16 +24,10 @@ def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path)
     assert report["expected"] == report["run"] == report["counts"]["pass"] + report["counts"]["n/a"]
     cases = ET.parse(junit).getroot().findall(".//testcase")
     assert len(cases) == report["run"] and not ET.parse(junit).getroot().findall(".//failure")
-
-
-def test_every_worker_prepares_and_judges_its_share_of_the_runs(tmp_path: Path) -> None:
-    """The references and checks are dealt over the ranks, not left to rank 0: 6 runs at W=4 give 2, 2, 1, 1."""
-    codes, text, _ = job(tmp_path, "--recipe", "harness.recipes:global_token_mean", "--precision", "both",
-                         "--scenarios", "uneven,one_empty,long")
-    assert [0, 0] == codes, text[-3000:]
+    # The references and checks are dealt over the ranks, not left to rank 0: 7 runs at W=4 give 2, 2, 2, 1.
     shares = sorted(int(line.split("prepared and judged ")[1].split(" of ")[0])
                     for line in text.splitlines() if "prepared and judged" in line)
-    assert [1, 1, 2, 2] == shares, text[-3000:]
+    assert [1, 2, 2, 2] == shares, text[-3000:]
 
 
 @pytest.mark.parametrize(("name", "scenario", "cause"), [("mean_of_local_means", "uneven", "numbers"),
