@@ -8,7 +8,6 @@ Small on purpose (18,944 parameters at the battery's size: the components every 
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harness.core.formats import shifted_loss_sum
 from harness.core.microbatch import IGNORE_INDEX
+from harness.core.paths import resolve
 from harness.data.config import Config
 
 
@@ -173,18 +173,8 @@ def load_model_factory(path: str) -> Callable[[], nn.Module]:
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
         msg = f"model={path!r} must look like 'package.module:attr'; {_MODEL_FIX}"
         raise ModelError(msg)
-    module_name, attr = path.split(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        msg = (f"model={path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
-               "(is the package installed, or its folder on PYTHONPATH?)")
-        raise ModelError(msg) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            msg = f"model={path!r}: {module_name!r} has no attribute {attr!r}; {_MODEL_FIX}"
-            raise ModelError(msg)
-        obj = getattr(obj, part)
+    _, attr = path.split(":")
+    obj: Any = resolve(path, "model", _MODEL_FIX, ModelError)
     if isinstance(obj, nn.Module):
         msg = (f"model={path!r} is an nn.Module instance; every rank and the reference build their own copy from the "
                f"same seed, so give the factory that builds it instead; {_MODEL_FIX}")

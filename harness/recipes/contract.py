@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from harness.core.microbatch import Microbatch
+from harness.core.paths import resolve
 
 
 @runtime_checkable
@@ -60,7 +61,6 @@ def load_recipe(spec: object = None) -> Recipe:
     harness calls on every rank inside the process group before the first window. Every failure is a
     :class:`RecipeError` naming the path and the fix, raised before any rank starts.
     """
-    import importlib
 
     if spec is None:
         from harness.recipes.correct import global_token_mean
@@ -70,19 +70,8 @@ def load_recipe(spec: object = None) -> Recipe:
     obj: object = spec
     attr = getattr(spec, "__name__", type(spec).__name__)
     if isinstance(spec, str):
-        module_name, attr = split_recipe_path(spec)
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
-            msg = (f"recipe={spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
-                   "(is the package installed, or its folder on PYTHONPATH?)")
-            raise RecipeError(msg) from exc
-        obj = module
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                msg = f"recipe={spec!r}: {module_name!r} has no attribute {attr!r}; {_FIX}"
-                raise RecipeError(msg)
-            obj = getattr(obj, part)
+        _, attr = split_recipe_path(spec)
+        obj = resolve(spec, "recipe", _FIX, RecipeError)
     # A class is built even though it has a backward_window attribute (an unbound function would crash every rank).
     if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "backward_window")):
         try:

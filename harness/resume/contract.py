@@ -19,10 +19,11 @@ An optional ``close()`` is called before the process group goes away (drop a DDP
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from harness.core.paths import resolve
 
 HARNESS_TRAINER = "harness.training.trainer:trainer_factory"
 """The default ``--trainer``: the harness's own trainer on ``configs/minimum.yaml``."""
@@ -60,18 +61,8 @@ def split_trainer_path(path: object) -> tuple[str, str]:
 
 def resolve_factory(path: str) -> Any:
     """The factory ``path`` names, imported but not called (safe in the parent process: nothing is built)."""
-    module_name, attr = split_trainer_path(path)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        msg = (f"--trainer={path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} (is the package "
-               "installed, or its folder on PYTHONPATH?)")
-        raise TrainerError(msg) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            msg = f"--trainer={path!r}: {module_name!r} has no attribute {attr!r}; {_FIX}"
-            raise TrainerError(msg)
-        obj = getattr(obj, part)
+    _, attr = split_trainer_path(path)
+    obj = resolve(path, "--trainer", _FIX, TrainerError)
     if not callable(obj):
         msg = f"--trainer={path!r}: {attr} is a {type(obj).__name__}, not a factory; {_FIX}"
         raise TrainerError(msg)
