@@ -367,7 +367,8 @@ def parity(run: Run) -> Verdict:
     if autocast is not None and run.precision == "fp64":
         return _verdict("parity", run, NOT_APPLICABLE, f"the recipe's forward runs under autocast ({autocast}); "
                         "autocast leaves float64 alone on the CPU, so this lane would judge a float64 computation "
-                        "the recipe never runs in training: the float32 lane judges it (--precision fp32)")
+                        "the recipe never runs in training: the float32 lane judges it (--precision fp32)",
+                        finding="autocast")
     picked = worst(run)
     assert picked is not None
     k, rank = picked
