@@ -28,13 +28,19 @@ battery microbatch) with what the backward says ``phi'(0)`` is::
 one size; ``eps`` is the machine epsilon of the lowest floating dtype the forward computes in (a model that upcasts
 to float32 inside is checked at float32's epsilon and step). A direction that misses its bound is measured again at
 ``e / 4``: a non-differentiable point crossed by the step (a ReLU whose input passes zero between ``w - e v`` and
-``w + e v``) moves the difference between steps, a wrong backward does not. The backward is wrong when every
-direction misses its bound at both steps.
+``w + e v``) moves the difference between steps, a wrong backward does not. The backward disagrees with the
+forward when every direction misses its bound at both steps.
 
-**Which module.** When it is wrong, each module that ran is checked alone, at the inputs it got in the forward: the
-same test of ``s(x, theta) = <u, module(x, theta)>`` for a random cotangent ``u``, along a random direction of its
-floating inputs and its parameters. The modules that miss while every child passes are named: the wrong backward
-is in their own code (a leaf's ``forward``, or a ``forward`` that calls a custom Function between its children).
+**Which module, and whose fault.** When it disagrees, each module that ran is checked alone, at the inputs it got in
+the forward: the same test of ``s(x, theta) = <u, module(x, theta)>`` for a random cotangent ``u``, along a random
+direction of its floating inputs and its parameters. The modules that miss while every child passes are named: the
+disagreement is in their own code (a leaf's ``forward``, or a ``forward`` that calls a custom Function between its
+children). The backward is *wrong* when a custom ``torch.autograd.Function`` (defined outside torch) lies in such a
+module's graph (or, not narrowed down, in the model's): its hand-written ``backward`` is the model's fault, and
+:func:`harness.battery.facts.probe` refuses the model. Where none does, torch's own derivatives are right and the
+forward chose to stop a gradient (``.detach()``, a ``torch.no_grad()`` region, a tensor hook): a note says so, and
+the battery judges the gradient the model's backward defines, which is the one training uses. (A straight-through
+estimator written as a custom Function is refused too: its backward is not the gradient of its forward by design.)
 
 The check runs on a float64 copy of the model; a model that cannot be cast or cannot run in float64 is checked in its
 own dtype, at that dtype's epsilon and step, and the note says so. Each evaluation restores the buffers and reseeds
@@ -109,6 +115,8 @@ class ModuleMiss:
     name: str
     kind: str
     direction: Direction
+    functions: tuple[str, ...] = ()
+    """The custom ``torch.autograd.Function`` classes in the module's own graph."""
 
 
 @dataclass(frozen=True)
@@ -122,22 +130,44 @@ class BackwardCheck:
     directions: tuple[Direction, ...]
     retried: tuple[Direction, ...] = ()
     """The directions that missed at ``e``, measured again at ``e / RETRY`` (in order)."""
-    wrong: bool = False
+    disagrees: bool = False
+    """Every direction missed its bound at both steps: the backward is not the gradient of the forward."""
     modules: tuple[ModuleMiss, ...] = ()
-    """The modules the wrong backward lies in (empty: not narrowed down, or right)."""
+    """The modules the disagreement lies in (empty: not narrowed down, or none)."""
     functions: tuple[str, ...] = ()
     """The custom ``torch.autograd.Function`` classes in the loss's graph (outside torch)."""
     not_float64: str | None = None
     """Why the check did not run in float64 (the model's error on the cast or in a float64 forward)."""
     seconds: float = 0.0
 
+    @property
+    def wrong(self) -> bool:
+        """The disagreement lies where a custom autograd.Function's backward is: the model's fault."""
+        if not self.disagrees:
+            return False
+        return any(m.functions for m in self.modules) if self.modules else bool(self.functions)
+
     def note(self) -> str | None:
-        """A sentence for the model's notes when the check could not run as documented (None otherwise)."""
-        if self.not_float64 is None:
-            return None
-        return (f"the model's backward was checked in {self.dtype}, not float64 (the model cannot run in float64: "
-                f"{self.not_float64}): the finite-difference bound is {self.dtype}'s, about "
-                f"{self.eps ** (2 / 3):.0e} of the loss")
+        """A sentence for the model's notes when the backward was checked otherwise than documented, or disagrees
+        without a custom Function to blame (None otherwise)."""
+        out = []
+        if self.not_float64 is not None:
+            out.append(f"the model's backward was checked in {self.dtype}, not float64 (the model cannot run in "
+                       f"float64: {self.not_float64}): the finite-difference bound is {self.dtype}'s, about "
+                       f"{self.eps ** (2 / 3):.0e} of the loss")
+        if self.disagrees and not self.wrong:
+            out.append(f"the model's backward is not the gradient of its forward ({self._where()}), and no custom "
+                       "autograd.Function lies there: the forward stops a gradient itself (.detach(), a "
+                       "torch.no_grad() region, a tensor hook). The battery judges the gradient the model's own "
+                       "backward defines, the one training uses")
+        return "; ".join(out) or None
+
+    def _where(self) -> str:
+        if not self.modules:
+            return "not narrowed to one module"
+        return "in " + "; ".join((f"module {m.name} ({m.kind})" if m.name else
+                                  f"{m.kind}.forward itself, between its submodules") + f": {m.direction.line()}"
+                                 for m in self.modules)
 
     def failure(self, model: str) -> str:
         """The sentence that names the wrong backward as the model's, and where it lies."""
@@ -148,16 +178,12 @@ class BackwardCheck:
                 f"derived from e (truncation e^2 |L'''| / 6 + rounding {Z:g} sigma / (sqrt(2) e)) at e and at "
                 f"e / {RETRY:g}; worst: {worst.line()}")
         if self.modules:
-            where = "; ".join((f"module {m.name} ({m.kind})" if m.name else
-                               f"{m.kind}.forward itself, between its submodules") + f": {m.direction.line()}"
-                              for m in self.modules)
-            text += f". Each module checked alone at the inputs it got, the wrong backward lies in {where}"
+            text += f". Each module checked alone at the inputs it got, the wrong backward lies {self._where()}"
         else:
-            text += (". Every module checked alone agrees: the wrong gradient comes from how they are joined (a "
-                     "tensor hook, or a Function applied outside any module's forward)")
-        if self.functions:
-            text += (f". The graph holds the custom autograd.Function(s) {', '.join(self.functions)}: check "
-                     "its backward (torch.autograd.gradcheck in float64)")
+            text += ". Every module checked alone agrees: the wrong gradient comes from how they are joined"
+        blamed = [f for m in self.modules for f in m.functions] or list(self.functions)
+        text += (f". It runs the custom autograd.Function(s) {', '.join(dict.fromkeys(blamed))}: check "
+                 "the backward (torch.autograd.gradcheck in float64)")
         return (text + ". The battery cannot judge a training step on this model: the single-device reference runs "
                 "the same backward, so parity would pass a wrong gradient")
 
@@ -291,8 +317,8 @@ def _judge(line: _Line, tensors: Sequence[torch.Tensor], grads: Sequence[torch.T
     first = _directional(line, directions, grads, eps, step)
     missed = [d for d, m in zip(directions, first) if not m.agrees]
     retried = _directional(line, missed, grads, eps, step / RETRY) if missed else []
-    wrong = len(missed) == len(directions) and all(not r.agrees for r in retried)
-    return first, retried, wrong
+    disagrees = len(missed) == len(directions) and all(not r.agrees for r in retried)
+    return first, retried, disagrees
 
 
 def _buffers_reset(model: nn.Module, seed: int) -> Callable[[], None]:
@@ -358,7 +384,7 @@ def _calls(model: nn.Module, forward: Callable[[], object]) -> dict[str, tuple[t
 
 
 def _module_check(model: nn.Module, name: str, call: tuple[tuple[Any, ...], dict[str, Any]], eps: float,
-                  gen: torch.Generator, reset: Callable[[], None]) -> Direction | None:
+                  gen: torch.Generator, reset: Callable[[], None]) -> tuple[Direction, tuple[str, ...]] | None:
     """The module ``name`` alone at its recorded call: ``s = <u, module(x)>`` along one random direction of its
     floating inputs and its parameters; the direction that misses at both steps (None: it agrees, or nothing to
     move)."""
@@ -379,6 +405,7 @@ def _module_check(model: nn.Module, name: str, call: tuple[tuple[Any, ...], dict
         needs = [w for w in wrt if w.requires_grad]
         if not isinstance(s, torch.Tensor) or not s.requires_grad or not needs:
             return None
+        functions = custom_functions(s)
         got = torch.autograd.grad(s, needs, allow_unused=True)
     by_id = {id(w): g for w, g in zip(needs, got) if g is not None}
     grads = [by_id.get(id(w), torch.zeros_like(w)) for w in wrt]
@@ -391,8 +418,8 @@ def _module_check(model: nn.Module, name: str, call: tuple[tuple[Any, ...], dict
                 float(sum(float((y.double() * u.double()).abs().sum()) for y, u in zip(ys, cot))))
 
     line = _Line(wrt, evaluate, reset, _eps_of(out))
-    _, retried, wrong = _judge(line, wrt, grads, eps, 1, gen)
-    return retried[0] if wrong else None
+    _, retried, disagrees = _judge(line, wrt, grads, eps, 1, gen)
+    return (retried[0], functions) if disagrees else None
 
 
 def _localize(model: nn.Module, forward: Callable[[], object], eps: float, gen: torch.Generator,
@@ -400,7 +427,7 @@ def _localize(model: nn.Module, forward: Callable[[], object], eps: float, gen: 
     """The modules whose own check misses while none of their descendants' does."""
     reset()
     calls = _calls(model, forward)
-    missed: dict[str, Direction] = {}
+    missed: dict[str, tuple[Direction, tuple[str, ...]]] = {}
     names = [n for n, _ in model.named_modules() if n in calls]
     for name in sorted(names, key=lambda n: -n.count(".") - (n != "")):  # deepest first
         with contextlib.suppress(Exception):  # a module that cannot be called alone is not narrowed down
@@ -412,7 +439,7 @@ def _localize(model: nn.Module, forward: Callable[[], object], eps: float, gen: 
         return child != parent and (parent == "" or child.startswith(parent + "."))
 
     own = [n for n in missed if not any(below(n, other) for other in missed)]
-    return tuple(ModuleMiss(n, type(model.get_submodule(n)).__name__, missed[n]) for n in own)
+    return tuple(ModuleMiss(n, type(model.get_submodule(n)).__name__, *missed[n]) for n in own)
 
 
 def moves_loss(spec: ModelSpec, model: nn.Module, mb: Microbatch, groups: Mapping[str, Sequence[nn.Parameter]],
@@ -485,12 +512,12 @@ def check_backward(spec: ModelSpec, mb: Microbatch, directions: int = DIRECTIONS
         if not moved:
             return BackwardCheck(str(own), eps, (), not_float64=not_float64, functions=functions,
                                  seconds=time.perf_counter() - started)
-        first, retried, wrong = _judge(_Line(moved, evaluate, reset, _eps_of([loss])), moved, grads, eps, directions,
-                                       gen)
+        first, retried, disagrees = _judge(_Line(moved, evaluate, reset, _eps_of([loss])), moved, grads, eps,
+                                           directions, gen)
         modules: tuple[ModuleMiss, ...] = ()
-        if wrong:
+        if disagrees:
             modules = _localize(model, lambda: spec.loss_sum(model, mb), eps, gen, reset)
-    return BackwardCheck(str(own), eps, tuple(first), tuple(retried), wrong, modules, functions, not_float64,
+    return BackwardCheck(str(own), eps, tuple(first), tuple(retried), disagrees, modules, functions, not_float64,
                          time.perf_counter() - started)
 
 

@@ -191,3 +191,36 @@ class ReluLM(NormWithUnusedHead):
         x = self.embed(input_ids)
         steps = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1)
         return self.head(self.norm(torch.relu(self.mix(torch.relu(torch.cumsum(x, dim=1) / steps)))))
+
+
+class Float32OnlyLM(NormWithUnusedHead):
+    """Keeps a float32 mixing table as a plain attribute (not a parameter or buffer, as a precomputed rotary table
+    sometimes is), so ``.to(torch.float64)`` leaves it float32 and a float64 forward raises in the matmul: the
+    backward is checked in float32, and the note says so."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__(d)
+        del self.value_head
+        self.table = torch.eye(d) * 0.5
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) @ self.table
+        steps = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1)
+        return self.head(self.norm(torch.tanh(self.mix(torch.cumsum(x, dim=1) / steps))))  # type: ignore[no-any-return]
+
+
+class DetachedBranchLM(NormWithUnusedHead):
+    """Adds a gate branch whose output is detached before it joins the residual: the forward uses ``gate``'s
+    parameters (the loss changes along them) and no gradient reaches them."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__(d)
+        del self.value_head
+        self.gate = nn.Linear(d, d)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        steps = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1)
+        x = torch.tanh(self.mix(torch.cumsum(x, dim=1) / steps))
+        x = x + torch.sigmoid(self.gate(x)).detach()
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
