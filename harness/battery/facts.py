@@ -25,6 +25,7 @@ import torch
 
 from harness.battery import gradless, scenarios
 from harness.battery.backward_check import BackwardCheck, check_backward, dtypes_seen, moves_loss
+from harness.battery.finite_difference import RANK
 from harness.battery.spec import ModelSpec
 from harness.core.formats import HARNESS, HF
 from harness.core.microbatch import Microbatch
@@ -160,16 +161,13 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-_RANK = {torch.float64: 3, torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
-
-
 def _lower_precision(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) -> tuple[str, ...]:
     """The floating dtypes below the model's own that its forward produces, with the operations that produced them
     (:func:`harness.battery.backward_check.dtypes_seen`; gradients on, as everywhere in the probe: a reentrant
     checkpoint warns without them)."""
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     seen = dtypes_seen(lambda: spec.loss_sum(model, mb))
-    ordered = sorted((d for d in seen if _RANK.get(d, 3) < _RANK.get(own, 3)), key=lambda d: _RANK.get(d, 3))
+    ordered = sorted((d for d in seen if RANK.get(d, 3) < RANK.get(own, 3)), key=lambda d: RANK.get(d, 3))
     return tuple(f"{d} in {', '.join(seen[d])}" for d in ordered)
 
 
