@@ -193,7 +193,8 @@ _WHY = {
 
 
 def sentence(group: Sequence[Gradless]) -> str:
-    """One sentence for parameters of one cause."""
+    """One sentence for parameters of one cause (the probe's and the reference's notes say it alike, so a report that
+    holds both says it once)."""
     names = [g.name for g in group]
     modules = list(dict.fromkeys(g.module or "(the model itself)" for g in group))
     wheres = list(dict.fromkeys(g.where for g in group if g.where))
@@ -207,17 +208,20 @@ def sentence(group: Sequence[Gradless]) -> str:
             f"gradient from a battery microbatch: {why}")
 
 
+REMEDY = ("DDP needs find_unused_parameters=True for a model whose parameters miss a gradient, or those parameters "
+          "frozen (requires_grad=False) or removed")
+"""What DDP needs, whatever the cause."""
+
+
 def notes(gradless: Sequence[Gradless]) -> tuple[str, ...]:
-    """A sentence per cause (in :data:`CAUSES` order), with DDP's remedy once."""
-    out = []
-    for cause in CAUSES:
-        group = [g for g in gradless if g.cause == cause]
-        if group:
-            out.append(sentence(group))
-    if out:
-        out[-1] += ("; DDP needs find_unused_parameters=True for such a model, or the parameters frozen "
-                    "(requires_grad=False) or removed")
-    return tuple(out)
+    """A sentence per cause (in :data:`CAUSES` order), then DDP's remedy (:data:`REMEDY`)."""
+    out = [sentence(group) for group in _by_cause(gradless)]
+    return (*out, REMEDY) if out else ()
+
+
+def _by_cause(gradless: Sequence[Gradless]) -> list[list[Gradless]]:
+    groups = [[g for g in gradless if g.cause == cause] for cause in CAUSES]
+    return [g for g in groups if g]
 
 
 def unused_notes(chain: Any, gradless: Sequence[Gradless] = ()) -> tuple[bool, tuple[str, ...]]:
@@ -243,10 +247,7 @@ def unused_notes(chain: Any, gradless: Sequence[Gradless] = ()) -> tuple[bool, t
     if never:
         known = {g.name: g for g in gradless}
         explained = [known[n] for n in never if n in known and known[n].cause != "routed"]
-        for cause in CAUSES:
-            group = [g for g in explained if g.cause == cause]
-            if group:
-                notes_.append(sentence(group).replace("from a battery microbatch", "in the single-device reference"))
+        notes_ += [sentence(group) for group in _by_cause(explained)]
         rest = [n for n in never if n not in {g.name for g in explained}]
         if rest:
             notes_.append(f"the model's {_params(rest)} get{'s' if len(rest) == 1 else ''} no gradient in any "
@@ -262,4 +263,4 @@ def unused_notes(chain: Any, gradless: Sequence[Gradless] = ()) -> tuple[bool, t
     return True, tuple(notes_)
 
 
-__all__ = ["CAUSES", "Calls", "Gradless", "find_causes", "notes", "sentence", "unused_notes", "watch"]
+__all__ = ["CAUSES", "REMEDY", "Calls", "Gradless", "find_causes", "notes", "sentence", "unused_notes", "watch"]

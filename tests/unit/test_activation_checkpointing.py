@@ -84,7 +84,8 @@ def test_a_reentrant_checkpoint_whose_inputs_need_no_gradient_is_named_as_what_d
     found = probe_model(ModelSpec("user_recipes.backward_models:FrozenEmbeddingCheckpointed"))
     assert 18 == len(found.unused)
     assert {"checkpoint"} == {g.cause for g in found.gradless}
-    (note,) = found.notes()
+    (note, remedy) = found.notes()
+    assert "find_unused_parameters=True" in remedy
     assert "inside a reentrant activation checkpoint" in note and "around blocks.0, blocks.1, blocks.2" in note
     assert "use_reentrant=False" in note and "no forward reaches" not in note
 

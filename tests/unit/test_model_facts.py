@@ -37,8 +37,8 @@ def test_a_parameter_no_forward_uses_is_named_before_any_rank_starts() -> None:
     found = _facts("UnusedHeadLM")
     assert ("value_head.weight", "value_head.bias") == found.unused
     assert {"never"} == {g.cause for g in found.gradless}
-    (note,) = found.notes()
-    assert "value_head.weight" in note and "find_unused_parameters=True" in note
+    (note, remedy) = found.notes()
+    assert "value_head.weight" in note and "find_unused_parameters=True" in remedy
     assert "no forward reaches them: their module value_head never ran" in note
 
 
@@ -231,6 +231,6 @@ def test_an_expert_no_token_was_routed_to_is_named_a_branch_the_data_decides() -
     causes = {g.name: g for g in gradless.find_causes(model, missing, seen, set(), moves_loss(spec, model, mb, groups))}
     assert ("routed", "experts.0") == (causes["experts.1.weight"].cause, causes["experts.1.weight"].where)
     assert "never" == causes["value_head.weight"].cause
-    (routed, never) = gradless.notes(tuple(causes.values()))
+    (routed, never, _) = gradless.notes(tuple(causes.values()))
     assert "an expert no token was routed to" in routed and "while experts.0 ran" in routed
     assert "no forward reaches them" in never
