@@ -68,6 +68,7 @@ from harness.core.microbatch import Microbatch
 DIRECTIONS = 3
 """Random directions of the whole model's parameters."""
 
+
 @dataclass(frozen=True)
 class BackwardCheck:
     """What :func:`check_backward` found."""

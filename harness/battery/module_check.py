@@ -28,7 +28,6 @@ class ModuleMiss:
     """The custom ``torch.autograd.Function`` classes in the module's own graph."""
 
 
-
 def _tensors(obj: object) -> Iterator[torch.Tensor]:
     """The tensors in a module's output or arguments: a tensor, tuples, lists, dicts, dataclass-like objects."""
     if isinstance(obj, torch.Tensor):
@@ -119,13 +118,12 @@ def _module_check(model: nn.Module, name: str, call: tuple[tuple[Any, ...], dict
 
 
 def localize(model: nn.Module, forward: Callable[[], object], eps: float, gen: torch.Generator,
-              reset: Callable[[], None]) -> tuple[ModuleMiss, ...]:
+             reset: Callable[[], None]) -> tuple[ModuleMiss, ...]:
     """The modules whose own check misses while none of their descendants' does."""
     reset()
     calls = _calls(model, forward)
     missed: dict[str, tuple[Direction, tuple[str, ...]]] = {}
-    names = [n for n, _ in model.named_modules() if n in calls]
-    for name in sorted(names, key=lambda n: -n.count(".") - (n != "")):  # deepest first
+    for name in (n for n, _ in model.named_modules() if n in calls):
         with contextlib.suppress(Exception):  # a module that cannot be called alone is not narrowed down
             found = _module_check(model, name, calls[name], eps, gen, reset)
             if found is not None:
