@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.battery import objective_diagnosis as od
+from harness.battery import run_readings as rr
 from harness.battery.runner import Run
 from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
@@ -417,6 +418,11 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                   objective=run.objective.name, normalizer=None if run.objective.plain else z)
     aux_fit: torch.Tensor | None = None
     edited: dx.Signature | None = None
+    nothing = rr.zero_gradient(run, window, rank, g, expected)
+    if nothing is not None:  # every fitted weight would be 0, which no signature of the fit names
+        zeros = tuple(0.0 if b.tokens else math.nan for b in blocks)
+        return Diagnosis(signature=nothing, weights=zeros, residual=math.nan, condition=math.nan,
+                         **common)  # type: ignore[arg-type]
     if not bool(torch.isfinite(g).all()):
         bad = int((~torch.isfinite(g)).sum())
         sig = dx.Signature("nonfinite", f"rank {rank}'s synchronized gradient holds NaN or inf in {bad} of "

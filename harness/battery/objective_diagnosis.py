@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -136,9 +136,32 @@ def wrong_normalizer(run: Run, window: int, c: float) -> dx.Signature | None:
     return None
 
 
+def rank_facts(run: Run, window: int) -> list[tuple[str, dict[int, float], bool]]:
+    """What each rank of the window holds that a rank may have divided its own loss by, from the window's own data:
+    ``(words, {rank: value}, own_share)``; ``own_share`` marks the rank's part of an objective's quantity (its count,
+    its sequences, its weight sum), whose division per rank is a mean of local means."""
+    windows = run.windows[window]
+
+    def each(value: Callable[[Sequence[Microbatch]], float]) -> dict[int, float]:
+        return {r: float(value(mbs)) for r, mbs in enumerate(windows)}
+
+    out = [("its own count (its supervised tokens)", each(lambda w: sum(mb.supervised for mb in w)), True),
+           ("its own count of sequences with a supervised token",
+            each(lambda w: sum(ob.share(ob.SEQUENCE_MEAN, mb) for mb in w)), True)]
+    if any(mb.weights is not None for rank in windows for mb in rank):
+        out.append(("its own weight sum", each(lambda w: sum(ob.share(ob.WEIGHTED_TOKEN_MEAN, mb) for mb in w)), True))
+    out += [("its own row count (its batch size)", each(lambda w: sum(int(mb.inputs.shape[0]) for mb in w)), False),
+            ("its own padded length (the longest row of its batch, labels.size(1))",
+             each(lambda w: max(int(mb.labels.shape[1]) for mb in w)), False),
+            ("its own padded positions (rows x padded length)", each(lambda w: sum(mb.labels.numel() for mb in w)),
+             False)]
+    return out
+
+
 def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Sequence[float]) -> dx.Signature | None:
-    """``per_rank_normalizer`` when every rank's blocks share one ratio to the right weight and ranks differ: each
-    rank divided by a normalizer of its own."""
+    """Every rank's blocks share one ratio to the right weight and ranks differ: each rank divided by a normalizer
+    of its own. Its divisor ``Z / ratio`` is named by the rank's own quantity it is proportional to (its count: a
+    mean of local means, ``mean_of_local_means``; its rows or padded length: ``per_rank_normalizer``)."""
     by_rank: dict[int, list[float]] = {}
     for b, v in zip(blocks, q):
         if b.tokens > 0 and math.isfinite(v):
@@ -154,12 +177,33 @@ def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Se
     if max(means.values()) - min(means.values()) <= dx.MATCH_TOLERANCE * max(abs(v) for v in means.values()):
         return None
     z = normalizer(run, window)
+    divisors = {r: z / v for r, v in means.items()}  # what each rank's tokens were effectively divided by
+    lo, hi = min(means, key=means.__getitem__), max(means, key=means.__getitem__)
+    for words, held, own_share in rank_facts(run, window):
+        ratios = [divisors[r] / held[r] for r in divisors if held.get(r)]
+        if len(ratios) != len(divisors) or len({held[r] for r in divisors}) < 2:
+            continue
+        c = sum(ratios) / len(ratios)
+        if max(abs(x / c - 1) for x in ratios) > dx.MATCH_TOLERANCE:
+            continue
+        w = run.world_size
+        if abs(c / w - 1) <= dx.MATCH_TOLERANCE:
+            how = f"each rank divided its loss by {words}, and DDP averaged over the W={w} ranks"
+        else:
+            how = f"each rank's tokens were divided by {c:.4g} x {words} (W={w})"
+        weigh = f"rank {hi}'s tokens weigh {means[hi] / means[lo]:.2g}x rank {lo}'s"
+        if own_share:
+            return dx.Signature("mean_of_local_means", f"each rank's tokens weigh 1/(W * {words.split(' (')[0]}): "
+                                f"{how}: a mean of local means; {weigh}", c / run.world_size)
+        return dx.Signature("per_rank_normalizer", f"{how}, where {run.objective.name} divides every rank by "
+                            f"{ob.QUANTITIES[run.objective.name]} ({z:g}): {weigh}",
+                            blocks=tuple(f"rank {r}" for r in sorted(means)))
     parts = "; ".join(f"rank {r} weighs {v:.4g}x the right weight (divided by {z / v:.4g})"
                       for r, v in sorted(means.items())[:4])
     return dx.Signature("per_rank_normalizer", f"each rank's tokens weigh their own factor: {parts}, where "
                         f"{run.objective.name} divides every rank by {ob.QUANTITIES[run.objective.name]} ({z:g}): "
-                        "each rank took its normalizer from its own batch (its padded length, its size), which "
-                        "differs across ranks", blocks=tuple(f"rank {r}" for r in sorted(means)))
+                        "each rank divided by a normalizer of its own that no count, row count or padded length of "
+                        "its batch is proportional to", blocks=tuple(f"rank {r}" for r in sorted(means)))
 
 
 def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | None:

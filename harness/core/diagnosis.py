@@ -670,7 +670,8 @@ def _describe(name: str, blocks: Sequence[Block], q: Sequence[float], world_size
     if name == "mean_of_local_means":
         means = {r: sum(v) / len(v) for r, v in per_rank.items()}
         hi, lo = max(means, key=means.__getitem__), min(means, key=means.__getitem__)
-        head = "each rank's tokens weigh 1/(W * its own count): the mean of local means"
+        head = ("each rank's tokens weigh 1/(W * its own count): each rank divided by its own count: a mean of "
+                "local means")
         if hi == lo:
             return f"{head}; only rank {hi} holds tokens here, so its tokens weigh {means[hi]:.3g}x the right weight"
         return f"{head}; rank {hi}'s tokens weigh {means[hi] / means[lo]:.2g}x rank {lo}'s"
