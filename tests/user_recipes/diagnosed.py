@@ -245,3 +245,54 @@ class WeightedOwnCount(AdvantageOwnCount):
 
 advantage_own_count = AdvantageOwnCount()
 weighted_own_count = WeightedOwnCount()
+
+
+class PositionWeighted:
+    """Weighs each token's loss by ``1 + 0.07 * cos(position)`` (a hand-made emphasis on some positions, up to 7% off
+    either way) before the right global normalization: a mild re-weighting inside every row, in float32."""
+
+    name = "position_weighted"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        world = dist.get_world_size()
+        local = sum(int((mb.labels != IGNORE).sum()) for mb in window)
+        count = torch.tensor([local])
+        dist.all_reduce(count)
+        total = int(count)
+        if total == 0:
+            raise ValueError("no supervised token in this window on any rank")
+        for i, mb in enumerate(window):
+            last = i == len(window) - 1
+            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+                logits = model(mb.inputs)
+                ce = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE,
+                                     reduction="none").view(mb.labels.shape)
+                emphasis = 1 + 0.07 * torch.cos(torch.arange(mb.labels.shape[1], dtype=ce.dtype))
+                (ce * emphasis).sum().mul(world / total).backward()
+
+
+class LogitsInBf16:
+    """The right global token mean with the cross-entropy taken on logits cast to bfloat16 (no autocast: a
+    ``.to(torch.bfloat16)`` left in the loss): the gradient carries bf16 rounding, no re-weighting."""
+
+    name = "logits_in_bf16"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        world = dist.get_world_size()
+        local = sum(int((mb.labels != IGNORE).sum()) for mb in window)
+        count = torch.tensor([local])
+        dist.all_reduce(count)
+        total = int(count)
+        if total == 0:
+            raise ValueError("no supervised token in this window on any rank")
+        for i, mb in enumerate(window):
+            last = i == len(window) - 1
+            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+                logits = model(mb.inputs).to(torch.bfloat16)
+                s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE,
+                                    reduction="sum")
+                (s.float() * world / total).backward()
+
+
+position_weighted = PositionWeighted()
+logits_in_bf16 = LogitsInBf16()
