@@ -468,7 +468,7 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                     cols.append(_column(run, model, row) if row.supervised else zero)
         seq_fit = dx.fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
-        seq_sig = dx.classify_sequences(rows, seq_fit)
+        seq_sig = dx.classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit)
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
     if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term

@@ -21,6 +21,7 @@ from harness.core import diagnosis as dx
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad
 from harness.core.microbatch import Microbatch
+from harness.core.row_weights import read_rows
 
 AUX_TOLERANCE = 1e-3
 """Largest relative deviation of an auxiliary term's fitted ratio from a named factor (its columns are fitted beside
@@ -206,6 +207,20 @@ def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Se
                         "its batch is proportional to", blocks=tuple(f"rank {r}" for r in sorted(means)))
 
 
+def row_reading(run: Run, window: int, rows: Sequence[dx.Block], fit: dx.Fit) -> dx.Signature | None:
+    """What the per-sequence view's fitted weights compute, under the declared objective: each row's weight turned
+    into its tokens' weight (times ``1/n_s`` where the objective's term of a row is its sequence's mean), read as a
+    mean over a group of tokens (:func:`harness.core.row_weights.read_rows`). None where that view leaves a
+    residual."""
+    if fit.residual > dx.explained_residual():
+        return None
+    per_token = [float(u) / (b.tokens if run.objective.name == ob.SEQUENCE_MEAN and b.tokens else 1)
+                 for b, u in zip(rows, fit.weights)]
+    ks = {len(rank) for rank in run.windows[window]}
+    declared = f"{run.objective.name} is {run.objective.describe()}"
+    return read_rows(rows, per_token, run.world_size, max(ks), fit.residual, declared)
+
+
 def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | None:
     """The auxiliary term's fitted weights ``u`` (one per microbatch) read against its unit's ``1/D``: None when
     right, else the signature of the mistake (scaled by the main loss's token normalization, divided by the
@@ -270,4 +285,4 @@ def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: dx.Sig
 
 
 __all__ = ["alternatives", "auxiliary_columns", "auxiliary_reading", "normalizer", "objective_reading",
-           "other_objective", "per_rank_normalizer", "wrong_normalizer"]
+           "other_objective", "per_rank_normalizer", "rank_facts", "row_reading", "wrong_normalizer"]

@@ -296,3 +296,26 @@ class LogitsInBf16:
 
 position_weighted = PositionWeighted()
 logits_in_bf16 = LogitsInBf16()
+
+
+class MeanPerMicrobatch:
+    """nanoGPT's accumulation: ``F.cross_entropy`` (a token mean over the microbatch) divided by the accumulation
+    steps, judged under ``--objective sequence_mean``: each microbatch's tokens weigh ``1/(W k n_rm)``."""
+
+    name = "mean_per_microbatch"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        local = sum(int((mb.labels != IGNORE).sum()) for mb in window)
+        count = torch.tensor([local])
+        dist.all_reduce(count)
+        if int(count) == 0:
+            raise ValueError("no supervised token in this window on any rank")
+        for i, mb in enumerate(window):
+            last = i == len(window) - 1
+            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+                logits = model(mb.inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE)
+                (loss / len(window)).backward()
+
+
+mean_per_microbatch = MeanPerMicrobatch()
