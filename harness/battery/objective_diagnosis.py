@@ -260,7 +260,28 @@ def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | 
     for value, name, words in named:
         if abs(c / value - 1) <= AUX_TOLERANCE:
             return dx.Signature(name, f"{head}: {words}", c)
-    return dx.Signature("auxiliary_misweighted", f"{head} the right weight: a factor no count of this window names", c)
+    factor = _aux_factor(c, w, next(iter(ks)) if len(ks) == 1 else 1)
+    return dx.Signature("auxiliary_misweighted", f"{head} the right weight: {factor}", c)
+
+
+def _aux_factor(c: float, w: int, k: int) -> str:
+    """An auxiliary term's factor ``c`` named as a product of W and k (the simplest first), or said to be none."""
+    found = []
+    for b in range(-2, 3) if w > 1 else (0,):
+        for d in range(-1, 2) if k > 1 else (0,):
+            value = float(w) ** b * float(k) ** d
+            if (b or d) and abs(c / value - 1) <= AUX_TOLERANCE:
+                found.append((abs(b) + abs(d), b, d))
+    if not found:
+        return "a factor no count of this window names"
+    _, b, d = min(found)
+    formula = "*".join(p for p, e in (("W", b), ("k", d)) if e > 0) or "1"
+    under = "*".join(p for p, e in (("W", b), ("k", d)) if e < 0)
+    shown = formula if not under else f"{formula}/{under}" if "*" not in under else f"{formula}/({under})"
+    words = {(1, 1): ": multiplied by W like the main loss and never divided by the microbatch count k (each "
+                     "microbatch's value backpropagated whole)",
+             (0, 1): ": never divided by the microbatch count k"}.get((b, d), "")
+    return f"a factor {shown} = {c:.4g} (W={w}, k={k}){words}"
 
 
 def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: dx.Signature, blocks: Sequence[dx.Block],

@@ -319,3 +319,22 @@ class MeanPerMicrobatch:
 
 
 mean_per_microbatch = MeanPerMicrobatch()
+
+
+def _load_balance_recipe() -> type:
+    from harness.recipes.objectives import TokenMeanWithLoadBalance
+
+    class AuxiliaryTimesW(TokenMeanWithLoadBalance):  # type: ignore[misc,valid-type]
+        """The load-balancing term multiplied by the world size like the main loss and never divided by the
+        microbatch count: every auxiliary value weighs ``W * k`` times its unit's ``1/(W k)``."""
+
+        name = "auxiliary_times_w"
+
+        def auxiliary(self, model: torch.nn.Module, mb: Any, raw: torch.Tensor, k: int,
+                      tokens: int) -> torch.Tensor | None:
+            return self.auxiliary_loss(model, mb, raw) * dist.get_world_size()
+
+    return AuxiliaryTimesW
+
+
+auxiliary_times_w = _load_balance_recipe()()
