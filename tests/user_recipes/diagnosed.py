@@ -1,6 +1,9 @@
-"""Training steps written the way users write them (torch only), each with one mistake the diagnosis must name for
-what it is: an auxiliary loss, a fixed accumulation constant, the world size divided out twice, a stale first count.
-``tests/distributed/test_diagnosis.py`` reads each one."""
+"""Training steps written the way users write them (torch only; the last one extends the harness's load-balancing
+recipe), each with one mistake the diagnosis must name for what it is: an auxiliary loss, a fixed accumulation
+constant, the world size divided out twice, a stale first count, a count rounded to bf16 or one too large, an
+unnormalized sum, W times a rank's own count, an FSDP2 sync never re-enabled, a mild re-weighting, a token mean per
+microbatch under the sequence mean. ``tests/distributed/test_diagnosis.py`` and ``test_window_readings.py`` read each
+one; ``right_token_mean`` and ``fsdp2_right`` are their correct counterparts."""
 
 from __future__ import annotations
 
@@ -205,6 +208,17 @@ class Fsdp2Right:
             (s * world / total).backward()
 
 
+class RightTokenMean:
+    """The global token mean through the same loop: every reading's control."""
+
+    name = "right_token_mean"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        world = dist.get_world_size()
+        _loop(model, window, lambda i, mb, s, local, total: s * world / total)
+
+
+right_token_mean = RightTokenMean()
 w_times_own_count = WTimesOwnCount()
 unnormalized_sum = UnnormalizedSum()
 count_in_bf16 = CountInBf16()
@@ -218,7 +232,7 @@ class AdvantageOwnCount:
     this rank's own token count, then averaged by DDP: a mean of local means with advantages."""
 
     name = "advantage_own_count"
-    token_weights = "advantages"
+    token_weights: str | None = "advantages"
 
     def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
         local = sum(int((mb.labels != IGNORE).sum()) for mb in window)
@@ -324,7 +338,7 @@ mean_per_microbatch = MeanPerMicrobatch()
 def _load_balance_recipe() -> type:
     from harness.recipes.objectives import TokenMeanWithLoadBalance
 
-    class AuxiliaryTimesW(TokenMeanWithLoadBalance):  # type: ignore[misc,valid-type]
+    class AuxiliaryTimesW(TokenMeanWithLoadBalance):
         """The load-balancing term multiplied by the world size like the main loss and never divided by the
         microbatch count: every auxiliary value weighs ``W * k`` times its unit's ``1/(W k)``."""
 
