@@ -472,7 +472,8 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
     if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term
-        q = [float(w) * z for w in fit.weights]
+        # Per-rank readings need weights the microbatch fit explains (a reading of the rows' fit keeps its own).
+        q = [float(w) * z if fit.residual <= dx.explained_residual() else math.nan for w in fit.weights]
         sig = od.objective_reading(run, window, model, sig, blocks, q, g, atol, rtol)
         if aux_fit is not None and sig.name in ("correct", "extra_term", "float32_computation", "unexplained"):
             sig = od.auxiliary_reading(run, window, aux_fit) or sig
