@@ -14,9 +14,12 @@ clips each reference gradient the way ``clip_grad_norm_`` does, by ``f = min(1, 
   other way round.
 - **The gradient** (the diagnosis of a failing parity verdict): a gradient equal to the *unclipped* reference reads
   ``clipping_not_applied`` (each tensor clipped alone, so no tensor's norm reached ``max_norm``; a clip on another
-  rank; a clip of a copy), and one clipped by the factor of the norm it returned reads ``clipped_by_wrong_norm`` with
-  that norm's reading. Without this, a clip that never engaged reads as a uniform scale ``1/f`` (2.0 at the first
-  window), which the catalog calls "the world-size factor is applied twice".
+  rank; a clip of a copy), one whose tensors over ``max_norm`` were each scaled to it alone ``clipped_per_tensor``,
+  and one clipped by the factor of the norm it returned ``clipped_by_wrong_norm`` with that norm's reading. Each is
+  read against the unclipped gradient at the weights the rank started the window from (the reference's, or,
+  where an earlier window's wrong step moved the rank elsewhere, recomputed there). Without this, a clip that never
+  engaged reads as a uniform scale ``1/f`` (2.0 at the first window), which the catalog calls "the world-size factor
+  is applied twice".
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ CLIPPING_SIGNATURES = {
                             "alone, a clip of a copy, a clip on another rank)",
     "clipped_by_wrong_norm": "the gradient was clipped by the norm the recipe returned, which is not the global L2 "
                              "norm of the synchronized gradient",
+    "clipped_per_tensor": "each tensor was clipped alone, by its own norm: the tensors over max_norm scaled, the rest "
+                          "not",
 }
 dx.SIGNATURES.update(CLIPPING_SIGNATURES)  # the catalog the controls' declared diagnoses are checked against
 
@@ -191,26 +196,67 @@ def _same(run: Run, got: torch.Tensor, want: torch.Tensor) -> bool:
     return compare(got, want.to(got.dtype), atol=atol, rtol=rtol).passed
 
 
+def _unclipped_truth(run: Run, window: int, rank: int) -> tuple[torch.Tensor, str] | None:
+    """The unclipped gradient of the declared objective at the weights ``rank`` started ``window`` from, and where
+    that is: the reference's (divided by its clip factor) when the rank started from the reference's weights, else
+    recomputed in float64 at the rank's own (an earlier window's step, unclipped, moved them elsewhere)."""
+    from harness.battery import objective_diagnosis as od
+
+    assert run.records is not None
+    rec, ref = run.records[rank][window], run.references[window]
+    if ref is None:
+        return None
+    start = run.reference_starts[window] if window < len(run.reference_starts) else None
+    if start is not None and torch.equal(rec.params_before.to(start.dtype), start):
+        return ref.gradient.double() / clip_factor(run, window), "the reference's"
+    model = run.model_at(rec.params_before, torch.float64)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    z = od.normalizer(run, window)
+    for mbs in run.windows[window]:
+        for mb in mbs:
+            if mb.supervised:
+                (run.terms(model, mb)[0] / z).backward()
+    return flat_grad(model), f"the gradient at rank {rank}'s own starting weights (window {window})"
+
+
 def gradient_reading(run: Run, window: int, rank: int) -> dx.Signature | None:
     """``clipping_not_applied`` or ``clipped_by_wrong_norm`` where the rank's gradient in ``window`` is the unclipped
-    reference, or the reference clipped by the norm the rank returned instead of the global one; else None."""
+    gradient, or the gradient clipped by the norm the rank returned instead of the global one; else None."""
     if run.max_norm is None or run.records is None:
         return None
-    rec, ref, f = run.records[rank][window], run.references[window], clip_factor(run, window)
-    if rec.grad is None or ref is None or f >= 1.0:
+    rec = run.records[rank][window]
+    truth = None if rec.grad is None or run.objective.auxiliary_unit else _unclipped_truth(run, window, rank)
+    if truth is None:
         return None
-    unclipped = ref.gradient / f
-    if _same(run, rec.grad, unclipped) and not _same(run, rec.grad, ref.gradient):
+    unclipped, where = truth
+    norm_before = float(unclipped.norm())
+    f = min(1.0, run.max_norm / (norm_before + 1e-6))
+    if f >= 1.0 - _match_tolerance(run):
+        return None
+    assert rec.grad is not None
+    tensors = _per_tensor(run, unclipped)
+    factors = [min(1.0, run.max_norm / (float(t.norm()) + 1e-6)) for t in tensors]
+    scaled = sum(c < 1.0 for c in factors)
+    if scaled and _same(run, rec.grad, torch.cat([t * c for t, c in zip(tensors, factors)])):
+        return dx.Signature("clipped_per_tensor", f"each tensor was clipped alone, by its own norm: {scaled} of "
+                            f"{len(tensors)} tensors had a norm over max_norm {run.max_norm:.6g} and were scaled, the "
+                            f"rest kept whole, where clip_grad_norm_ over every parameter together scales all by "
+                            f"{f:.4g} ({where} norm {norm_before:.6g}). Clip once, over every parameter together, "
+                            "after the synchronization", 1 / f)
+    if _same(run, rec.grad, unclipped):
         return dx.Signature("clipping_not_applied", f"clipping did not take effect (the gradient is the unclipped "
-                            f"reference): the reference's norm {run.reference_norms[window]:.6g} is over max_norm "
-                            f"{run.max_norm:.6g}, so clip_grad_norm_ scales it by {f:.4g}, and rank {rank}'s gradient "
-                            "was not scaled. Clip on every rank, once, over every parameter together, after the "
-                            "synchronization (a tensor clipped alone rarely reaches max_norm)", 1 / f)
+                            f"reference): {where} norm {norm_before:.6g} is over max_norm {run.max_norm:.6g}, so "
+                            f"clip_grad_norm_ scales it by {f:.4g}, and rank {rank}'s gradient was not scaled. Clip on "
+                            "every rank, once, over every parameter together, after the synchronization (a tensor "
+                            "clipped alone rarely reaches max_norm)", 1 / f)
     got = rec.grad_norm
     if got is None or not got > 0:
         return None
     applied = min(1.0, run.max_norm / (got + 1e-6))
     if math.isclose(applied, f, rel_tol=_match_tolerance(run)) or not _same(run, rec.grad, unclipped * applied):
+        return None
+    if run.reference_norms[window] is None or run.references[window] is None:
         return None
     norm = read_norm(run, window, rank, got)
     return dx.Signature("clipped_by_wrong_norm", f"clipped by the norm it returned, {norm.ratio:.4g}x the reference's "

@@ -82,3 +82,11 @@ def test_a_gradient_clipped_by_a_wrong_norm_reads_clipped_by_wrong_norm(recipe: 
     """The gradient is the reference clipped by the factor of the norm returned: named so, not as a count factor."""
     verdict = checks.parity(runner.run(RunSpec(recipe, "uneven", 2, "fp32")))
     assert verdict.diagnosis is not None and "clipped_by_wrong_norm" == verdict.diagnosis["signature"]
+
+
+@pytest.mark.slow
+def test_a_tensor_clipped_alone_past_max_norm_reads_clipped_per_tensor() -> None:
+    """On ``varying`` the unclipped first step moves the weights; in window 1 one tensor's own norm passes max_norm and
+    is scaled alone: read at the rank's own starting weights as each tensor clipped by its own norm."""
+    verdict = checks.parity(runner.run(RunSpec(f"{USER}:PerTensorClip", "varying", 2, "fp32")))
+    assert verdict.diagnosis is not None and "clipped_per_tensor" == verdict.diagnosis["signature"], verdict.message
