@@ -578,10 +578,12 @@ def clipping(run: Run) -> Verdict:
                                "total_norm), the norm clip_grad_norm_ returns", k)
             err = abs(got - want)
             if not err <= atol + rtol * abs(want):
-                return _failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}; the reference's "
-                               f"global norm before clipping is {want:.6g} (error {err:.3e}; max_norm "
-                               f"{run.max_norm:.6g}): a norm over one rank's gradient before the synchronization, "
-                               "or over this rank's shard, clips by the wrong factor", k, max_error=err)
+                from harness.battery.clipping_diagnosis import read_norm
+
+                norm = read_norm(run, k, rank, got)  # which norm it is, named only where the number fits
+                return _failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}, {norm.ratio:.4g}x "
+                               f"the reference's global norm before clipping, {want:.6g} (error {err:.3e}; max_norm "
+                               f"{run.max_norm:.6g}): {norm.sentence}", k, max_error=err, finding=norm.name)
             worst_error = max(worst_error, err)
     return _passed("clipping", run, f"every rank returned the reference's global norm (max_norm {run.max_norm:.6g}, "
                    f"clipping engaged in {engaged} window(s))", max_error=worst_error)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
 from harness.battery import run_readings as rr
 from harness.battery.runner import Run
@@ -199,8 +200,8 @@ def diagnose(run: Run, window: int | None = None, rank: int | None = None,
         return None
     from harness.battery.facts import rank_threads
 
-    with rank_threads():
-        return _diagnose(run, window, rank, per_sequence)
+    with rank_threads():  # a clipping run: what the clip did is read first (clipping_diagnosis)
+        return clipping_diagnosis.reread(run, _diagnose(run, window, rank, per_sequence))
 
 
 def _weights_edited(run: Run, window: int, rank: int) -> dx.Signature | None:

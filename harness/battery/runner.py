@@ -27,6 +27,7 @@ from harness.battery import scenarios
 from harness.battery.gradless import unused_notes
 from harness.battery.options import DEADLINE, FIND_UNUSED, RunSpec, check_find_unused
 from harness.battery.spec import ModelSpec, model_modules, weights_digest
+from harness.battery.window_report import Passes, window_note
 from harness.core.compare import flat_params
 from harness.core.formats import HARNESS
 from harness.core.microbatch import Microbatch
@@ -301,6 +302,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     ddp = wrapped.module
     autocast = _AutocastSeen(dev.type)
     model.register_forward_pre_hook(autocast)
+    passes = Passes()  # what the window's note reports: a rank that skipped its backward is named by it
+    passes.attach(model)
     ddp.train()
     setup = getattr(recipe, "setup", None)
     if setup is not None:
@@ -313,6 +316,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         before = wrapped.full_params()
         tensors = [local(p.detach()).clone() for p in model.parameters()]
         autocast.seen = None
+        passes.reset()
         rngs, threads, env = _rng_states(), torch.get_num_threads(), dict(os.environ)
         wrapped.reset_syncs()
         error = None
@@ -334,10 +338,10 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             if mismatch is None:
                 raise
             raise ContractViolation(mismatch) from exc
-        launcher.progress(k, f"window {k}: refused it ({error})" if error else f"window {k}: done")
+        left = _grads_left(model)
+        launcher.progress(k, window_note(k, wrapped.syncs, passes, left, error), collectives=wrapped.syncs)
         moved, notes = _moved(rngs, _rng_states()), _settings_notes(threads, env)
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
-        left = _grads_left(model)
         touched = float((wrapped.full_params() - before).abs().max()) if before.numel() else 0.0
         edited = _changed(tensors, model)
         grad = wrapped.full_grad() if error is None else None
