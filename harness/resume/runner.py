@@ -118,7 +118,8 @@ def run_leg(leg: Leg) -> dict[str, Any]:
 
         install(leg.commit_bug)
     seed_globals(leg.seed, rank)
-    os.register_at_fork(after_in_child=_die_with_parent)
+    _own_start_method()
+    _tie_children_to_this_rank()
     try:
         return _run(leg, rank, world)
     except RuntimeError as exc:
@@ -129,10 +130,30 @@ def run_leg(leg: Leg) -> dict[str, Any]:
         _stop_children()
 
 
-def _die_with_parent() -> None:
-    """In a process forked from a rank: SIGKILL when the rank dies (a killed rank runs no clean-up of its own)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+def _own_start_method() -> None:
+    """Give this rank the start method a process started by ``python`` or torchrun has: the platform's default.
+
+    A rank forked by the launcher's forkserver inherits that server's start method and address, so a DataLoader's
+    workers (started through the default context) would go to the launcher's server instead of being this rank's
+    children, and hang there. Resetting the default, and forgetting the inherited server, makes a forkserver
+    context (the default from Python 3.14 on) start one of the rank's own."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_start_method(None, force=True)
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
+def _tie_children_to_this_rank() -> None:
+    """Every process forked from this rank from now on gets SIGKILL when the rank dies (a killed rank runs no
+    clean-up of its own, and a DataLoader's workers would otherwise wait for a next batch that never comes).
+
+    ``prctl`` is looked up here, before any fork: the child of a process with other threads (gloo's) must not
+    ``dlopen`` anything, since a lock another thread held at the fork stays held in the child forever."""
+    if not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    os.register_at_fork(after_in_child=lambda: prctl(1, signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
 
 def _stop_children() -> None:
