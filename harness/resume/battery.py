@@ -269,7 +269,9 @@ class _Battery:
         diff = differences(expected, got)
         if diff is not None:
             return CaseResult(case, FAILED, f"{what}: {diff}", seconds)
-        return CaseResult(case, PASSED, f"{what}: every state bitwise equal on every rank", seconds)
+        skipped = got[0].get("skipped") or []
+        via = f" (resumed from {got[0]['resumed_from']}" + (f", skipping {', '.join(skipped)})" if skipped else ")")
+        return CaseResult(case, PASSED, f"{what}: every state bitwise equal on every rank{via}", seconds)
 
     def _stops(self, control: list[Any]) -> list[CaseResult]:
         o, plan = self.o, self.plan

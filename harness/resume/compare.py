@@ -36,7 +36,9 @@ def _numpy_difference(a: Any, b: Any, where: str) -> tuple[str, str] | None:
     if x.tobytes() == y.tobytes():
         return None
     if x.dtype.kind in "fc":
-        worst = float(np.nan_to_num(np.abs(x.astype(np.complex128) - y.astype(np.complex128)), nan=np.inf).max())
+        gap = np.abs(x.astype(np.complex128) - y.astype(np.complex128))
+        gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN where both are NaN is no difference
+        worst = float(np.nan_to_num(gap, nan=np.inf).max())
         return where, f"max abs difference {worst:.3e} over {x.size} elements (numpy)"
     return where, f"{int((x != y).sum())} of {x.size} elements differ (numpy)"
 

@@ -140,7 +140,7 @@ def _own_start_method() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_start_method(None, force=True)
-    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 
 
