@@ -72,7 +72,6 @@ def test_a_loop_with_dataloader_workers_and_a_dcp_save_that_will_not_overwrite_p
     assert report.passed, report.table()
 
 
-@pytest.mark.slow
 def test_a_trainer_that_refuses_the_world_size_is_one_usage_error() -> None:
     """The harness's trainer on a two-rank config file, asked for three ranks: one usage error, no case run."""
     report = run_battery("support.resume_bodies:refuses_three_ranks", ResumeOptions(**SMALL, world_size=3))
@@ -80,7 +79,6 @@ def test_a_trainer_that_refuses_the_world_size_is_one_usage_error() -> None:
     assert "world_size=3 (ranks started) differs from config world_size=2" in (report.usage_error or "")
 
 
-@pytest.mark.slow
 def test_an_object_in_state_is_a_usage_error_naming_its_key() -> None:
     """A value the comparison cannot judge is refused before the first step, with its key."""
     report = run_battery("support.resume_bodies:object_in_state", ResumeOptions(**SMALL, cases=("stop-resume",)))
