@@ -9,6 +9,7 @@ the checkpoint folders, their manifest and the one discovery of the newest valid
 the harness trainer's resume mistakes the battery must reject, and :mod:`~harness.resume.commit_controls` the
 commit machinery's own; :mod:`~harness.resume.buckets` keeps every DDP a rank builds in its construction layout, so
 that a resumed run's fresh wrapper sums like the run that never stopped; ``examples/`` holds three loops written
-without the harness's helpers. ``pytest --pyargs harness.resume --trainer=...`` and ``python -m harness resume --trainer ...``
-run it. The harness's own trainer (:class:`harness.training.trainer.HarnessTrainer`) is the default.
+without the harness's helpers. ``pytest --pyargs harness.resume --trainer=...`` and
+``python -m harness resume --trainer ...`` run it. The harness's own trainer
+(:class:`harness.training.trainer.HarnessTrainer`) is the default.
 """

@@ -1,7 +1,7 @@
 """The resume battery through real ranks: the harness's trainer and both examples pass; every negative control fails
 with the differing state named, through the battery, the ``resume`` command and the report's resume step.
 
-The test command keeps one representative of each: the harness's trainer on a stop and a kill inside the save
+The test command keeps one representative of each: the harness's trainer on a kill inside the save
 (tests/distributed/test_resume_verdicts.py); the Python/numpy RNG control and the checkpoints labelled from 0 through
 ``python -m harness resume`` (in-process). The slow
 tier runs every control through every case, both examples through ``pytest --pyargs harness.resume`` from another
@@ -39,10 +39,10 @@ def test_a_resume_mistake_of_the_harness_trainer_turns_the_resume_command_red(
     and numpy's generators not restored (named after the battery's draws, not found by luck), and a resumed run that
     labels its checkpoints from 0."""
     code = main(["resume", "--trainer", CONTROLS[control], "--resume-steps", "16", "--resume-every", "5",
-                 "--resume-cases", "stop-resume"])
+                 "--resume-cases", "kill-in-save"])
     out = capsys.readouterr()
     assert 1 == code
-    assert "FAILED: resume: stop-resume:" in out.err
+    assert "FAILED: resume: kill-in-save:" in out.err
     assert says in out.err
 
 

@@ -33,14 +33,15 @@ def test_a_fresh_ddp_wrapper_at_three_ranks_sums_like_the_old_one_once_its_bucke
         assert all(g > 0.0 for g in got), got
 
 
-def test_the_harness_trainer_resumes_a_drawn_stop_and_a_kill_inside_its_save_from_the_complete_checkpoint() -> None:
-    """Stop and resume; SIGKILL inside a save, then a resume through the one discovery, which skips the half-written
-    newest folder: every state equal (the default tier's run of the battery on the harness's trainer)."""
-    report = run_battery(HARNESS_TRAINER, ResumeOptions(**SMALL, cases=("stop-resume", "kill-in-save")))
+def test_the_harness_trainer_resumes_from_the_complete_checkpoint_after_a_kill_inside_its_save() -> None:
+    """SIGKILL inside a save, then a resume through the one discovery, which skips the half-written newest folder:
+    every state equal (the default tier's run of the battery on the harness's trainer; its controls, Python's and
+    numpy's generators not restored and checkpoints labelled from 0, fail the same case in test_resume_battery.py)."""
+    report = run_battery(HARNESS_TRAINER, ResumeOptions(**SMALL, cases=("kill-in-save",)))
     assert report.passed, report.table()
-    assert ["repeatable", "stop-resume", "kill-in-save"] == [r.case for r in report.results]
+    assert ["repeatable", "kill-in-save"] == [r.case for r in report.results]
     kill = report.plan.kills["in-save"]
-    assert f"skipping step-{kill.step:04d} (incomplete)" in report.results[2].message, report.table()
+    assert f"skipping step-{kill.step:04d} (incomplete)" in report.results[1].message, report.table()
 
 
 @pytest.mark.slow

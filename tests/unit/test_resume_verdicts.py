@@ -172,3 +172,26 @@ def test_a_step_directory_begun_again_is_empty_and_its_old_files_reach_no_manife
     assert ["rank0.pt"] == sorted(json.loads((folder / MANIFEST).read_text())["files"])
     assert 15 == check_step_dir(folder)["step"]
     assert [folder] == [p for p in tmp_path.iterdir()], "no stale copy is left beside it"
+
+
+def test_the_resume_command_exits_2_with_one_usage_error_and_still_writes_its_json(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trainer that refuses the options: exit 2 (bad input, not a failed case), the usage error said once, and the
+    JSON written with it."""
+    from harness.workflow.cli import main
+
+    def refused(trainer: str, options: Any = None, progress: Any = None) -> battery_module.Report:
+        o = options or ResumeOptions()
+        return battery_module.Report(trainer, o, battery_module.Plan.draw(o), [],
+                                     usage_error="the trainer refused to run: rank 0 refused: ValueError: world_size")
+
+    monkeypatch.setattr(battery_module, "run_battery", refused)
+    out = tmp_path / "resume.json"
+    code = main(["resume", "--trainer", "harness.resume.examples.plain:build", "--json", str(out)])
+    said = capsys.readouterr()
+    assert 2 == code
+    assert 1 == said.out.count("usage error"), said.out  # the table's one row; no case rows
+    assert "fail " not in said.out
+    assert said.err.startswith("resume: usage error: the trainer refused to run"), said.err
+    assert "world_size" in json.loads(out.read_text())["usage_error"]
