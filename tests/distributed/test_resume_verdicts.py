@@ -5,6 +5,8 @@ rejected. tests/unit/test_resume_verdicts.py checks the same verdicts without ra
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from support.resume_bodies import rewrap_gap
 
@@ -95,3 +97,17 @@ def test_a_mistake_in_the_commit_machinery_fails_the_case_that_interrupts_it(bug
     options = ResumeOptions(**SMALL, cases=CAUGHT_BY[bug])
     report = run_battery(HARNESS_TRAINER, options, commit_bug=bug)
     assert {r.case for r in report.failures()} == set(CAUGHT_BY[bug]), report.table()
+
+
+@pytest.mark.slow
+def test_a_case_whose_resumed_run_crashes_fails_naming_the_exception_and_the_battery_goes_on() -> None:
+    """A save that raises OSError after a resume: both resumed cases fail with the rank and the exception named,
+    ``repeatable`` still passes, and the report's JSON holds every case."""
+    report = run_battery("support.resume_bodies:crashes_after_a_resume",
+                         ResumeOptions(**SMALL, cases=("stop-resume", "kill-after-commit")))
+    status = {r.case: r for r in report.results}
+    assert ["repeatable", "stop-resume", "kill-after-commit"] == list(status)
+    assert status["repeatable"].passed
+    for case in ("stop-resume", "kill-after-commit"):
+        assert "raised OSError: [Errno 28] No space left on device" in status[case].message, report.table()
+    assert 3 == len(json.loads(json.dumps(report.to_dict()))["cases"])

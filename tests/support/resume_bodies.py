@@ -76,3 +76,27 @@ class _OutsideTheContract:
 def object_in_state() -> _OutsideTheContract:
     """The harness's trainer with an object in its state()."""
     return _OutsideTheContract()
+
+
+class _CrashesAfterAResume(_OutsideTheContract):
+    def __init__(self) -> None:
+        super().__init__()
+        self.resumed = False
+
+    def load(self, folder: Any) -> None:
+        super().load(folder)
+        self.resumed = True
+
+    def save(self, folder: Any) -> None:
+        if self.resumed:
+            msg = "[Errno 28] No space left on device"
+            raise OSError(msg)
+        super().save(folder)
+
+    def state(self) -> dict[str, Any]:
+        return self.inner.state()
+
+
+def crashes_after_a_resume() -> _CrashesAfterAResume:
+    """The harness's trainer whose saves raise once it has resumed: every resumed leg crashes."""
+    return _CrashesAfterAResume()
