@@ -14,17 +14,17 @@ from harness.resume.buckets import freeze_ddp_buckets, thaw_ddp_buckets
 from harness.training.trainer import HarnessTrainer, trainer_factory
 
 
-def _train(rewrap_at: int | None, steps: int = 20) -> list[torch.Tensor]:
+def _train(rewrap_at: int | None, options: dict[str, Any], steps: int = 20) -> list[torch.Tensor]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     data = torch.Generator().manual_seed(100 + rank)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    model = DistributedDataParallel(module)
+    model = DistributedDataParallel(module, **options)
     for step in range(1, steps + 1):
         if step == rewrap_at:
             del model
-            model = DistributedDataParallel(module)  # what a resumed run does: a fresh wrapper, same weights
+            model = DistributedDataParallel(module, **options)  # what a resumed run does: a fresh wrapper
         x, y = torch.randn(8, 16, generator=data), torch.randint(0, 4, (8,), generator=data)
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
@@ -34,13 +34,14 @@ def _train(rewrap_at: int | None, steps: int = 20) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def rewrap_gap(frozen: bool) -> float:
+def rewrap_gap(frozen: bool, options: dict[str, Any] | None = None) -> float:
     """Largest difference between a run that keeps one DDP wrapper and one re-wrapped at step 13 of 20, with DDP's
-    buckets frozen in their construction layout (``frozen``) or rebuilt as DDP does by default."""
+    buckets frozen in their construction layout (``frozen``) or rebuilt as DDP does by default; ``options`` are
+    DDP's keywords (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``)."""
     if frozen:
         freeze_ddp_buckets()
     try:
-        kept, rewrapped = _train(None), _train(13)
+        kept, rewrapped = _train(None, options or {}), _train(13, options or {})
     finally:
         thaw_ddp_buckets()
     return max(float((a - b).abs().max()) for a, b in zip(kept, rewrapped))
