@@ -207,8 +207,11 @@ def launch(
                 }
                 spec = rank.RankSpec(r, world_size, backend, device, pg_timeout, startup_timeout, tmp, rank_env,
                                      expect, threads, ends_at, caller=os.getpid())
+                # Not daemonic: a daemonic process may not start children, and a rank's code may (a DataLoader's
+                # workers). Its life is still tied to the caller's: PR_SET_PDEATHSIG to the forkserver, which ends
+                # with the caller, and every rank is killed and joined before launch returns.
                 p = ctx.Process(target=rank.rank_main, args=(spec, call, writer), name=f"harness-rank{r}",
-                                daemon=True)
+                                daemon=False)
                 p.start()
                 writer.close()
                 procs.append(p)
