@@ -78,21 +78,71 @@ def _as_real_data_has_them(windows: list[list[list[list[Row]]]]) -> None:
                 _prompt_one_longer(rank[-1])
 
 
+EXTRA_ROWS = 2
+"""The most rows a rank's uneven microbatch holds above the scenario's ``rows_per_microbatch``."""
+
+
+def row_counts(rank: int, microbatches: int, rows: int) -> list[int]:
+    """Rows of each of ``rank``'s microbatches: ``rows`` in each, but microbatch ``rank % microbatches`` holds
+    +1, -1, +2, -2, ... more (rank 0, 1, 2, 3, ...), within ``[1, rows + EXTRA_ROWS]``.
+
+    Two symmetries a normalization hides behind are broken this way. Microbatches of a rank hold different numbers of
+    rows, so a per-microbatch sample-count ratio (``rows_i / rows``) is not ``1/k``; ranks hold different numbers of
+    rows, so a sequence mean over a rank's own rows is not the global one."""
+    step = 1 + rank // 2
+    shift = max(1 - rows, min(EXTRA_ROWS, step if rank % 2 == 0 else -step))
+    out = [rows] * microbatches
+    out[rank % microbatches] += shift
+    return out
+
+
+def _odd_count(window: list[list[list[Row]]]) -> None:
+    """Make a window's supervised count odd where it is over :data:`BF16_EXACT` (one row's prompt a token longer,
+    on a microbatch where that leaves the rank's counts unequal): an odd count over 256 is no multiple of bfloat16's
+    spacing there, and over 2048 none of float16's, so a count rounded to either dtype (an all-reduce in float16, a
+    ``.to(torch.bfloat16)``) is a different number and scales every gradient."""
+    total = sum(r.supervised for rank in window for mb in rank for r in mb)
+    if total <= BF16_EXACT or total % 2:
+        return
+    for rank in window:
+        for i, mb in enumerate(rank):
+            edited = list(mb)
+            _prompt_one_longer(edited)
+            counts = [sum(r.supervised for r in m) for m in (*rank[:i], edited, *rank[i + 1:])]
+            if sum(r.supervised for r in edited) < sum(r.supervised for r in mb) and (
+                    len(rank) == 1 or len(set(counts)) > 1):
+                mb[:] = edited
+                return
+
+
+BF16_EXACT = 256
+"""bfloat16 holds every integer up to 256 (8 significant bits); above, only multiples of its spacing (2 up to 512,
+4 up to 1024, ...)."""
+
+FP16_EXACT = 2048
+"""float16 holds every integer up to 2048 (11 significant bits); from 2048 to 4096 only even ones."""
+
+
 def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | None = None,
                  seed_offset: int = 0) -> Windows:
     """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
     the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts (made
-    sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario)."""
+    sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario),
+    different numbers of rows (:func:`row_counts`), and a count over 256 is odd (:func:`_odd_count`)."""
+    rows_each = rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank
     corpus = corpus_config(world_size)
     config = dataclasses.replace(
         corpus, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
-        batch_size_per_rank=rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank,
+        batch_size_per_rank=rows_each + EXTRA_ROWS,
     )
     rows = _corpus(corpus)
     plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
-    drawn = [[[[rows[i] for i in ids] for ids in rank_ids[:k]] for rank_ids in step]
+    drawn = [[[[rows[i] for i in ids[:n]] for ids, n in zip(rank_ids, row_counts(r, k, rows_each))]
+              for r, rank_ids in enumerate(step)]
              for step, k in zip(plan, microbatches)]
     _as_real_data_has_them(drawn)
+    for window in drawn:
+        _odd_count(window)
     return [[[collate(mb) for mb in rank] for rank in window] for window in drawn]
 
 
@@ -114,8 +164,15 @@ def single(world_size: int) -> Windows:
 
 
 def long(world_size: int) -> Windows:
-    """Five microbatches per rank, each with its own token count: a loop written for two shows here."""
-    return plan_windows(world_size, [5], rows_per_microbatch=2, seed_offset=2)
+    """Five microbatches per rank, each with its own token count: a loop written for two shows here. Its rows per
+    microbatch are the fewest (from 2) that put the window over :data:`FP16_EXACT` supervised tokens, an odd count
+    (:func:`_odd_count`), so at every world size one window's count rounds in float16 and in bfloat16."""
+    rows = 2
+    while True:
+        windows = plan_windows(world_size, [5], rows_per_microbatch=rows, seed_offset=2)
+        if sum(mb.supervised for rank in windows[0] for mb in rank) > FP16_EXACT:
+            return windows
+        rows += 1
 
 
 def varying(world_size: int) -> Windows:
@@ -152,6 +209,9 @@ def one_empty(world_size: int) -> Windows:
     """The uneven window with no supervised token on rank 0 (its rows still run forward and backward)."""
     window = uneven(world_size)[0]
     window[0] = [unsupervised(mb) for mb in window[0]]
+    if not any(bool(((mb.labels[:, 0] == IGNORE_INDEX) & (mb.labels != IGNORE_INDEX).any(dim=1)).any())
+               for rank in window for mb in rank):  # rank 0 held the only prompted rows: give the last rank one
+        window[-1][-1] = _first_target_masked(window[-1][-1])
     return [window]
 
 
