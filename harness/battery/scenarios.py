@@ -96,23 +96,46 @@ def row_counts(rank: int, microbatches: int, rows: int) -> list[int]:
     return out
 
 
-def _odd_count(window: list[list[list[Row]]]) -> None:
-    """Make a window's supervised count odd where it is over :data:`BF16_EXACT` (one row's prompt a token longer,
-    on a microbatch where that leaves the rank's counts unequal): an odd count over 256 is no multiple of bfloat16's
-    spacing there, and over 2048 none of float16's, so a count rounded to either dtype (an all-reduce in float16, a
-    ``.to(torch.bfloat16)``) is a different number and scales every gradient."""
-    total = sum(r.supervised for rank in window for mb in rank for r in mb)
-    if total <= BF16_EXACT or total % 2:
+def bf16_spacing(n: int) -> int:
+    """The gap between neighbouring bfloat16 values around ``n > 0``: 1 up to 256, then doubling at every power of
+    two (8 significant bits)."""
+    return max(1, 2 ** (n.bit_length() - 8))
+
+
+def _far_from_the_grid(window: list[list[list[Row]]]) -> None:
+    """Give a window of over :data:`BF16_EXACT` supervised tokens a count nearly half a bfloat16 spacing from the
+    nearest bfloat16 value (``n % spacing == spacing / 2 - 1``, or odd where the spacing is 2), by giving rows'
+    prompts a token more, each on a microbatch where that leaves the rank's counts unequal.
+
+    Such a count is odd, so over :data:`FP16_EXACT` float16 must round it too; and a count rounded to bfloat16 (a
+    ``.to(torch.bfloat16)``) is off by ``spacing / 2 - 1`` tokens, 0.1-0.35% of the window: as far as rounding moves
+    a count, which is what the bf16 lane's scale test must be able to see (:mod:`harness.battery.bf16`)."""
+    n = sum(r.supervised for rank in window for mb in rank for r in mb)
+    if n <= BF16_EXACT:
         return
-    for rank in window:
-        for i, mb in enumerate(rank):
-            edited = list(mb)
-            _prompt_one_longer(edited)
-            counts = [sum(r.supervised for r in m) for m in (*rank[:i], edited, *rank[i + 1:])]
-            if sum(r.supervised for r in edited) < sum(r.supervised for r in mb) and (
-                    len(rank) == 1 or len(set(counts)) > 1):
-                mb[:] = edited
-                return
+    spacing = bf16_spacing(n)
+    target = max(1, spacing // 2 - 1)
+    for _ in range((n - target) % spacing):
+        for rank in sorted(window, key=lambda rank: -sum(r.supervised for mb in rank for r in mb)):
+            if _one_target_fewer(rank):
+                break
+        else:
+            return  # nothing left to mask without making a rank's counts equal: leave the count as drawn
+
+
+def _one_target_fewer(rank: list[list[Row]]) -> bool:
+    """One supervised target fewer on ``rank`` (the longest row of a microbatch gets a prompt a token longer), on the
+    microbatch with the most targets where the rank's microbatches then still hold different counts."""
+    order = sorted(range(len(rank)), key=lambda i: -sum(r.supervised for r in rank[i]))
+    for i in order:
+        edited = list(rank[i])
+        _prompt_one_longer(edited)
+        counts = [sum(r.supervised for r in m) for m in (*rank[:i], edited, *rank[i + 1:])]
+        if sum(r.supervised for r in edited) < sum(r.supervised for r in rank[i]) and (
+                len(rank) == 1 or len(set(counts)) > 1):
+            rank[i][:] = edited
+            return True
+    return False
 
 
 BF16_EXACT = 256
@@ -128,7 +151,8 @@ def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbat
     """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
     the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts (made
     sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario),
-    different numbers of rows (:func:`row_counts`), and a count over 256 is odd (:func:`_odd_count`)."""
+    different numbers of rows (:func:`row_counts`), and every count over 256 far from bfloat16's grid
+    (:func:`_far_from_the_grid`)."""
     rows_each = rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank
     corpus = corpus_config(world_size)
     config = dataclasses.replace(
@@ -142,7 +166,7 @@ def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbat
              for step, k in zip(plan, microbatches)]
     _as_real_data_has_them(drawn)
     for window in drawn:
-        _odd_count(window)
+        _far_from_the_grid(window)
     return [[[collate(mb) for mb in rank] for rank in window] for window in drawn]
 
 
@@ -152,21 +176,20 @@ def unsupervised(mb: Microbatch) -> Microbatch:
 
 
 def uneven(world_size: int) -> Windows:
-    """The base window: two microbatches per rank, rank r in the r-th length band (seed 000's uneven ranks; at W=2
-    and W=4 one row's prompt a token longer, where a rank's two microbatches would hold the same count)."""
+    """The base window: two microbatches per rank of about 4 rows (:func:`row_counts`), rank r in the r-th length
+    band (seed 000's uneven ranks)."""
     return plan_windows(world_size, [2])
 
 
 def single(world_size: int) -> Windows:
-    """One microbatch per rank: first and last at once (a short final window; at W=1 one row given a prompt, which
-    the draw holds none of)."""
+    """One microbatch per rank: first and last at once (a short final window)."""
     return plan_windows(world_size, [1], seed_offset=1)
 
 
 def long(world_size: int) -> Windows:
     """Five microbatches per rank, each with its own token count: a loop written for two shows here. Its rows per
     microbatch are the fewest (from 2) that put the window over :data:`FP16_EXACT` supervised tokens, an odd count
-    (:func:`_odd_count`), so at every world size one window's count rounds in float16 and in bfloat16."""
+    (:func:`_far_from_the_grid`), so at every world size one window's count rounds in float16 and in bfloat16."""
     rows = 2
     while True:
         windows = plan_windows(world_size, [5], rows_per_microbatch=rows, seed_offset=2)
