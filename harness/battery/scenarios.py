@@ -146,24 +146,25 @@ FP16_EXACT = 2048
 """float16 holds every integer up to 2048 (11 significant bits); from 2048 to 4096 only even ones."""
 
 
-def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | None = None,
+def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | Sequence[int] | None = None,
                  seed_offset: int = 0) -> Windows:
     """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
     the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts (made
     sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario),
     different numbers of rows (:func:`row_counts`), and every count over 256 far from bfloat16's grid
-    (:func:`_far_from_the_grid`)."""
-    rows_each = rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank
+    (:func:`_far_from_the_grid`). ``rows_per_microbatch`` is one number for every window, or one per window."""
+    given = rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank
+    rows_each = [given] * len(microbatches) if isinstance(given, int) else list(given)
     corpus = corpus_config(world_size)
     config = dataclasses.replace(
         corpus, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
-        batch_size_per_rank=rows_each + EXTRA_ROWS,
+        batch_size_per_rank=max(rows_each) + EXTRA_ROWS,
     )
     rows = _corpus(corpus)
     plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
-    drawn = [[[[rows[i] for i in ids[:n]] for ids, n in zip(rank_ids, row_counts(r, k, rows_each))]
+    drawn = [[[[rows[i] for i in ids[:n]] for ids, n in zip(rank_ids, row_counts(r, k, each))]
               for r, rank_ids in enumerate(step)]
-             for step, k in zip(plan, microbatches)]
+             for step, k, each in zip(plan, microbatches, rows_each)]
     _as_real_data_has_them(drawn)
     for window in drawn:
         _far_from_the_grid(window)
@@ -199,8 +200,10 @@ def long(world_size: int) -> Windows:
 
 
 def varying(world_size: int) -> Windows:
-    """Three windows of 3, 2 and 3 microbatches with different counts, one recipe object and SGD steps between."""
-    return plan_windows(world_size, [3, 2, 3], rows_per_microbatch=2, seed_offset=3)
+    """Three windows of 3, 2 and 3 microbatches of about 2, 2 and 3 rows, one recipe object and SGD steps between:
+    every window's count is far from every other's, so a count kept from one window is wrong on the others by far more
+    than a rounding (the same 3 microbatches of the same rows can hold counts 0.3% apart)."""
+    return plan_windows(world_size, [3, 2, 3], rows_per_microbatch=[2, 2, 3], seed_offset=3)
 
 
 def sparse(world_size: int) -> Windows:

@@ -165,7 +165,7 @@ class Float16Count:
         return None
 
 
-@control(Target("parity", "long", precision="bf16"), "global_scale")
+@control(Target("parity", "long", precision="bf16"), "unexplained")
 class Bfloat16Count:
     """The all-reduced count rounded to bfloat16 before the division (``count.to(logits.dtype)`` in a bf16 loop):
     8 significant bits hold every integer only up to 256, so every gradient is scaled by ``N / round_bf16(N)``, by
