@@ -177,9 +177,9 @@ def unsupervised(mb: Microbatch) -> Microbatch:
 
 
 def uneven(world_size: int) -> Windows:
-    """The base window: two microbatches per rank of about 4 rows (:func:`row_counts`), rank r in the r-th length
+    """The base window: two microbatches per rank of about 3 rows (:func:`row_counts`), rank r in the r-th length
     band (seed 000's uneven ranks)."""
-    return plan_windows(world_size, [2])
+    return plan_windows(world_size, [2], rows_per_microbatch=3)
 
 
 def single(world_size: int) -> Windows:
