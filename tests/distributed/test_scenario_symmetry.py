@@ -19,7 +19,7 @@ def _parity(recipe: str, scenario: str, world: int, objective: str = "token_mean
 
 
 def test_a_sequence_mean_over_a_ranks_own_rows_fails_the_base_window() -> None:
-    """On ``uneven`` at W=2 the ranks hold 9 and 7 supervised rows: each rank's own sequence mean, averaged by DDP,
+    """On ``uneven`` at W=2 the ranks hold 7 and 5 supervised rows: each rank's own sequence mean, averaged by DDP,
     misses the global one, and the diagnosis reads each rank's own normalizer. Its control, the correct sequence mean
     on the same window, passes."""
     verdict = _parity("harness.recipes:local_sequence_count", "uneven", 2, "sequence_mean")
@@ -39,7 +39,7 @@ def test_a_sequence_mean_over_a_ranks_own_rows_fails_at_least_four_scenarios() -
 
 def test_a_per_microbatch_sequence_mean_fails_on_one_rank() -> None:
     """At W=1 no rank imbalance can show it: each microbatch's own sequence mean over k is wrong only because the
-    rank's microbatches hold different numbers of rows (5 and 4 on ``uneven``). Its control, the correct sequence
+    rank's microbatches hold different numbers of rows (4 and 3 on ``uneven``). Its control, the correct sequence
     mean, passes there."""
     verdict = _parity("harness.recipes:per_microbatch_sequence_mean", "uneven", 1, "sequence_mean")
     assert ("fail", "numbers") == (verdict.status, verdict.cause), verdict.message
