@@ -9,7 +9,12 @@ reduction declared (the harness sets the knobs on every sharded module), the sam
 
 bf16: for each strategy and case, the measured noise and the bound derived from it (:mod:`harness.battery.bf16`), the
 correct recipe's error and a mean of local means' error (relative L2 against float64), their ratios to the bound, and
-the separation margins (bound / correct error; mistake / bound). Not a test: nothing here fails on a number.
+the separation margins (bound / correct error; mistake / bound).
+
+bf16 scale: for each strategy, world size and case, each window's count and its bfloat16 rounding, the correct
+computation's own scale noise and the scale bound (DDP; FSDP2 judges no scale), and the largest ``|scale - 1|`` and
+relative L2 error of the correct recipe and of a count rounded to bfloat16 (``bfloat16_count``), with their
+verdicts. Not a test: nothing here fails on a number.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "fsdp2_bf16.json"))
     args = parser.parse_args()
-    from harness.battery import checks, runner
+    import torch
+
+    from harness.battery import bf16, checks, runner
     from harness.battery.options import RunSpec
     from harness.distributed.launcher import warm
 
@@ -80,6 +87,32 @@ def main() -> int:
                 "margin_above": round(bad.max_error / noise.bound, 2),
                 "correct_verdict": good.status, "mean_of_means_verdict": bad.status,
                 "mean_of_means_diagnosis": None if bad.diagnosis is None else bad.diagnosis["signature"]})
+    scales = []
+    for strategy, worlds in (("ddp", (1, 2, 3, 4)), ("fsdp2", (2, 3))):
+        for world in worlds:
+            for scenario in ("uneven", "long"):
+                row: dict[str, object] = {"strategy": strategy, "scenario": scenario, "world_size": world}
+                for label, recipe in (("correct", "global_token_mean"), ("bf16_count", "bfloat16_count")):
+                    run = runner.run(RunSpec(f"harness.recipes:{recipe}", scenario, world, "bf16", strategy=strategy))
+                    verdict = checks.parity(run)
+                    read = bf16.read_windows(run, bf16.gradient_function(run.spec, run.objective))
+                    row[f"{label}_scale_off"] = round(max(abs(w.scale - 1) for w in read), 7)
+                    row[f"{label}_relative_l2"] = round(max(w.error for w in read), 6)
+                    row[f"{label}_verdict"] = verdict.status
+                counts = [sum(mb.supervised for rank in window for mb in rank) for window in run.windows]
+                noise = run.bf16
+                row.update({
+                    "counts": counts,
+                    "counts_bf16": [int(torch.tensor(float(n)).to(torch.bfloat16)) for n in counts],
+                    "scale_noise": None if noise.scale is None else round(noise.scale, 7),
+                    "scale_noise_per_seed": [round(x, 7) for x in noise.scale_samples],
+                    "scale_bound": None if noise.scale_bound is None else round(noise.scale_bound, 7),
+                    "relative_l2_bound": round(noise.bound, 6)})
+                if noise.scale_bound is not None:
+                    row["correct_scale_ratio"] = round(row["correct_scale_off"] / noise.scale_bound, 3)  # type: ignore[operator]
+                    row["bf16_count_scale_ratio"] = round(row["bf16_count_scale_off"] / noise.scale_bound, 2)  # type: ignore[operator]
+                scales.append(row)
+    judged = [x for x in scales if x["scale_bound"] is not None]
     result = {
         "schema": "harness.fsdp2-bf16/1",
         "command": command("benchmarks/fsdp2_bf16_bench.py"),
@@ -92,6 +125,10 @@ def main() -> int:
                        "mean_of_means_ratio": min(x["mean_of_means_ratio"] for x in lanes),
                        "margin_below": min(x["margin_below"] for x in lanes),
                        "margin_above": min(x["margin_above"] for x in lanes)},
+        "bf16_scale": scales,
+        "bf16_scale_worst": {"correct_ratio": max(x["correct_scale_ratio"] for x in judged),  # type: ignore[type-var]
+                             "bf16_count_ratio_long": min(x["bf16_count_scale_ratio"] for x in judged  # type: ignore[type-var]
+                                                          if x["scenario"] == "long")},
     }
     print(write_result(args.out, result))
     return 0

@@ -435,22 +435,28 @@ def _parity_bf16(run: Run) -> Verdict:
         said += "; window(s) " + ", ".join(
             f"{w.window} (a mean of local means would miss by {w.mistake:.2e} only)" for w in refused) + (
             f" not judged: too balanced for a weighting mistake to stand {bf16.SEPARATION:g}x above the bound")
-    if not judged:
+    scaled = bf16.scale_finding(noise, read)  # a uniform scale: judged on every window, balanced or not
+    if not judged and scaled is None:
         return _verdict("parity", run, NOT_APPLICABLE, f"no window of this case can be judged in bf16: {said}")
-    w = max(judged, key=lambda w: w.error)
-    k, rank = w.window, w.rank
-    detail = (f"worst on rank {rank}, window {k}: error {w.error:.2e}, {w.error / noise.bound:.2f}x the bound; "
-              f"{said}; a mean of local means would miss by {w.mistake:.2e} here ({w.mistake / noise.bound:.0f}x "
-              "the bound)")
+    w = max(judged or read, key=lambda w: w.error)
+    detail = (f"worst on rank {w.rank}, window {w.window}: error {w.error:.2e}, {w.error / noise.bound:.2f}x the "
+              f"bound; {said}; a mean of local means would miss by {w.mistake:.2e} here "
+              f"({w.mistake / noise.bound:.0f}x the bound)")
     numbers = {"max_error": w.error, "worst_ratio": w.error / noise.bound}
-    if w.error <= noise.bound:
-        return _passed("parity", run, detail, window=k, **numbers)
+    within = noise.bound
+    if scaled is not None and not (judged and w.error > noise.bound):
+        w, detail = scaled  # the relative L2 passed: the scale alone fails, read to the scale's own accuracy
+        numbers = {"max_error": abs(w.scale - 1), "worst_ratio": abs(w.scale - 1) / noise.scale_bound}
+        within = noise.scale_bound
+    elif w.error <= noise.bound:
+        return _passed("parity", run, f"{detail}; {noise.scale_note()}", window=w.window, **numbers)
+    k, rank = w.window, w.rank
     from harness.core.diagnosis import accuracy
 
-    with accuracy(noise.bound):  # the weights are read to the accuracy bf16 allows, no finer
+    with accuracy(within):  # the weights are read to the accuracy bf16 allows, no finer
         found = diagnose(run, k, rank)
     if found is not None:
-        detail += "\n  " + found.line() + f" (read from a bf16 gradient: weights to within {noise.bound:.1e})"
+        detail += "\n  " + found.line() + f" (read from a bf16 gradient: weights to within {within:.1e})"
     return _failed("parity", run, detail, k, diagnosis=None if found is None else found.to_dict(), **numbers)
 
 

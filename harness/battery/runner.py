@@ -663,7 +663,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         noise = _NOISE.get(noise_key) if share_chain else None
         if noise is None:
             noise = bf16.measure_noise(model, windows, spec.strategy,
-                                       lambda m: bf16.gradient_function(m, objective))
+                                       lambda m: bf16.gradient_function(m, objective), objective)
             if share_chain and len(_NOISE) < 64:
                 _NOISE[noise_key] = noise
     wrap = False

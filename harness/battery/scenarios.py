@@ -78,21 +78,96 @@ def _as_real_data_has_them(windows: list[list[list[list[Row]]]]) -> None:
                 _prompt_one_longer(rank[-1])
 
 
-def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | None = None,
+EXTRA_ROWS = 2
+"""The most rows a rank's uneven microbatch holds above the scenario's ``rows_per_microbatch``."""
+
+
+def row_counts(rank: int, microbatches: int, rows: int) -> list[int]:
+    """Rows of each of ``rank``'s microbatches: ``rows`` in each, but microbatch ``rank % microbatches`` holds
+    +1, -1, +2, -2, ... more (rank 0, 1, 2, 3, ...), within ``[1, rows + EXTRA_ROWS]``.
+
+    Two symmetries a normalization hides behind are broken this way. Microbatches of a rank hold different numbers of
+    rows, so a per-microbatch sample-count ratio (``rows_i / rows``) is not ``1/k``; ranks hold different numbers of
+    rows, so a sequence mean over a rank's own rows is not the global one."""
+    step = 1 + rank // 2
+    shift = max(1 - rows, min(EXTRA_ROWS, step if rank % 2 == 0 else -step))
+    out = [rows] * microbatches
+    out[rank % microbatches] += shift
+    return out
+
+
+def bf16_spacing(n: int) -> int:
+    """The gap between neighbouring bfloat16 values around ``n > 0``: 1 up to 256, then doubling at every power of
+    two (8 significant bits)."""
+    return max(1, 2 ** (n.bit_length() - 8))
+
+
+def _far_from_the_grid(window: list[list[list[Row]]]) -> None:
+    """Give a window of over :data:`BF16_EXACT` supervised tokens a count nearly half a bfloat16 spacing from the
+    nearest bfloat16 value (``n % spacing == spacing / 2 - 1``, or odd where the spacing is 2), by giving rows'
+    prompts a token more, each on a microbatch where that leaves the rank's counts unequal.
+
+    Such a count is odd, so over :data:`FP16_EXACT` float16 must round it too; and a count rounded to bfloat16 (a
+    ``.to(torch.bfloat16)``) is off by ``spacing / 2 - 1`` tokens, 0.1-0.35% of the window: as far as rounding moves
+    a count, which is what the bf16 lane's scale test must be able to see (:mod:`harness.battery.bf16`)."""
+    n = sum(r.supervised for rank in window for mb in rank for r in mb)
+    if n <= BF16_EXACT:
+        return
+    spacing = bf16_spacing(n)
+    target = max(1, spacing // 2 - 1)
+    for _ in range((n - target) % spacing):
+        for rank in sorted(window, key=lambda rank: -sum(r.supervised for mb in rank for r in mb)):
+            if _one_target_fewer(rank):
+                break
+        else:
+            return  # nothing left to mask without making a rank's counts equal: leave the count as drawn
+
+
+def _one_target_fewer(rank: list[list[Row]]) -> bool:
+    """One supervised target fewer on ``rank`` (the longest row of a microbatch gets a prompt a token longer), on the
+    microbatch with the most targets where the rank's microbatches then still hold different counts."""
+    order = sorted(range(len(rank)), key=lambda i: -sum(r.supervised for r in rank[i]))
+    for i in order:
+        edited = list(rank[i])
+        _prompt_one_longer(edited)
+        counts = [sum(r.supervised for r in m) for m in (*rank[:i], edited, *rank[i + 1:])]
+        if sum(r.supervised for r in edited) < sum(r.supervised for r in rank[i]) and (
+                len(rank) == 1 or len(set(counts)) > 1):
+            rank[i][:] = edited
+            return True
+    return False
+
+
+BF16_EXACT = 256
+"""bfloat16 holds every integer up to 256 (8 significant bits); above, only multiples of its spacing (2 up to 512,
+4 up to 1024, ...)."""
+
+FP16_EXACT = 2048
+"""float16 holds every integer up to 2048 (11 significant bits); from 2048 to 4096 only even ones."""
+
+
+def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | Sequence[int] | None = None,
                  seed_offset: int = 0) -> Windows:
     """One window per entry of ``microbatches`` (its microbatch count per rank), drawn from the plan: rank r reads
     the r-th length band, with prompts and padding, so ranks and microbatches hold different token counts (made
-    sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario)."""
+    sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario),
+    different numbers of rows (:func:`row_counts`), and every count over 256 far from bfloat16's grid
+    (:func:`_far_from_the_grid`). ``rows_per_microbatch`` is one number for every window, or one per window."""
+    given = rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank
+    rows_each = [given] * len(microbatches) if isinstance(given, int) else list(given)
     corpus = corpus_config(world_size)
     config = dataclasses.replace(
         corpus, accumulation=max(microbatches), seed=BATTERY_CONFIG.seed + seed_offset,
-        batch_size_per_rank=rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank,
+        batch_size_per_rank=max(rows_each) + EXTRA_ROWS,
     )
     rows = _corpus(corpus)
     plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
-    drawn = [[[[rows[i] for i in ids] for ids in rank_ids[:k]] for rank_ids in step]
-             for step, k in zip(plan, microbatches)]
+    drawn = [[[[rows[i] for i in ids[:n]] for ids, n in zip(rank_ids, row_counts(r, k, each))]
+              for r, rank_ids in enumerate(step)]
+             for step, k, each in zip(plan, microbatches, rows_each)]
     _as_real_data_has_them(drawn)
+    for window in drawn:
+        _far_from_the_grid(window)
     return [[[collate(mb) for mb in rank] for rank in window] for window in drawn]
 
 
@@ -102,25 +177,33 @@ def unsupervised(mb: Microbatch) -> Microbatch:
 
 
 def uneven(world_size: int) -> Windows:
-    """The base window: two microbatches per rank, rank r in the r-th length band (seed 000's uneven ranks; at W=2
-    and W=4 one row's prompt a token longer, where a rank's two microbatches would hold the same count)."""
-    return plan_windows(world_size, [2])
+    """The base window: two microbatches per rank of about 3 rows (:func:`row_counts`), rank r in the r-th length
+    band (seed 000's uneven ranks)."""
+    return plan_windows(world_size, [2], rows_per_microbatch=3)
 
 
 def single(world_size: int) -> Windows:
-    """One microbatch per rank: first and last at once (a short final window; at W=1 one row given a prompt, which
-    the draw holds none of)."""
+    """One microbatch per rank: first and last at once (a short final window)."""
     return plan_windows(world_size, [1], seed_offset=1)
 
 
 def long(world_size: int) -> Windows:
-    """Five microbatches per rank, each with its own token count: a loop written for two shows here."""
-    return plan_windows(world_size, [5], rows_per_microbatch=2, seed_offset=2)
+    """Five microbatches per rank, each with its own token count: a loop written for two shows here. Its rows per
+    microbatch are the fewest (from 2) that put the window over :data:`FP16_EXACT` supervised tokens, an odd count
+    (:func:`_far_from_the_grid`), so at every world size one window's count rounds in float16 and in bfloat16."""
+    rows = 2
+    while True:
+        windows = plan_windows(world_size, [5], rows_per_microbatch=rows, seed_offset=2)
+        if sum(mb.supervised for rank in windows[0] for mb in rank) > FP16_EXACT:
+            return windows
+        rows += 1
 
 
 def varying(world_size: int) -> Windows:
-    """Three windows of 3, 2 and 3 microbatches with different counts, one recipe object and SGD steps between."""
-    return plan_windows(world_size, [3, 2, 3], rows_per_microbatch=2, seed_offset=3)
+    """Three windows of 3, 2 and 3 microbatches of about 2, 2 and 3 rows, one recipe object and SGD steps between:
+    every window's count is far from every other's, so a count kept from one window is wrong on the others by far more
+    than a rounding (the same 3 microbatches of the same rows can hold counts 0.3% apart)."""
+    return plan_windows(world_size, [3, 2, 3], rows_per_microbatch=[2, 2, 3], seed_offset=3)
 
 
 def sparse(world_size: int) -> Windows:
@@ -152,6 +235,9 @@ def one_empty(world_size: int) -> Windows:
     """The uneven window with no supervised token on rank 0 (its rows still run forward and backward)."""
     window = uneven(world_size)[0]
     window[0] = [unsupervised(mb) for mb in window[0]]
+    if not any(bool(((mb.labels[:, 0] == IGNORE_INDEX) & (mb.labels != IGNORE_INDEX).any(dim=1)).any())
+               for rank in window for mb in rank):  # rank 0 held the only prompted rows: give the last rank one
+        window[-1][-1] = _first_target_masked(window[-1][-1])
     return [window]
 
 

@@ -33,7 +33,7 @@ PHRASES = {
     "two_microbatch_loop": "microbatch 2 ",
     "fixed_accumulation_steps": "microbatch 4 contributed nothing",
     "first_microbatch_never_syncs": "never synchronized",
-    "mean_of_local_means": "rank 0's tokens weigh 4x rank 2's",
+    "mean_of_local_means": "rank 0's tokens weigh 5x rank 2's",
     "hard_coded_world_size": "a world-size factor written for W=2 (every weight is 2/W, here W=4)",
     "averaged_count": "a count averaged over the ranks (divided by W) and multiplied by a factor 2 written for W=2",
 }

@@ -54,8 +54,10 @@ def test_a_parameter_without_a_gradient_turns_on_find_unused_parameters_and_says
 
 def test_an_expert_unused_on_one_rank_without_find_unused_is_a_verdict_naming_the_rank_and_the_parameter() -> None:
     """With --find-unused-parameters off the ranks fall out of step (gloo aborts one): the verdict names the
-    parameter and the rank that misses its gradient, never a bare SIGABRT."""
-    verdict = checks.parity(runner.run(CORRECT, "uneven", 2, model=_model("RoutedLM"), find_unused="off"))
+    parameter and the rank that misses its gradient, never a bare SIGABRT. On ``single`` rank 1's synchronizing
+    microbatch routes rows to both experts and rank 0's to one (on ``uneven`` rank 1's last microbatch holds no long
+    row, so neither rank's synchronizing pass reaches ``experts.1``)."""
+    verdict = checks.parity(runner.run(CORRECT, "single", 2, model=_model("RoutedLM"), find_unused="off"))
     assert not verdict.passed and verdict.cause != "numbers"
     assert "experts.1.weight" in verdict.message and "missing on rank 0" in verdict.message
     assert "find_unused_parameters=True" in verdict.message

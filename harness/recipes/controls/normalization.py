@@ -1,6 +1,6 @@
 """Negative controls, normalization family. How the loss is normalized: the wrong denominator (a local count, one
-microbatch's count, a count cached from an earlier window), a missing or extra factor (W, k), a mean per microbatch
-or per sequence, and a loss computed in float32.
+microbatch's count, a count cached from an earlier window, a count rounded to float16 or bfloat16), a missing or extra
+factor (W, k), a mean per microbatch or per sequence, and a loss computed in float32.
 
 Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
 :mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -142,4 +143,38 @@ class PerSequenceMean:
                                             reduction="none").view(mb.labels.shape)
                 counts = (mb.labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
                 ((per_token.sum(dim=1) / counts).sum() / rows).backward()
+        return None
+
+
+@control(Target("parity", "long"), "global_scale")
+class Float16Count:
+    """The count all-reduced as float16 (a count tensor made in the dtype of an fp16 loop's loss): float16 holds every
+    integer only up to 2048, so the sum of the ranks' counts rounds, and a window of 2051 tokens is divided by 2052.
+    Exact on every window of up to 2048 tokens; the ``long`` scenario holds an odd count over 2048 at every world
+    size (``harness.battery.scenarios.long``)."""
+
+    name = "float16_count"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        count = torch.tensor([float(sum(supervised_tokens(mb) for mb in window))], dtype=torch.float16)
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        total = float(count)
+        check_global_count(total)  # type: ignore[arg-type]
+        accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))  # type: ignore[arg-type]
+        return None
+
+
+@control(Target("parity", "long", precision="bf16"), "unexplained")
+class Bfloat16Count:
+    """The all-reduced count rounded to bfloat16 before the division (``count.to(logits.dtype)`` in a bf16 loop):
+    8 significant bits hold every integer only up to 256, so every gradient is scaled by ``N / round_bf16(N)``, by
+    0.1-0.4% on the battery's windows. The bf16 lane's relative-L2 bound (about 1.7e-2) cannot see so small a
+    scale; its least-squares scale test can (``harness.battery.bf16``)."""
+
+    name = "bfloat16_count"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total = float(torch.tensor(float(window_count(window))).to(torch.bfloat16))
+        accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))  # type: ignore[arg-type]
         return None

@@ -14,13 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.core.microbatch import IGNORE_INDEX
 from harness.recipes.catalog import Target, control
 from harness.recipes.correct import GlobalTokenMean, _world_size
+from harness.recipes.helpers import sync_context
 from harness.recipes.objectives import (
     BATCH_SIZE,
     FixedNormalizer,
+    SequenceMean,
     TokenMeanWithLoadBalance,
     WeightedTokenMean,
+    forward,
     window_tokens,
 )
 
@@ -89,3 +93,39 @@ class AuxiliarySummedOverRanks(TokenMeanWithLoadBalance):
 
     def auxiliary(self, model: nn.Module, mb: Any, raw: torch.Tensor, k: int, tokens: int) -> torch.Tensor | None:
         return self.auxiliary_loss(model, mb, raw) * _world_size() / k
+
+
+def _supervised_rows(window: Sequence[Any]) -> int:
+    labels = [mb["labels"][:, 1:] if isinstance(mb, dict) else mb.labels for mb in window]
+    return sum(int(((lab != IGNORE_INDEX).sum(dim=1) > 0).sum()) for lab in labels)
+
+
+@control(Target("parity", "uneven", objective="sequence_mean"), "per_rank_normalizer")
+class LocalSequenceCount(SequenceMean):
+    """The sequence mean over this rank's own supervised rows, and DDP's average over the ranks: a mean of local
+    sequence means. Exact wherever every rank holds as many supervised rows, so the battery's scenarios give ranks
+    different numbers of rows (``harness.battery.scenarios.row_counts``)."""
+
+    name = "local_sequence_count"
+
+    def divisor(self, window: Sequence[Any]) -> float:
+        return float(_world_size() * _supervised_rows(window))
+
+
+@control(Target("parity", "uneven", objective="sequence_mean"), "unexplained")
+class PerMicrobatchSequenceMean(SequenceMean):
+    """Each microbatch's own sequence mean (``loss.mean()`` over its per-sequence losses) divided by the microbatch
+    count k, as a loop written for per-sample losses does: every microbatch weighs 1/k where it should weigh its share
+    of the rows. Exact only where every microbatch holds as many supervised rows (the per-microbatch sample-count
+    ratio is then 1/k), so the battery's microbatches hold different numbers of rows."""
+
+    name = "per_microbatch_sequence_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Any]) -> float | None:
+        window_tokens(window)  # every rank refuses a window without a supervised token, together
+        for i, mb in enumerate(window):
+            with sync_context(model, i, len(window)):
+                _, ce, mask, _ = forward(model, mb)
+                rows = int((mask.sum(dim=1) > 0).sum())
+                (self.term(ce, mask, None) / max(rows, 1) / len(window)).backward()
+        return None
