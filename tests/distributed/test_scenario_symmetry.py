@@ -20,11 +20,11 @@ def _parity(recipe: str, scenario: str, world: int, objective: str = "token_mean
 
 def test_a_sequence_mean_over_a_ranks_own_rows_fails_the_base_window() -> None:
     """On ``uneven`` at W=2 the ranks hold 7 and 5 supervised rows: each rank's own sequence mean, averaged by DDP,
-    misses the global one, and the diagnosis reads each rank's own normalizer. Its control, the correct sequence mean
+    misses the global one, and the diagnosis reads a mean of local means. Its control, the correct sequence mean
     on the same window, passes."""
     verdict = _parity("harness.recipes:local_sequence_count", "uneven", 2, "sequence_mean")
     assert ("fail", "numbers") == (verdict.status, verdict.cause), verdict.message
-    assert verdict.diagnosis is not None and "per_rank_normalizer" == verdict.diagnosis["signature"]
+    assert verdict.diagnosis is not None and "mean_of_local_means" == verdict.diagnosis["signature"]
     assert _parity("harness.recipes.objectives:sequence_mean", "uneven", 2, "sequence_mean").passed
 
 

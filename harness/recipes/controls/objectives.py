@@ -100,7 +100,7 @@ def _supervised_rows(window: Sequence[Any]) -> int:
     return sum(int(((lab != IGNORE_INDEX).sum(dim=1) > 0).sum()) for lab in labels)
 
 
-@control(Target("parity", "uneven", objective="sequence_mean"), "per_rank_normalizer")
+@control(Target("parity", "uneven", objective="sequence_mean"), "mean_of_local_means")
 class LocalSequenceCount(SequenceMean):
     """The sequence mean over this rank's own supervised rows, and DDP's average over the ranks: a mean of local
     sequence means. Exact wherever every rank holds as many supervised rows, so the battery's scenarios give ranks
@@ -112,7 +112,7 @@ class LocalSequenceCount(SequenceMean):
         return float(_world_size() * _supervised_rows(window))
 
 
-@control(Target("parity", "uneven", objective="sequence_mean"), "unexplained")
+@control(Target("parity", "uneven", objective="sequence_mean"), "per_microbatch_mean")
 class PerMicrobatchSequenceMean(SequenceMean):
     """Each microbatch's own sequence mean (``loss.mean()`` over its per-sequence losses) divided by the microbatch
     count k, as a loop written for per-sample losses does: every microbatch weighs 1/k where it should weigh its share
