@@ -101,6 +101,7 @@ def measure_noise(spec: ModelSpec, windows: Sequence[Sequence[Sequence[Microbatc
     """:class:`Noise` of ``spec``'s model on ``windows`` in ``strategy``'s bf16 mode. ``gradient_of(spec)`` gives
     ``f(model, window) -> flat gradient`` of the declared objective under ``spec``'s batch convention."""
     from harness.battery.facts import rank_threads
+    from harness.battery.start import load, start_weights
 
     mode = MODES.get(strategy, "autocast")
     samples = []
@@ -112,8 +113,11 @@ def measure_noise(spec: ModelSpec, windows: Sequence[Sequence[Sequence[Microbatc
             for window in windows:
                 if sum(mb.supervised for rank in window for mb in rank) == 0:
                     continue
-                truth = _gradient(fp64.build(), window, gradient_of(fp64), None)
-                low = _gradient(replace(seeded, precision="fp32").build(), window, gradient_of(seeded), mode)
+                # At the weights the lane's runs start from (harness.battery.start): float32's, the truth cast.
+                start = start_weights(replace(seeded, precision="fp32"))
+                truth = _gradient(load(fp64.build(), start), window, gradient_of(fp64), None)
+                low = _gradient(load(replace(seeded, precision="fp32").build(), start), window, gradient_of(seeded),
+                                mode)
                 worst = max(worst, relative_l2(low, truth))
             samples.append(worst)
     return Noise(max(samples), tuple(samples), mode)
