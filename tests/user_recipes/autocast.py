@@ -16,6 +16,11 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
+def _logits(out: Any) -> torch.Tensor:
+    """A user's model may return an output object with ``.logits`` (``--model``)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 @contextlib.contextmanager
 def _sync(model: torch.nn.Module, last: bool) -> Iterator[None]:
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
@@ -42,7 +47,7 @@ def _step(model: torch.nn.Module, window: Sequence[Any], *, own_count: bool) -> 
     local = 0.0
     for i, mb in enumerate(window):
         with _sync(model, i == len(window) - 1), torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(mb.inputs)
+            logits = _logits(model(mb.inputs))
             s = F.cross_entropy(logits.float().flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE,
                                 reduction="sum")
             (s / divisor).backward()

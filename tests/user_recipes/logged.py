@@ -16,6 +16,11 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
+def _logits(out: Any) -> torch.Tensor:
+    """A user's model may return an output object with ``.logits`` (``--model``)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 def _all_sum(*values: float) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
@@ -34,7 +39,7 @@ def _step(model: torch.nn.Module, window: Sequence[Any]) -> list[torch.Tensor]:
     losses = []
     for i, mb in enumerate(window):
         with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-            logits = model(mb.inputs)
+            logits = _logits(model(mb.inputs))
             per = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE,
                                   reduction="none").view(mb.labels.shape)
             (per.sum() * world / total).backward()

@@ -16,6 +16,11 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
+def _logits(out: Any) -> torch.Tensor:
+    """A user's model may return an output object with ``.logits`` (``--model``)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 class SumOfTensorNorms:
     """Right gradient, right clipping; returns ``sum(p.grad.norm())`` as the norm."""
 
@@ -32,7 +37,7 @@ class SumOfTensorNorms:
         local = 0.0
         for i, mb in enumerate(window):
             with contextlib.nullcontext() if i == len(window) - 1 else model.no_sync():  # type: ignore[operator]
-                s = F.cross_entropy(model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE,
+                s = F.cross_entropy(_logits(model(mb.inputs)).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE,
                                     reduction="sum")
                 (s * world / total).backward()
             local += float(s.detach())
