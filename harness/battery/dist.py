@@ -243,11 +243,11 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         published = _get(store, f"{i}/plan", options.deadline)
         if published[0] == "raise":
             raise RuntimeError(published[1])
-        _, model_error, digest, wrap, max_norm, start = published
+        _, model_error, digest, wrap, max_norm, weights = published
         if model_error is None:
             try:
                 out: tuple[Any, ...] = ("ok", _on_cpu(runner.rank_body(spec, windows, digest, wrap, max_norm,
-                                                                       start)))
+                                                                       weights)))
             except Exception as exc:
                 out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
