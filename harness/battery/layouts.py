@@ -355,8 +355,7 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
                        details=exc.verdicts[0].details, diagnosis=read.diagnosis, finding=read.finding, label=label,
                        strategy=strategy)
     how = "derandomized" if derandomize else "random"
-    ran = max(examples, len(first))
-    said = (f"check drawn passed: recipe {recipe}, {precision}, {strategy}: {ran} layouts ({len(first)} chosen to "
+    said = (f"check drawn passed: recipe {recipe}, {precision}, {strategy}: {examples} layouts ({len(first)} chosen to "
             f"tell mistakes apart, the rest drawn, {how}; W in {','.join(map(str, sorted(worlds)))}) pass every "
             f"check that applies ({', '.join(DRAWN_CHECKS)})")
     if precision == "bf16":
@@ -367,5 +366,5 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
                 label=label, strategy=strategy)
         said += f"; parity judged in bf16 on {parity_judged[0]} of them" + (
             " (the others too balanced for a weighting mistake to stand above the bound derived from their noise)"
-            if parity_judged[0] < ran else "")
+            if parity_judged[0] < examples else "")
     return Verdict("drawn", recipe, "drawn", 0, precision, PASS, said, label=label, strategy=strategy)
