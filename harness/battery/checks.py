@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from harness.battery.diagnose import diagnose, worst
+from harness.battery.run_readings import rounding_only
 from harness.battery.runner import SKIP_SYNC, Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
 from harness.distributed.errors import LaunchError
@@ -367,7 +368,8 @@ def parity(run: Run) -> Verdict:
     if autocast is not None and run.precision == "fp64":
         return _verdict("parity", run, NOT_APPLICABLE, f"the recipe's forward runs under autocast ({autocast}); "
                         "autocast leaves float64 alone on the CPU, so this lane would judge a float64 computation "
-                        "the recipe never runs in training: the float32 lane judges it (--precision fp32)")
+                        "the recipe never runs in training: the float32 lane judges it (--precision fp32)",
+                        finding="autocast")
     picked = worst(run)
     assert picked is not None
     k, rank = picked
@@ -399,10 +401,11 @@ def parity(run: Run) -> Verdict:
         detail += f"; {note}"
     found = diagnose(run, k, rank)
     rel = _relative_l2(run.records[rank][k].grad, ref.gradient)  # type: ignore[arg-type]
-    # bf16 rounding is named where it is the likely cause: autocast was seen, or no re-weighting explains the error
-    # (a count one token off also misses by a small relative error, and the diagnosis names that one).
+    # bf16 rounding is named where it is the likely cause: autocast was seen, or the fitted weights are right and
+    # only a rounding-sized residue is left (a count one token off, or tokens off by a few percent, also miss by a
+    # small relative error: the weights show those, and the diagnosis names them).
     if (finding is None and run.precision == "fp32" and rel <= BF16_RELATIVE_L2
-            and (autocast or (found is not None and found.signature.name == "unexplained"))):
+            and (autocast or (found is not None and rounding_only(found.ratios(), found.residual)))):
         finding = "bf16_computation"
         how = (f"the forward ran under autocast ({autocast})" if autocast else
                "part of the computation ran in bfloat16 or float16 (an autocast region, a .to(torch.bfloat16))")
@@ -575,10 +578,12 @@ def clipping(run: Run) -> Verdict:
                                "total_norm), the norm clip_grad_norm_ returns", k)
             err = abs(got - want)
             if not err <= atol + rtol * abs(want):
-                return _failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}; the reference's "
-                               f"global norm before clipping is {want:.6g} (error {err:.3e}; max_norm "
-                               f"{run.max_norm:.6g}): a norm over one rank's gradient before the synchronization, "
-                               "or over this rank's shard, clips by the wrong factor", k, max_error=err)
+                from harness.battery.clipping_diagnosis import read_norm
+
+                norm = read_norm(run, k, rank, got)  # which norm it is, named only where the number fits
+                return _failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}, {norm.ratio:.4g}x "
+                               f"the reference's global norm before clipping, {want:.6g} (error {err:.3e}; max_norm "
+                               f"{run.max_norm:.6g}): {norm.sentence}", k, max_error=err, finding=norm.name)
             worst_error = max(worst_error, err)
     return _passed("clipping", run, f"every rank returned the reference's global norm (max_norm {run.max_norm:.6g}, "
                    f"clipping engaged in {engaged} window(s))", max_error=worst_error)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
+from harness.battery import run_readings as rr
 from harness.battery.runner import Run
 from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
@@ -198,8 +200,8 @@ def diagnose(run: Run, window: int | None = None, rank: int | None = None,
         return None
     from harness.battery.facts import rank_threads
 
-    with rank_threads():
-        return _diagnose(run, window, rank, per_sequence)
+    with rank_threads():  # a clipping run: what the clip did is read first (clipping_diagnosis)
+        return clipping_diagnosis.reread(run, _diagnose(run, window, rank, per_sequence))
 
 
 def _weights_edited(run: Run, window: int, rank: int) -> dx.Signature | None:
@@ -417,6 +419,11 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                   objective=run.objective.name, normalizer=None if run.objective.plain else z)
     aux_fit: torch.Tensor | None = None
     edited: dx.Signature | None = None
+    nothing = rr.zero_gradient(run, window, rank, g, expected)
+    if nothing is not None:  # every fitted weight would be 0, which no signature of the fit names
+        zeros = tuple(0.0 if b.tokens else math.nan for b in blocks)
+        return Diagnosis(signature=nothing, weights=zeros, residual=math.nan, condition=math.nan,
+                         **common)  # type: ignore[arg-type]
     if not bool(torch.isfinite(g).all()):
         bad = int((~torch.isfinite(g)).sum())
         sig = dx.Signature("nonfinite", f"rank {rank}'s synchronized gradient holds NaN or inf in {bad} of "
@@ -462,11 +469,12 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                     cols.append(_column(run, model, row) if row.supervised else zero)
         seq_fit = dx.fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
-        seq_sig = dx.classify_sequences(rows, seq_fit)
+        seq_sig = dx.classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit)
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
     if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term
-        q = [float(w) * z for w in fit.weights]
+        # Per-rank readings need weights the microbatch fit explains (a reading of the rows' fit keeps its own).
+        q = [float(w) * z if fit.residual <= dx.explained_residual() else math.nan for w in fit.weights]
         sig = od.objective_reading(run, window, model, sig, blocks, q, g, atol, rtol)
         if aux_fit is not None and sig.name in ("correct", "extra_term", "float32_computation", "unexplained"):
             sig = od.auxiliary_reading(run, window, aux_fit) or sig

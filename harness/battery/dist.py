@@ -113,10 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.recipes import load_recipe
 
         load_recipe(args.recipe)
-        if args.model is not None:
-            from harness.battery.facts import probe
+        from harness.battery.facts import probe
 
-            probe(args.model, args.batch_format)
+        probe(args.model, args.batch_format)  # the built-in model too: its backward is checked before every battery
     except Exception as exc:  # bad input: every worker finds it, the same, before any joins the group
         # Every worker says it: torchrun stops the others as soon as one exits, so rank 0 may never get to print.
         print(("" if rank == 0 else f"[rank {rank}] ") + f"bad input: {exc}", file=sys.stderr, flush=True)

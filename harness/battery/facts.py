@@ -2,11 +2,14 @@
 
 A model the battery has never seen may refuse shapes the battery builds (BatchNorm raises "Expected more than 1 value
 per channel when training" on a one-row, one-token microbatch; a learned position table stops at its length), may
-hold parameters that no forward uses (DDP then never finishes its reduction), and may change buffers in its forward
-(BatchNorm's running statistics, a counter a forward reads back). :func:`probe_model` runs the model once in train
-mode, with gradients on, on a battery microbatch and on a few small and long shapes, and returns
-:class:`ModelFacts`: what it needs of a microbatch (the drawn layouts respect it; a fixed case it cannot run is
-``n/a`` with the model's own error), which parameters get no gradient, which buffers its forward changes.
+hold parameters that get no gradient (DDP then never finishes its reduction), may change buffers in its forward
+(BatchNorm's running statistics, a counter a forward reads back), and may carry a backward that is not the gradient
+of its forward (a custom ``torch.autograd.Function``). :func:`probe_model` runs the model once in train mode, with
+gradients on, on a battery microbatch and on a few small and long shapes, and returns :class:`ModelFacts`: what it
+needs of a microbatch (the drawn layouts respect it; a fixed case it cannot run is ``n/a`` with the model's own
+error), which parameters get no gradient and why (:mod:`harness.battery.gradless`), which buffers its forward
+changes, and whether its backward agrees with finite differences in float64
+(:mod:`harness.battery.backward_check`; :func:`probe` refuses a model whose backward is wrong).
 
 Nothing here names a recipe: these are properties of the model, reported as such, never as a recipe's mistake.
 """
@@ -20,7 +23,9 @@ from functools import lru_cache
 
 import torch
 
-from harness.battery import scenarios
+from harness.battery import gradless, scenarios
+from harness.battery.backward_check import BackwardCheck, check_backward, dtypes_seen, moves_loss
+from harness.battery.finite_difference import RANK
 from harness.battery.spec import ModelSpec
 from harness.core.formats import HARNESS, HF
 from harness.core.microbatch import Microbatch
@@ -67,6 +72,10 @@ class ModelFacts:
     lower_precision: tuple[str, ...] = ()
     """Floating dtypes below the model's own that its forward computes in (``"torch.float32"`` for a float64 model
     whose norm upcasts to float32), and the first few operations that produced them."""
+    gradless: tuple[gradless.Gradless, ...] = ()
+    """Each parameter of ``unused`` with the cause it gets no gradient (:mod:`harness.battery.gradless`)."""
+    backward: BackwardCheck | None = None
+    """The directional finite-difference check of the model's backward (:mod:`harness.battery.backward_check`)."""
 
     @property
     def computes_in(self) -> str | None:
@@ -77,12 +86,12 @@ class ModelFacts:
         """Sentences for the user about their model (empty for a model the battery can take as it is); ``unused=False``
         leaves out the parameters without a gradient (a run says those per window, rank and microbatch)."""
         out = []
+        if self.backward is not None and self.backward.wrong:
+            out.append(self.backward.failure("the model"))
+        elif self.backward is not None and self.backward.note():
+            out.append(str(self.backward.note()))
         if self.unused and unused:
-            out.append(f"the model's parameter{'s' if len(self.unused) > 1 else ''} {_names(self.unused)} "
-                       f"require{'' if len(self.unused) > 1 else 's'} grad but get{'' if len(self.unused) > 1 else 's'}"
-                       " no gradient from a battery microbatch (no forward uses "
-                       f"{'them' if len(self.unused) > 1 else 'it'}): DDP needs find_unused_parameters=True for such "
-                       "a model, or the parameter frozen (requires_grad=False) or removed")
+            out.extend(gradless.notes(self.gradless))
         if self.buffers_changed:
             which = (f"buffer{'s' if len(self.buffers_changed) > 1 else ''} {_names(self.buffers_changed)}")
             if self.stateful:
@@ -135,13 +144,16 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _runs(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) -> str | None:
-    """None when forward and backward of ``mb`` work, else the model's error in one line."""
+def _runs(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch, reached: set[str] | None = None) -> str | None:
+    """None when forward and backward of ``mb`` work, else the model's error in one line; ``reached`` gains the
+    parameters that got a gradient."""
     model.zero_grad(set_to_none=True)
     try:
         spec.loss_sum(model, mb).backward()
     except Exception as exc:
         return _error(exc)
+    if reached is not None:
+        reached.update(n for n, p in model.named_parameters() if p.grad is not None)
     return None
 
 
@@ -149,33 +161,13 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-_RANK = {torch.float64: 3, torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
-
-
 def _lower_precision(spec: ModelSpec, model: torch.nn.Module, mb: Microbatch) -> tuple[str, ...]:
     """The floating dtypes below the model's own that its forward produces, with the operations that produced them
-    (watched under a dispatch mode, which sees every operation, also those inside a module that casts back)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
+    (:func:`harness.battery.backward_check.dtypes_seen`; gradients on, as everywhere in the probe: a reentrant
+    checkpoint warns without them)."""
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    seen: dict[torch.dtype, list[str]] = {}
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if (isinstance(t, torch.Tensor) and t.is_floating_point()
-                        and _RANK.get(t.dtype, 3) < _RANK.get(own, 3)):
-                    names = seen.setdefault(t.dtype, [])
-                    name = str(getattr(func, "__name__", func)).split(".")[0]
-                    if name not in names and len(names) < 4:
-                        names.append(name)
-            return out
-
-    with Watch():  # gradients on, as everywhere in the probe: a reentrant checkpoint warns without them
-        spec.loss_sum(model, mb)
-    ordered = sorted(seen, key=lambda d: _RANK.get(d, 3))
+    seen = dtypes_seen(lambda: spec.loss_sum(model, mb))
+    ordered = sorted((d for d in seen if RANK.get(d, 3) < RANK.get(own, 3)), key=lambda d: RANK.get(d, 3))
     return tuple(f"{d} in {', '.join(seen[d])}" for d in ordered)
 
 
@@ -188,10 +180,13 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
         model = spec.build()
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         battery_mb = scenarios.build("single", 1)[0][0][0]
-        if _runs(spec, model, battery_mb) is not None:  # too long for the model, say: what it refuses is below
-            battery_mb = small_battery_microbatch()
-            spec.loss_sum(model, battery_mb).backward()
+        with gradless.watch(model) as seen:
+            if _runs(spec, model, battery_mb) is not None:  # too long for the model, say: what it refuses is below
+                battery_mb = small_battery_microbatch()
+                seen.clear()
+                spec.loss_sum(model, battery_mb).backward()
         unused = tuple(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
+        reached: set[str] = set()
         changed = tuple(n for n, b in model.named_buffers() if n in buffers and not torch.equal(buffers[n], b))
         stateful = False
         if changed:  # does the forward read what it wrote? The same input twice then gives two outputs
@@ -200,13 +195,13 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
         refused = []
         min_positions = 1
         for rows, positions in ((1, 1), (1, 2), (2, 1)):
-            err = _runs(spec, model, _tokens(rows, positions, seed=rows * 7 + positions))
+            err = _runs(spec, model, _tokens(rows, positions, seed=rows * 7 + positions), reached)
             if err is not None:
                 refused.append(f"{_plural(rows, 'row')} x {_plural(positions, 'position')}: {err}")
                 min_positions = max(min_positions, rows * positions + 1)
         longest = scenarios.BATTERY_CONFIG.max_len - 1  # a row of max_len tokens feeds max_len - 1 positions
         max_len = None
-        if _runs(spec, model, _tokens(1, longest, seed=11)) is not None:
+        if _runs(spec, model, _tokens(1, longest, seed=11), reached) is not None:
             # The longest the model takes: a position table shorter than the battery's rows.
             lo, hi = 0, longest
             while hi - lo > 1:
@@ -218,16 +213,26 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
             err = _runs(spec, model, _tokens(1, longest, seed=11))
             refused.append(f"rows of more than {lo} positions: {err}")
             max_len = lo
+        causes: tuple[gradless.Gradless, ...] = ()
+        if unused:
+            params = dict(model.named_parameters())
+            owners: dict[str, list[torch.nn.Parameter]] = {}
+            for name in unused:
+                owners.setdefault(name.rsplit(".", 1)[0] if "." in name else "", []).append(params[name])
+            causes = gradless.find_causes(model, unused, seen, reached, moves_loss(spec, model, battery_mb, owners))
+        backward = check_backward(spec, battery_mb)
     return ModelFacts(spec.path, spec.batch_format, min_positions=min_positions, max_len=max_len, unused=unused,
                       buffers_changed=changed, stateful=stateful, refused=tuple(refused),
-                      lower_precision=lower)
+                      lower_precision=lower, gradless=causes, backward=backward)
 
 
-def probe(path: str, batch_format: str = HARNESS) -> ModelFacts:
-    """Build ``--model`` once and run a battery microbatch through it under ``batch_format`` (train mode, gradients
-    on, as the ranks will), so that a factory that cannot be built, an output the harness cannot read logits from, or
-    logits of the wrong shape are a usage error before any rank starts (:class:`harness.model.ModelError`, naming
-    the path and the fix); then what the model allows (:func:`harness.battery.facts.probe_model`)."""
+def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
+    """Build ``--model`` (None: the built-in model) once and run a battery microbatch through it under
+    ``batch_format`` (train mode, gradients on, as the ranks will), so that a factory that cannot be built, an output
+    the harness cannot read logits from, or logits of the wrong shape are a usage error before any rank starts
+    (:class:`harness.model.ModelError`, naming the path and the fix); then what the model allows
+    (:func:`harness.battery.facts.probe_model`), and a backward that is not the gradient of its forward is a
+    :class:`~harness.model.ModelError` naming the model and where it lies."""
     from harness.model import ModelError
 
     spec = ModelSpec(path, batch_format)
@@ -246,7 +251,11 @@ def probe(path: str, batch_format: str = HARNESS) -> ModelFacts:
     if total.dim() != 0 or not bool(torch.isfinite(total)):
         msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
         raise ModelError(msg)
-    return probe_model(spec)
+    found = probe_model(spec)
+    if found.backward is not None and found.backward.wrong:
+        who = f"model={path!r}: the model" if path is not None else "the built-in model"
+        raise ModelError(found.backward.failure(who))
+    return found
 
 
 __all__ = ["THREADS", "ModelFacts", "probe", "probe_model", "rank_threads", "small_battery_microbatch"]

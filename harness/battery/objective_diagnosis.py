@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from harness.core import diagnosis as dx
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad
 from harness.core.microbatch import Microbatch
+from harness.core.row_weights import read_rows
 
 AUX_TOLERANCE = 1e-3
 """Largest relative deviation of an auxiliary term's fitted ratio from a named factor (its columns are fitted beside
@@ -136,9 +137,32 @@ def wrong_normalizer(run: Run, window: int, c: float) -> dx.Signature | None:
     return None
 
 
+def rank_facts(run: Run, window: int) -> list[tuple[str, dict[int, float], bool]]:
+    """What each rank of the window holds that a rank may have divided its own loss by, from the window's own data:
+    ``(words, {rank: value}, own_share)``; ``own_share`` marks the rank's part of an objective's quantity (its count,
+    its sequences, its weight sum), whose division per rank is a mean of local means."""
+    windows = run.windows[window]
+
+    def each(value: Callable[[Sequence[Microbatch]], float]) -> dict[int, float]:
+        return {r: float(value(mbs)) for r, mbs in enumerate(windows)}
+
+    out = [("its own count (its supervised tokens)", each(lambda w: sum(mb.supervised for mb in w)), True),
+           ("its own count of sequences with a supervised token",
+            each(lambda w: sum(ob.share(ob.SEQUENCE_MEAN, mb) for mb in w)), True)]
+    if any(mb.weights is not None for rank in windows for mb in rank):
+        out.append(("its own weight sum", each(lambda w: sum(ob.share(ob.WEIGHTED_TOKEN_MEAN, mb) for mb in w)), True))
+    out += [("its own row count (its batch size)", each(lambda w: sum(int(mb.inputs.shape[0]) for mb in w)), False),
+            ("its own padded length (the longest row of its batch, labels.size(1))",
+             each(lambda w: max(int(mb.labels.shape[1]) for mb in w)), False),
+            ("its own padded positions (rows x padded length)", each(lambda w: sum(mb.labels.numel() for mb in w)),
+             False)]
+    return out
+
+
 def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Sequence[float]) -> dx.Signature | None:
-    """``per_rank_normalizer`` when every rank's blocks share one ratio to the right weight and ranks differ: each
-    rank divided by a normalizer of its own."""
+    """Every rank's blocks share one ratio to the right weight and ranks differ: each rank divided by a normalizer
+    of its own. Its divisor ``Z / ratio`` is named by the rank's own quantity it is proportional to (its count: a
+    mean of local means, ``mean_of_local_means``; its rows or padded length: ``per_rank_normalizer``)."""
     by_rank: dict[int, list[float]] = {}
     for b, v in zip(blocks, q):
         if b.tokens > 0 and math.isfinite(v):
@@ -154,12 +178,47 @@ def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Se
     if max(means.values()) - min(means.values()) <= dx.MATCH_TOLERANCE * max(abs(v) for v in means.values()):
         return None
     z = normalizer(run, window)
+    divisors = {r: z / v for r, v in means.items()}  # what each rank's tokens were effectively divided by
+    lo, hi = min(means, key=means.__getitem__), max(means, key=means.__getitem__)
+    for words, held, own_share in rank_facts(run, window):
+        ratios = [divisors[r] / held[r] for r in divisors if held.get(r)]
+        if len(ratios) != len(divisors) or len({held[r] for r in divisors}) < 2:
+            continue
+        c = sum(ratios) / len(ratios)
+        if max(abs(x / c - 1) for x in ratios) > dx.MATCH_TOLERANCE:
+            continue
+        w = run.world_size
+        if abs(c / w - 1) <= dx.MATCH_TOLERANCE:
+            how = f"each rank divided its loss by {words}, and DDP averaged over the W={w} ranks"
+        else:
+            how = f"each rank's tokens were divided by {c:.4g} x {words} (W={w})"
+        weigh = f"rank {hi}'s tokens weigh {means[hi] / means[lo]:.2g}x rank {lo}'s"
+        if own_share:
+            return dx.Signature("mean_of_local_means", f"each rank's tokens weigh 1/(W * {words.split(' (')[0]}): "
+                                f"{how}: a mean of local means; {weigh}", c / run.world_size)
+        return dx.Signature("per_rank_normalizer", f"{how}, where {run.objective.name} divides every rank by "
+                            f"{ob.QUANTITIES[run.objective.name]} ({z:g}): {weigh}",
+                            blocks=tuple(f"rank {r}" for r in sorted(means)))
     parts = "; ".join(f"rank {r} weighs {v:.4g}x the right weight (divided by {z / v:.4g})"
                       for r, v in sorted(means.items())[:4])
     return dx.Signature("per_rank_normalizer", f"each rank's tokens weigh their own factor: {parts}, where "
                         f"{run.objective.name} divides every rank by {ob.QUANTITIES[run.objective.name]} ({z:g}): "
-                        "each rank took its normalizer from its own batch (its padded length, its size), which "
-                        "differs across ranks", blocks=tuple(f"rank {r}" for r in sorted(means)))
+                        "each rank divided by a normalizer of its own that no count, row count or padded length of "
+                        "its batch is proportional to", blocks=tuple(f"rank {r}" for r in sorted(means)))
+
+
+def row_reading(run: Run, window: int, rows: Sequence[dx.Block], fit: dx.Fit) -> dx.Signature | None:
+    """What the per-sequence view's fitted weights compute, under the declared objective: each row's weight turned
+    into its tokens' weight (times ``1/n_s`` where the objective's term of a row is its sequence's mean), read as a
+    mean over a group of tokens (:func:`harness.core.row_weights.read_rows`). None where that view leaves a
+    residual."""
+    if fit.residual > dx.explained_residual():
+        return None
+    per_token = [float(u) / (b.tokens if run.objective.name == ob.SEQUENCE_MEAN and b.tokens else 1)
+                 for b, u in zip(rows, fit.weights)]
+    ks = {len(rank) for rank in run.windows[window]}
+    declared = f"{run.objective.name} is {run.objective.describe()}"
+    return read_rows(rows, per_token, run.world_size, max(ks), fit.residual, declared)
 
 
 def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | None:
@@ -201,7 +260,28 @@ def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | 
     for value, name, words in named:
         if abs(c / value - 1) <= AUX_TOLERANCE:
             return dx.Signature(name, f"{head}: {words}", c)
-    return dx.Signature("auxiliary_misweighted", f"{head} the right weight: a factor no count of this window names", c)
+    factor = _aux_factor(c, w, next(iter(ks)) if len(ks) == 1 else 1)
+    return dx.Signature("auxiliary_misweighted", f"{head} the right weight: {factor}", c)
+
+
+def _aux_factor(c: float, w: int, k: int) -> str:
+    """An auxiliary term's factor ``c`` named as a product of W and k (the simplest first), or said to be none."""
+    found = []
+    for b in range(-2, 3) if w > 1 else (0,):
+        for d in range(-1, 2) if k > 1 else (0,):
+            value = float(w) ** b * float(k) ** d
+            if (b or d) and abs(c / value - 1) <= AUX_TOLERANCE:
+                found.append((abs(b) + abs(d), b, d))
+    if not found:
+        return "a factor no count of this window names"
+    _, b, d = min(found)
+    formula = "*".join(p for p, e in (("W", b), ("k", d)) if e > 0) or "1"
+    under = "*".join(p for p, e in (("W", b), ("k", d)) if e < 0)
+    shown = formula if not under else f"{formula}/{under}" if "*" not in under else f"{formula}/({under})"
+    words = {(1, 1): ": multiplied by W like the main loss and never divided by the microbatch count k (each "
+                     "microbatch's value backpropagated whole)",
+             (0, 1): ": never divided by the microbatch count k"}.get((b, d), "")
+    return f"a factor {shown} = {c:.4g} (W={w}, k={k}){words}"
 
 
 def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: dx.Signature, blocks: Sequence[dx.Block],
@@ -226,4 +306,4 @@ def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: dx.Sig
 
 
 __all__ = ["alternatives", "auxiliary_columns", "auxiliary_reading", "normalizer", "objective_reading",
-           "other_objective", "per_rank_normalizer", "wrong_normalizer"]
+           "other_objective", "per_rank_normalizer", "rank_facts", "row_reading", "wrong_normalizer"]

@@ -60,6 +60,33 @@ REDUCTIONS = ("mean", "sum")
 
 
 
+LANE_OPTIONS: dict[str, dict[str, Any]] = {
+    "--strategy": {"default": "ddp", "choices": tuple(STRATEGY_CHOICES),
+                   "help": "the data-parallel strategy the ranks run under: ddp (DistributedDataParallel, default), "
+                   "fsdp2 (the harness shards the model with fully_shard per block and the root), or both"},
+    "--precision": {"default": "both", "metavar": "LANES",
+                    "help": "fp32, fp64, bf16 (a bound derived from the measured noise), both (fp32,fp64: the "
+                    "default) or lanes separated by commas (fp32,bf16)"},
+    "--objective": {"default": "token_mean", "metavar": "NAME",
+                    "help": "what the gradient must be the gradient of: token_mean (default), sequence_mean, "
+                    "weighted_token_mean or fixed_normalizer (docs/objectives.md)"},
+}
+"""The options that say which lanes a recipe is judged in, as the command line declares them for ``battery`` and
+``explain`` alike (one name, one set of values, one validation: :meth:`BatteryOptions.parse`)."""
+
+
+def add_lane_options(parser: Any, **defaults: str) -> None:
+    """Declare :data:`LANE_OPTIONS` on an ``argparse`` parser; ``defaults`` overrides a default by its ``dest``
+    (``precision="fp32"``), and the help then names the new default."""
+    for flag, spec in LANE_OPTIONS.items():
+        spec = dict(spec)
+        dest = flag[2:]
+        if dest in defaults:
+            spec["help"] += f" (here the default is {defaults[dest]})"
+            spec["default"] = defaults[dest]
+        parser.add_argument(flag, **spec)
+
+
 def parse_world_sizes(text: str | Sequence[int], option: str = "--battery-world-sizes") -> tuple[int, ...]:
     """``"1,2,4"`` -> ``(1, 2, 4)``, validated; ValueError naming the option and the fix otherwise."""
     if not isinstance(text, str):
@@ -258,6 +285,7 @@ __all__ = [
     "DEADLINE",
     "DEFAULT_EXAMPLES",
     "FIND_UNUSED",
+    "LANE_OPTIONS",
     "MAX_SCENARIO_WORLD_SIZE",
     "MAX_WORLD_SIZE",
     "OBJECTIVES",
@@ -268,6 +296,7 @@ __all__ = [
     "WORLD_SIZES",
     "BatteryOptions",
     "RunSpec",
+    "add_lane_options",
     "check_find_unused",
     "check_objective",
     "check_world_sizes",

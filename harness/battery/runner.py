@@ -24,10 +24,12 @@ import numpy as np
 import torch
 
 from harness.battery import scenarios
+from harness.battery.gradless import unused_notes
 from harness.battery.options import DEADLINE, FIND_UNUSED, RunSpec, check_find_unused
 from harness.battery.spec import ModelSpec, model_modules, weights_digest
 from harness.battery.start import load as load_start
 from harness.battery.start import start_note, start_weights
+from harness.battery.window_report import Passes, window_note
 from harness.core.compare import flat_params
 from harness.core.formats import HARNESS
 from harness.core.microbatch import Microbatch
@@ -235,7 +237,23 @@ class _AutocastSeen:
 
     def __call__(self, module: torch.nn.Module, args: object) -> None:
         if self.seen is None and _autocast_enabled(self.device_type):
-            self.seen = f"{self.device_type} {_autocast_dtype(self.device_type)}"
+            where = _caller()
+            self.seen = (f"{self.device_type} {_autocast_dtype(self.device_type)}"
+                         f"{f', entered around the model call at {where}' if where else ''}")
+
+
+def _caller() -> str | None:
+    """``file:line in function`` of the first frame outside torch and the harness: the code that called the model
+    (the recipe), where an autocast seen at the model's forward was entered."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if not module.startswith(("torch", "harness.", "contextlib")):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -289,6 +307,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     ddp = wrapped.module
     autocast = _AutocastSeen(dev.type)
     model.register_forward_pre_hook(autocast)
+    passes = Passes()  # what the window's note reports: a rank that skipped its backward is named by it
+    passes.attach(model)
     ddp.train()
     setup = getattr(recipe, "setup", None)
     if setup is not None:
@@ -301,6 +321,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         before = wrapped.full_params()
         tensors = [local(p.detach()).clone() for p in model.parameters()]
         autocast.seen = None
+        passes.reset()
         rngs, threads, env = _rng_states(), torch.get_num_threads(), dict(os.environ)
         wrapped.reset_syncs()
         error = None
@@ -322,10 +343,10 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             if mismatch is None:
                 raise
             raise ContractViolation(mismatch) from exc
-        launcher.progress(k, f"window {k}: refused it ({error})" if error else f"window {k}: done")
+        left = _grads_left(model)
+        launcher.progress(k, window_note(k, wrapped.syncs, passes, left, error), collectives=wrapped.syncs)
         moved, notes = _moved(rngs, _rng_states()), _settings_notes(threads, env)
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
-        left = _grads_left(model)
         touched = float((wrapped.full_params() - before).abs().max()) if before.numel() else 0.0
         edited = _changed(tensors, model)
         grad = wrapped.full_grad() if error is None else None
@@ -502,39 +523,6 @@ def _named_indices(exc: LaunchError, trainable: tuple[str, ...]) -> tuple[str, .
     return tuple(out)
 
 
-def unused_notes(chain: Chain) -> tuple[bool, tuple[str, ...]]:
-    """Whether some parameter misses a gradient in some microbatch's backward (DDP then needs
-    ``find_unused_parameters=True``), and the sentences that say which, where."""
-    trainable = set(chain.trainable)
-    reached: set[str] = set()
-    missing: dict[str, list[str]] = {}
-    for k, window in enumerate(chain.used):
-        for r, mbs in enumerate(window):
-            for m, names in enumerate(mbs):
-                reached |= names
-                for name in trainable - names:
-                    missing.setdefault(name, []).append(f"window {k}, rank {r}, microbatch {m}")
-    if not missing:
-        return False, ()
-    order = [n for n in chain.trainable if n in missing]
-    never = [n for n in order if n not in reached]
-    sometimes = [n for n in order if n in reached]
-    notes = []
-    if never:
-        notes.append(f"the model's parameter{'s' if len(never) > 1 else ''} {', '.join(never[:6])}"
-                     f"{f' and {len(never) - 6} more' if len(never) > 6 else ''} get{'s' if len(never) == 1 else ''} "
-                     "no gradient in the single-device reference (requires grad, but no forward reaches it)")
-    for name in sometimes[:6]:
-        where = missing[name]
-        ranks = sorted({w.split(", ")[1] for w in where})
-        notes.append(f"the model's parameter {name} gets no gradient in {where[0]}"
-                     f"{f' and {len(where) - 1} other microbatch(es)' if len(where) > 1 else ''} but does elsewhere "
-                     f"(a branch the data decides, e.g. an expert no token routes to; missing on {', '.join(ranks)})")
-    if len(sometimes) > 6:
-        notes.append(f"and {len(sometimes) - 6} more parameters miss a gradient in some microbatches only")
-    return True, tuple(notes)
-
-
 def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     """The global token mean of ``window`` at the weights ``params`` (flat, model order): what a logged loss must be
     when the recipe started the window from those weights, right or wrong. At the weights the reference was taken
@@ -661,6 +649,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     if start_note(model):
         notes += (str(start_note(model)),)
     computes_in = None
+    found = None
     if spec.model is not None:  # every rank must rebuild the weights the reference starts from
         from harness.battery.facts import probe_model
 
@@ -694,7 +683,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                 _NOISE[noise_key] = noise
     wrap = False
     if chain.model_error is None:
-        needs, unused = unused_notes(chain)
+        needs, unused = unused_notes(chain, found.gradless if found is not None else ())
         wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and needs)
         if needs:
             how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs "

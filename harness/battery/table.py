@@ -170,15 +170,23 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
     lines = [" | ".join(["check".ljust(first), *(n.ljust(w) for n, w in zip(names, widths))])]
     lines.append("-+-".join(["-" * first, *("-" * w for w in widths)]))
     footnotes = []
+    # An n/a with a finding says why, once per recipe and reason (the float64 lane's parity under autocast: the note
+    # names the autocast and where it was entered), not once per case.
+    skipped: dict[tuple[str, str], list[str]] = {}
     for key in keys:
         parts = [key.ljust(first)]
         for recipe, width in zip(recipes, widths):
             v = cell.get((recipe, key))
             parts.append(("" if v is None else _cell(v)).ljust(width))
-            if v is not None and (v.finding or v.diagnosis):
+            if v is not None and v.status == NOT_APPLICABLE and v.finding:
+                skipped.setdefault((recipe, v.message.split(": ", 2)[-1]), []).append(key)
+            elif v is not None and (v.finding or v.diagnosis):
                 said = str(v.diagnosis["line"]) if v.diagnosis else str(v.finding)
                 footnotes.append(f"{titles[recipe]}, {key}: {said}")
         lines.append(" | ".join(parts))
+    for (recipe, why), where in skipped.items():
+        footnotes.append(f"{titles[recipe]}, n/a in {where[0]}"
+                         f"{f' and {len(where) - 1} more' if len(where) > 1 else ''}: {why}")
     return "\n".join(lines + [f"  note: {f}" for f in footnotes])
 
 

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from harness.core import window_facts as wf
+
 SIGNATURES: dict[str, str] = {
     "correct": "every token weighs 1/N: the global token mean",
     "float32_computation": "the weights are right, and the residual sits at float32 rounding scale in a float64 run",
@@ -328,47 +330,20 @@ MAX_CONSTANT = 64
 
 def _window_counts(blocks: Sequence[Block], world_size: int,
                    other_counts: Mapping[str, int] | None) -> list[tuple[float, str]]:
-    """The token counts of this window a recipe may have normalized by instead of ``N``: ``(count, words)``, the
-    likelier first."""
-    n = sum(b.tokens for b in blocks)
-    per_rank, ks = _rank_counts(blocks), _k(blocks)
-    rows = sum(b.rows for b in blocks)
-    out: list[tuple[float, str]] = []
-    if world_size > 1:
-        for r, nr in sorted(per_rank.items()):
-            out.append((float(nr), f"rank {r}'s local count ({nr} tokens)"))
-        top = max(per_rank.values())
-        out.append((float(world_size * top), f"W times the largest rank's count ({world_size} x {top} tokens)"))
-    by_index: dict[int, int] = {}
-    for b in blocks:
-        by_index[b.microbatch] = by_index.get(b.microbatch, 0) + b.tokens
-    for m, nm in sorted(by_index.items()):
-        out.append((float(nm), f"microbatch {m}'s count over every rank ({nm} tokens)"))
-        if len(set(ks.values())) == 1:
-            (k,) = set(ks.values())
-            if k > 1:
-                out.append((float(k * nm), f"k={k} times microbatch {m}'s count ({k * nm} tokens: a window count "
-                                           "estimated from one microbatch)"))
-    for b in blocks:
-        if len(blocks) > 1:
-            out.append((float(b.tokens), f"{b.label()}'s own count ({b.tokens} tokens)"))
-    if rows:
-        out.append((float(n + rows), f"N plus one token per row ({n + rows} tokens: the labels counted before the "
-                                     "shift, or a padding token counted per row)"))
-        out.append((float(n - rows), f"N minus one token per row ({n - rows} tokens: one label per row dropped "
-                                     "from the count)"))
-    for what, count in (other_counts or {}).items():
-        out.append((float(count), f"{what} ({count} tokens)"))
-    return [(x, w) for x, w in out if x > 0 and x != n]
+    """The token counts of this window a recipe may have divided by instead of ``N`` (:func:`window_facts`)."""
+    return [(f.value, f.words) for f in wf.window_facts(blocks, world_size, other_counts) if f.cost == 1]
 
 
-def _close(c: float, value: float) -> bool:
-    return value != 0 and abs(c / value - 1) <= match_tolerance()
+def _close(c: float, value: float, tolerance: float | None = None) -> bool:
+    return value != 0 and abs(c / value - 1) <= (match_tolerance() if tolerance is None else tolerance)
 
 
 def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
-                    other_counts: Mapping[str, int] | None = None) -> list[str]:
-    """Every named cause of a common scale ``c`` on every weight, the commoner in real code first (empty: none)."""
+                    other_counts: Mapping[str, int] | None = None, tolerance: float | None = None) -> list[str]:
+    """Every named cause of a common scale ``c`` on every weight, the commoner in real code first (empty: none):
+    the catalog's factors, then every expression in the window's facts (:func:`harness.core.window_facts.search`)
+    within ``tolerance`` (default :func:`match_tolerance`; :func:`scale_tolerance` derives it from a fit)."""
+    tol = match_tolerance() if tolerance is None else tolerance
     ks = set(_k(blocks).values())
     n = sum(b.tokens for b in blocks)
     w = world_size
@@ -405,24 +380,23 @@ def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
     for value in sorted(constants):
         big_k = round(value)
         if (2 <= big_k <= MAX_CONSTANT and big_k != k and big_k not in (w, w * w, w * (k or 1))
-                and _close(value, big_k)):
+                and _close(value, big_k, tol)):
             where = f" where the window has k={k} microbatches" if k is not None else ""
             named.append((c, f"each microbatch divided by a fixed accumulation constant K={big_k}{where}"))
-    for count, words in _window_counts(blocks, w, other_counts):
-        named.append((n / count, f"the loss was normalized by {words} where the window holds N={n}"))
     out: list[str] = []
     for value, words in named:
-        if value != 1 and _close(c, value) and words not in out:
+        if value != 1 and _close(c, value, tol) and words not in out:
             out.append(words)
-    return out
+    # Else the window's facts: a count in place of N, an unnormalized sum, a product of W and k the catalog lacks.
+    return out or wf.describe(wf.search(c, blocks, w, tol, other_counts), n)
 
 
 def name_factor(c: float, blocks: Sequence[Block], world_size: int,
-                other_counts: Mapping[str, int] | None = None) -> str:
+                other_counts: Mapping[str, int] | None = None, tolerance: float | None = None) -> str:
     """What a common scale ``c`` on every weight means, in words, from the window's counts; ``other_counts`` names
     token counts the recipe may have divided by instead (``{"window 0's global count": 800}``). Where the counts
     cannot tell causes apart, the commoner one leads and the others follow as a list."""
-    matches = factor_readings(c, blocks, world_size, other_counts)
+    matches = factor_readings(c, blocks, world_size, other_counts, tolerance)
     if len(matches) == 1:
         return matches[0]
     if matches:
@@ -508,8 +482,9 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
                                  "or gradient was computed in float32", 1.0)
             if worst <= EXACT_TOLERANCE["fp32"] and fit.residual > rounding:
                 return Signature("extra_term", extra_term_sentence(fit.residual, precision, worst), 1.0)
-            readings = factor_readings(c, blocks, world_size, other_counts)
-            named = name_factor(c, blocks, world_size, other_counts)
+            tol = scale_tolerance(q, c, fit, precision)
+            readings = factor_readings(c, blocks, world_size, other_counts, tol)
+            named = name_factor(c, blocks, world_size, other_counts, tol)
             constant = bool(readings) and "fixed accumulation constant" in readings[0]
             return Signature("fixed_accumulation_constant" if constant else "global_scale", named, c,
                              alternatives=others)
@@ -545,6 +520,15 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         return scaled
     return Signature("unexplained", "a re-weighting outside the catalog (the residual is small): read the weight "
                      "table")
+
+
+def scale_tolerance(q: Sequence[float], c: float, fit: Fit, precision: str) -> float:
+    """How closely a common scale ``c`` read off the ratios ``q`` is known, and so how close a fact of the window
+    must come to name it: four times the ratios' own spread around ``c`` or the fit's residual, at least a tenth of
+    the precision's exactness bound (one block alone has no spread), at most :func:`match_tolerance`."""
+    live = _finite(q)
+    spread = max((abs(v - c) for v in live), default=0.0) / abs(c) if live and c else math.inf
+    return min(match_tolerance(), max(exact_tolerance(precision) / 10, 4 * spread, 4 * fit.residual))
 
 
 def extra_term_sentence(residual: float, precision: str, worst: float | None = None) -> str:
@@ -686,7 +670,8 @@ def _describe(name: str, blocks: Sequence[Block], q: Sequence[float], world_size
     if name == "mean_of_local_means":
         means = {r: sum(v) / len(v) for r, v in per_rank.items()}
         hi, lo = max(means, key=means.__getitem__), min(means, key=means.__getitem__)
-        head = "each rank's tokens weigh 1/(W * its own count): the mean of local means"
+        head = ("each rank's tokens weigh 1/(W * its own count): each rank divided by its own count: a mean of "
+                "local means")
         if hi == lo:
             return f"{head}; only rank {hi} holds tokens here, so its tokens weigh {means[hi]:.3g}x the right weight"
         return f"{head}; rank {hi}'s tokens weigh {means[hi] / means[lo]:.2g}x rank {lo}'s"
@@ -725,4 +710,5 @@ __all__ = [
     "patterns",
     "residual_shares",
     "rounding_residual",
+    "scale_tolerance",
 ]

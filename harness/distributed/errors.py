@@ -34,6 +34,11 @@ class LaunchError(RuntimeError):
     of output added to its ``details`` (where gloo says "collective mismatch"). ``progress`` maps every rank to the
     highest step it reported through :func:`~harness.distributed.launcher.progress` (None: none), ``started`` names the
     ranks whose function had started (past the rendezvous), and ``deadline`` is the run's deadline in seconds.
+
+    ``cause``: where the ranks' own records (:mod:`harness.distributed.divergence`) show that one rank left the
+    collectives its peers ran, the sentence naming it (``"rank 1 skipped the backward of window 3: every rank must
+    run the same collectives (...)"``); the error is then a ``"desync"`` led by that rank, whatever symptom ended the
+    run (a peer's death in gloo's mismatch, a deadline), and the message starts with the sentence. None otherwise.
     """
 
     def __init__(self, kind: str, ranks: Sequence[int], details: Mapping[int, str], summary: str,
@@ -48,7 +53,16 @@ class LaunchError(RuntimeError):
         self.progress: dict[int, int | None] = dict(progress or {})
         self.started = tuple(started)
         self.deadline = deadline
+        self.cause: str | None = None
         super().__init__(self._compose())
+
+    def name_cause(self, culprits: Sequence[int], cause: str) -> None:
+        """The run failed because ``culprits`` left the collectives their peers ran (``cause`` says how): a desync
+        led by them, whatever ended it; what the launcher said first (the death, the deadline) follows the cause."""
+        self.kind = "desync"
+        self.ranks = tuple(dict.fromkeys([*culprits, *self.ranks]))
+        self.cause = cause
+        self.args = (self._compose(),)
 
     def attach_output(self, output: Mapping[int, str], last: Callable[[str], list[str]]) -> None:
         """Keep every rank's ``output``; a rank that died (its details start with how it ended: it sent no
@@ -62,7 +76,7 @@ class LaunchError(RuntimeError):
         self.args = (self._compose(),)
 
     def _compose(self) -> str:
-        parts = [self.summary]
+        parts = [self.summary] if self.cause is None else [self.cause, f"(then: {self.summary})"]
         for rank in self.ranks:
             parts.append(f"--- rank {rank} ---\n{self.details.get(rank, '(nothing reported)').rstrip()}")
         if self.leader is not None and self.leader not in self.ranks and self.leader in self.details:
@@ -71,13 +85,16 @@ class LaunchError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.kind, self.ranks, self.details, self.summary, self.leader, self.progress,
-                           self.started, self.deadline, self.output))
+                           self.started, self.deadline, self.output, self.cause))
 
 
 def _rebuild(kind: str, ranks: Sequence[int], details: Mapping[int, str], summary: str, leader: int | None,
              progress: Mapping[int, int | None], started: Sequence[int], deadline: float | None,
-             output: Mapping[int, str]) -> LaunchError:
+             output: Mapping[int, str], cause: str | None = None) -> LaunchError:
     err = LaunchError(kind, ranks, details, summary, leader, progress=progress, started=started, deadline=deadline)
     err.output = dict(output)
+    if cause is not None:
+        err.cause = cause
+        err.args = (err._compose(),)
     return err
 

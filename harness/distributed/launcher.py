@@ -90,7 +90,7 @@ def launches() -> int:
     return _LAUNCHES[0]
 
 
-def progress(step: int, note: str = "") -> None:
+def progress(step: int, note: str = "", *, collectives: int | None = None) -> None:
     """Tell the launcher that this rank has finished step ``step`` (0, 1, 2, ...; e.g. a training window).
 
     Called inside a function run by :func:`launch`; elsewhere it does nothing. It never waits for the parent: the
@@ -99,6 +99,12 @@ def progress(step: int, note: str = "") -> None:
     ``launch(..., lockstep_grace=g)``, once one rank has reported a step, every other rank must report it (or return)
     within ``g`` seconds, or the run is stopped as ``"desync"`` and ``note`` (keep it short: it is cut to fit one
     pipe write) is shown as what the leading rank did.
+
+    ``collectives``: how many of the collectives every rank must run together this rank ran in the step (the battery
+    passes its gradient synchronizations). When the run fails, whatever ends it, the ranks' counts are compared step
+    by step: a rank that finished a step with another count than its peers, or with none while its peers never
+    finished it, is named as the cause, with its ``note`` (then written as a phrase: ``"skipped the backward of
+    window 3"``; :mod:`harness.distributed.divergence`).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         msg = f"step={step!r} must be a non-negative integer: the index of the step this rank has just finished"
@@ -106,9 +112,13 @@ def progress(step: int, note: str = "") -> None:
     if not isinstance(note, str):
         msg = f"note={note!r} must be a string (say what the step did, e.g. 'window 0: refused the window')"
         raise TypeError(msg)
+    if collectives is not None and (isinstance(collectives, bool) or not isinstance(collectives, int)
+                                    or collectives < 0):
+        msg = f"collectives={collectives!r} must be None or a non-negative count of the collectives run in the step"
+        raise ValueError(msg)
     channel = rank.CHANNEL
     if channel is not None:
-        channel.notice(step, note)
+        channel.notice(step, note, collectives)
 
 
 def launch(
@@ -197,8 +207,11 @@ def launch(
                 }
                 spec = rank.RankSpec(r, world_size, backend, device, pg_timeout, startup_timeout, tmp, rank_env,
                                      expect, threads, ends_at, caller=os.getpid())
+                # Not daemonic: a daemonic process may not start children, and a rank's code may (a DataLoader's
+                # workers). Its life is still tied to the caller's: PR_SET_PDEATHSIG to the forkserver, which ends
+                # with the caller, and every rank is killed and joined before launch returns.
                 p = ctx.Process(target=rank.rank_main, args=(spec, call, writer), name=f"harness-rank{r}",
-                                daemon=True)
+                                daemon=False)
                 p.start()
                 writer.close()
                 procs.append(p)

@@ -93,14 +93,14 @@ class _Channel:
         self._pending: tuple[int, bytes] | None = None
         self._pid = os.getpid()
 
-    def notice(self, step: int, note: str) -> None:
+    def notice(self, step: int, note: str, collectives: int | None = None) -> None:
         if os.getpid() != self._pid:
             return  # a process forked by the rank's function: the pipe is the rank's
-        frame = _frame(("step", step, note))
+        frame = _frame(("step", step, note, collectives))
         limit = getattr(select, "PIPE_BUF", 512)
         while len(frame) > limit:
             note = note.encode()[: max(0, len(note.encode()) - (len(frame) - limit) - 8)].decode(errors="ignore")
-            frame = _frame(("step", step, note + " ..."))
+            frame = _frame(("step", step, note + " ...", collectives))
         with self._lock:
             if self._pending is None or step >= self._pending[0]:
                 self._pending = (step, frame)

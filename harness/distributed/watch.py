@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from harness.distributed.divergence import StepReport, first_divergence
 from harness.distributed.errors import LaunchError
 
 
@@ -40,12 +41,33 @@ class Watch:
         """The ranks whose function has started (past the rendezvous and the first barrier)."""
         self.last_step: dict[int, int] = {}
         """Per rank, the highest step it reported (a function's end is no step)."""
+        self.history: dict[int, dict[int, StepReport]] = {}
+        """Per rank and step, what it said when it finished the step (the divergence of a failed run is read here)."""
 
     def steps(self) -> dict[int, int | None]:
         """Per rank, the highest step it reported through ``progress`` (None: none)."""
         return {r: self.last_step.get(r) for r in range(len(self.procs))}
 
     def run(self) -> list[Any]:
+        try:
+            return self._run()
+        except LaunchError as exc:
+            self._name_divergence(exc)
+            raise
+
+    def _name_divergence(self, exc: LaunchError) -> None:
+        """Whatever ended the run, name the rank that left its peers' collectives when the ranks' records show one
+        (:mod:`harness.distributed.divergence`), after reading every notice still in the pipes."""
+        for conn in list(self.open_conns):
+            rank = self.open_conns[conn]
+            final = self._take(conn)
+            if final is not None and final[0] != "error":
+                self.results.setdefault(rank, final[1])
+        found = first_divergence(self.history, len(self.procs))
+        if found is not None:
+            exc.name_cause(*found)
+
+    def _run(self) -> list[Any]:
         n = len(self.procs)
         while len(self.results) < n:
             now = time.monotonic()
@@ -93,6 +115,8 @@ class Watch:
                 return None
             if message[0] == "step":
                 self._record(rank, float(message[1]), message[2])
+                collectives = message[3] if len(message) > 3 else None
+                self.history.setdefault(rank, {})[int(message[1])] = StepReport(message[2], collectives)
             elif message[0] == "done":
                 self._record(rank, math.inf, message[1])
             elif message[0] == "started":

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -23,14 +25,25 @@ TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 """A temporary of :func:`write_temp`: ``.NAME.tmp-PID``, renamed over ``NAME`` once whole, left behind by a kill."""
 
 
-def write_temp(path: Path, data: bytes) -> Path:
-    """Write ``data`` durably under a temporary name next to ``path``; return that name (not yet renamed)."""
+def write_temp(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> Path:
+    """Write ``data`` durably under a temporary name next to ``path``; return that name (not yet renamed).
+
+    ``midway()`` is called once half of ``data`` is on disk: a kill there leaves what a crash in the middle of the
+    write would (the resume battery's ``kill-before-commit`` kills rank 0 there, inside the manifest's write)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        _write_durably(f, data, midway)
+    return tmp
+
+
+def _write_durably(f: BinaryIO, data: bytes, midway: Callable[[], None] | None) -> None:
+    half = len(data) // 2
+    for i, part in enumerate((data[:half], data[half:])):
+        f.write(part)
         f.flush()
         os.fsync(f.fileno())
-    return tmp
+        if i == 0 and midway is not None:
+            midway()
 
 
 def commit(tmp: Path, path: Path) -> None:
@@ -38,9 +51,10 @@ def commit(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a reader sees either the old file or the whole new one."""
-    commit(write_temp(path, data), path)
+def write_atomic(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> None:
+    """Replace ``path`` with ``data`` so that a reader sees either the old file or the whole new one (``midway``: see
+    :func:`write_temp`)."""
+    commit(write_temp(path, data, midway), path)
 
 
 __all__ = ["TEMP_NAME", "commit", "fsync_dir", "write_atomic", "write_temp"]

@@ -24,7 +24,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,10 +101,13 @@ class Report:
     results: list[CaseResult]
     settings: tuple[str, ...] = DETERMINISTIC_SETTINGS
     seconds: float = 0.0
+    usage_error: str | None = None
+    """Set when the trainer refused to run at all under these options (its first run raised an expected error: a
+    world size it does not support, a ``state()`` outside the contract): one usage error, and no case was run."""
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results)
+        return self.usage_error is None and all(r.passed for r in self.results)
 
     def failures(self) -> list[CaseResult]:
         return [r for r in self.results if not r.passed]
@@ -115,6 +118,8 @@ class Report:
                 + ", ".join(f"{p} rank {f.rank} step {f.step}" for p, f in self.plan.kills.items())
                 + "\nunder: " + "; ".join(self.settings))
         rows = [f"  {r.status:<11} {r.case:<20} {r.message}" for r in self.results]
+        if self.usage_error is not None:
+            rows = [f"  usage error: no case was run: {self.usage_error}"]
         return "\n".join([head, *rows])
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,26 +127,50 @@ class Report:
                 "settings": list(self.settings), "steps": self.options.steps, "every": self.options.every,
                 "world_size": self.options.world_size, "stops": [self.plan.stop, self.plan.second_stop],
                 "kills": {p: [f.rank, f.step] for p, f in self.plan.kills.items()},
-                "cases": [r.to_dict() for r in self.results]}
+                "usage_error": self.usage_error, "cases": [r.to_dict() for r in self.results]}
 
 
 # ------------------------------------------------------------------------------------------------- comparing
 
 
 def differences(expected: Sequence[dict[str, Any]], got: Sequence[dict[str, Any]]) -> str | None:
-    """The first state that differs between two legs' summaries (rank order), named; None when every rank matches."""
+    """Every top-level entry that differs between two legs' summaries, per rank (rank order), each named with its
+    first differing leaf; None when every rank matches.
+
+    Within a rank: the global generators first (a generator not restored is a cause), then each entry of
+    ``state()`` (the weights differing is often the effect of another entry: the scheduler, the data position, a
+    generator), then the losses. Naming only the first would name the symptom as often as the cause."""
+    ranks = []
     for rank, (e, g) in enumerate(zip(expected, got)):
-        for part in ("rng", "state"):  # a generator not restored is a cause; a state differing, often its effect
-            found = first_difference(e[part], g[part])
+        found = [f"the global generator {path} differs: {what}" for path, what in _entries(e["rng"], g["rng"])]
+        found += [f"state(){path} differs: {what}" for path, what in _entries(e["state"], g["state"])]
+        steps = [step for step, loss in g["losses"].items()
+                 if step in e["losses"] and first_difference(e["losses"][step], loss) is not None]
+        if steps:
+            first = steps[0]
+            found.append(f"the loss of step {first} differs: {e['losses'][first]!r} vs {g['losses'][first]!r}"
+                         + (f" (and of {len(steps) - 1} later step(s))" if len(steps) > 1 else ""))
+        if found:
+            ranks.append(f"rank {rank}: " + "; ".join(found))
+    return " | ".join(ranks) if ranks else None
+
+
+def _entries(expected: Any, got: Any) -> list[tuple[str, str]]:
+    """``(path, what)`` for each top-level entry of two mappings that differs (its first differing leaf), keys only
+    one side has included; the whole value as one entry when either is no mapping."""
+    if not (isinstance(expected, Mapping) and isinstance(got, Mapping)):
+        found = first_difference(expected, got)
+        return [] if found is None else [found]
+    out = []
+    if set(expected) != set(got):
+        out.append(("", f"keys differ: only in the continuous run {sorted(map(str, set(expected) - set(got)))}, "
+                        f"only in this run {sorted(map(str, set(got) - set(expected)))}"))
+    for key in expected:
+        if key in got:
+            found = first_difference(expected[key], got[key], f"[{key!r}]")
             if found is not None:
-                path, what = found
-                label = f"state(){path}" if part == "state" else f"the global generator {path}"
-                return f"rank {rank}: {label} differs: {what}"
-        for step, loss in g["losses"].items():
-            want = e["losses"].get(step)
-            if want is not None and first_difference(want, loss) is not None:
-                return f"rank {rank}: the loss of step {step} differs: {want!r} vs {loss!r}"
-    return None
+                out.append(found)
+    return out
 
 
 def label_problems(run_dir: Path) -> list[str]:
@@ -166,40 +195,63 @@ def _at(snapshot: Sequence[dict[str, Any]], step: int) -> list[dict[str, Any]]:
 
 
 class _Battery:
-    def __init__(self, trainer: str, options: ResumeOptions, work: Path, progress: Callable[[str], None]) -> None:
-        self.trainer, self.o, self.work, self.say = trainer, options, work, progress
+    def __init__(self, trainer: str, options: ResumeOptions, work: Path, progress: Callable[[str], None],
+                 commit_bug: str | None = None) -> None:
+        self.trainer, self.o, self.work, self.say, self.commit_bug = trainer, options, work, progress, commit_bug
         self.plan = Plan.draw(options)
+        self.usage_error: str | None = None
 
     def leg(self, run_dir: Path, end: int, *, resume: bool = False, fault: Fault | None = None,
             snapshots: tuple[int, ...] = ()) -> list[Any]:
-        leg = Leg(self.trainer, str(run_dir), end, self.o.every, self.o.seed, resume, fault, snapshots)
+        leg = Leg(self.trainer, str(run_dir), end, self.o.every, self.o.seed, resume, fault, snapshots,
+                  self.commit_bug)
         return launch(run_leg, self.o.world_size, leg, deadline=self.o.deadline, env=CUBLAS_ENV,
                       expect=(ResumeMismatch, ValueError))
 
-    def run(self) -> tuple[list[CaseResult], Plan]:
+    def run(self) -> list[CaseResult]:
+        """Every case asked for, each once, ``repeatable`` first. A case whose runs crash fails with the exception
+        named; the others still run. A refusal of the first run is the report's one usage error, and no case."""
         o, plan = self.o, self.plan
+        rest = [c for c in CASES if c in o.cases and c != "repeatable"]
         t = time.monotonic()
-        wanted = (plan.stop, plan.second_stop)
-        control = self.leg(self.work / "continuous", o.steps, snapshots=wanted)
-        again = self.leg(self.work / "repeat", o.steps)
-        refused = _refusal(control) or _refusal(again)
+        control, again = None, None
+        try:
+            control = self.leg(self.work / "continuous", o.steps, snapshots=(plan.stop, plan.second_stop))
+            refused = _refusal(control)
+            if refused is not None and not refused.startswith("not bitwise"):
+                self.usage_error = f"the trainer refused to run: {refused}"
+                return []
+            if refused is None:
+                again = self.leg(self.work / "repeat", o.steps)
+                refused = _refusal(again)
+        except Exception as exc:  # a crash of a continuous run: nothing can be judged, but the report survives
+            which = "first" if control is None else "second"
+            return [CaseResult("repeatable", FAILED, f"the {which} continuous run crashed: {_crash(exc)}",
+                               time.monotonic() - t),
+                    *(CaseResult(c, FAILED, "not run: the continuous run it is compared with crashed") for c in rest)]
         if refused is not None:
             status = NOT_BITWISE if refused.startswith("not bitwise") else FAILED
-            return [CaseResult(c, status, refused) for c in ("repeatable", *o.cases) if c in CASES], plan
+            return [CaseResult("repeatable", status, refused, time.monotonic() - t),
+                    *(CaseResult(c, status, f"not judged: {refused}") for c in rest)]
+        assert control is not None and again is not None
         diff = differences(control, again)
         results = [CaseResult("repeatable", PASSED if diff is None else NOT_BITWISE,
                               "two continuous runs are bitwise equal" if diff is None else
                               f"two continuous runs differ, so no resume can be judged bitwise: {diff}",
                               time.monotonic() - t)]
         if diff is not None:
-            return results + [CaseResult(c, NOT_BITWISE, "not judged: the trainer is not repeatable")
-                              for c in o.cases if c != "repeatable"], plan
+            return results + [CaseResult(c, NOT_BITWISE, "not judged: the trainer is not repeatable") for c in rest]
         if "stop-resume" in o.cases or "resume-of-resume" in o.cases:
             results += self._stops(control)
         for point, fault in plan.kills.items():
             if f"kill-{point}" in o.cases:
-                results.append(self._kill(control, point, fault))
-        return results, plan
+                began = time.monotonic()
+                try:
+                    results.append(self._kill(control, point, fault))
+                except Exception as exc:
+                    results.append(CaseResult(f"kill-{point}", FAILED, f"crashed: {_crash(exc)}",
+                                              time.monotonic() - began))
+        return results
 
     def _judge(self, case: str, expected: list[dict[str, Any]], got: list[Any], run_dir: Path, start: int,
                began: float, what: str) -> CaseResult:
@@ -217,20 +269,25 @@ class _Battery:
         diff = differences(expected, got)
         if diff is not None:
             return CaseResult(case, FAILED, f"{what}: {diff}", seconds)
-        return CaseResult(case, PASSED, f"{what}: every state bitwise equal on every rank", seconds)
+        skipped = got[0].get("skipped") or []
+        via = f" (resumed from {got[0]['resumed_from']}" + (f", skipping {', '.join(skipped)})" if skipped else ")")
+        return CaseResult(case, PASSED, f"{what}: every state bitwise equal on every rank{via}", seconds)
 
     def _stops(self, control: list[Any]) -> list[CaseResult]:
         o, plan = self.o, self.plan
         run_dir = self.work / "stopped"
-        out = []
+        wanted = [c for c in ("stop-resume", "resume-of-resume") if c in o.cases]
+        out: list[CaseResult] = []
         t = time.monotonic()
-        first = self.leg(run_dir, plan.stop)
-        refused = _refusal(first)
-        if refused is not None:
-            both = ("stop-resume", "resume-of-resume")
-            return [CaseResult(c, FAILED, f"stop at {plan.stop}: {refused}") for c in both if c in o.cases]
-        second = self.leg(run_dir, plan.second_stop, resume=True)
         what = f"stop at {plan.stop}, resume to {plan.second_stop}"
+        try:
+            first = self.leg(run_dir, plan.stop)
+            refused = _refusal(first)
+            if refused is not None:
+                return [CaseResult(c, FAILED, f"stop at {plan.stop}: {refused}") for c in wanted]
+            second = self.leg(run_dir, plan.second_stop, resume=True)
+        except Exception as exc:
+            return [CaseResult(c, FAILED, f"{what}: crashed: {_crash(exc)}", time.monotonic() - t) for c in wanted]
         stop_result = self._judge("stop-resume", _at(control, plan.second_stop), second, run_dir, plan.stop, t, what)
         if "stop-resume" in o.cases:
             out.append(stop_result)
@@ -240,7 +297,12 @@ class _Battery:
             if not stop_result.passed:
                 out.append(CaseResult("resume-of-resume", FAILED, f"{what}: not run, its first resume failed"))
                 return out
-            third = self.leg(run_dir, o.steps, resume=True)
+            try:
+                third = self.leg(run_dir, o.steps, resume=True)
+            except Exception as exc:
+                out.append(CaseResult("resume-of-resume", FAILED, f"{what}: crashed: {_crash(exc)}",
+                                      time.monotonic() - t))
+                return out
             out.append(self._judge("resume-of-resume", control, third, run_dir, plan.second_stop, t, what))
         return out
 
@@ -254,13 +316,41 @@ class _Battery:
         except LaunchError as exc:
             fired = (run_dir / FAULT_RECORD).is_file()
             if exc.kind != "died" or not fired:
-                return CaseResult(case, FAILED, f"{what}: the killed run failed otherwise: {str(exc).splitlines()[0]}",
+                return CaseResult(case, FAILED, f"{what}: the killed run failed otherwise: {_crash(exc)}",
                                   time.monotonic() - t)
         else:
             return CaseResult(case, FAILED, f"{what}: the kill never fired (no step {fault.step} {point}?)",
                               time.monotonic() - t)
-        resumed = self.leg(run_dir, self.o.steps, resume=True)
+        try:
+            resumed = self.leg(run_dir, self.o.steps, resume=True)
+        except Exception as exc:
+            return CaseResult(case, FAILED, f"{what}: the resumed run crashed: {_crash(exc)}", time.monotonic() - t)
         return self._judge(case, control, resumed, run_dir, resumes_at(fault, self.o.every), t, what)
+
+
+def _crash(exc: BaseException) -> str:
+    """A crashed leg in one line: which rank raised which exception (the line that ends its traceback), or how it
+    ended; any other exception by its type and message."""
+    if isinstance(exc, LaunchError):
+        for rank in exc.ranks:
+            raised = _raised(exc.details.get(rank, "")) if exc.kind == "raised" else None
+            if raised is not None:
+                return f"rank {rank} raised {raised}"
+        return str(exc).splitlines()[0]
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _raised(traceback_text: str) -> str | None:
+    """The exception line of the last traceback in ``traceback_text``: the first line after its header that is not
+    an indented frame (``FileExistsError: [Errno 17] File exists: ...``); None without a traceback."""
+    lines = traceback_text.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not heads:
+        return None
+    for line in lines[heads[-1] + 1:]:
+        if line and not line[0].isspace():
+            return line[:500]
+    return None
 
 
 def _refusal(results: Sequence[Any]) -> str | None:
@@ -274,19 +364,22 @@ def _refusal(results: Sequence[Any]) -> str | None:
 
 
 def run_battery(trainer: str, options: ResumeOptions | None = None,
-                progress: Callable[[str], None] | None = None) -> Report:
-    """Every case of the battery for ``trainer`` (``pkg.module:factory``); the report says which passed."""
+                progress: Callable[[str], None] | None = None, *, commit_bug: str | None = None) -> Report:
+    """Every case of the battery for ``trainer`` (``pkg.module:factory``); the report says which passed.
+    ``commit_bug``: one of :data:`harness.resume.commit_controls.COMMIT_BUGS`, installed in every rank (negative
+    controls of the harness's own commit; tests only)."""
     from harness.resume.contract import resolve_factory
 
     o = options or ResumeOptions()
     resolve_factory(trainer)  # a bad path is a TrainerError here, in the caller, before any rank starts
     t = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="resume-battery-"))
+    battery = _Battery(trainer, o, work, progress or (lambda _m: None), commit_bug)
     try:
-        results, plan = _Battery(trainer, o, work, progress or (lambda _m: None)).run()
+        results = battery.run()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Report(trainer, o, plan, results, seconds=time.monotonic() - t)
+    return Report(trainer, o, battery.plan, results, seconds=time.monotonic() - t, usage_error=battery.usage_error)
 
 
 __all__ = ["CASES", "FAILED", "NOT_BITWISE", "PASSED", "CaseResult", "Plan", "Report", "ResumeOptions",

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,20 +88,28 @@ def _barrier() -> None:
 
 
 def begin_step_dir(run_dir: str | Path, step: int, *, rank: int) -> Path:
-    """Every rank: make ``run_dir/step-NNNN`` durable and empty of any old manifest; return it (collective).
+    """Every rank: make ``run_dir/step-NNNN`` durable and empty; return it (collective).
 
-    The run directory is fsynced after the step directory is made: without it a crash could lose the new entry
-    itself, and the files later written (and fsynced) inside it would vanish with it.
+    A folder of that name left by an earlier attempt at this step (a kill inside its save, or before its commit)
+    still holds that attempt's files: a save that will not overwrite (``torch.distributed.checkpoint`` with
+    ``overwrite=False``, a ``mkdir()`` without ``exist_ok``) would fail on them, and a file the new save does not
+    write again would reach the new manifest. So rank 0 first renames the old folder out of the way (atomic: a crash
+    leaves either the old folder or none under the step's name, never half of it), fsyncs the run directory, and
+    deletes it; then makes the new folder. The run directory is fsynced after the step directory is made: without it
+    a crash could lose the new entry itself, and the files later written (and fsynced) inside it would vanish with it.
     """
     folder = Path(run_dir) / step_dir_name(step)
     if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        if folder.exists():
+            stale = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
+            os.replace(folder, stale)  # the stale name matches no step directory: discovery never reads it
+            fsync_dir(folder.parent)
+            shutil.rmtree(stale, ignore_errors=True)
+        folder.mkdir()
         fsync_dir(folder.parent)
-        # A folder left by an earlier, killed attempt at this step must not keep an old manifest that would vouch
-        # for files about to be replaced.
-        (folder / MANIFEST).unlink(missing_ok=True)
         fsync_dir(folder)
-    _barrier()  # the folder exists and holds no stale manifest before anyone writes into it
+    _barrier()  # the folder exists and is empty before anyone writes into it
     folder.mkdir(parents=True, exist_ok=True)  # outside a process group (one process) there was no barrier to wait
     return folder
 
@@ -117,17 +127,18 @@ def checkpoint_files(folder: Path) -> list[str]:
 
 def commit_step_dir(
     folder: Path, step: int, *, world_size: int, positions: list[int] | None, layout: str = LAYOUT_HARNESS,
-    names: list[str] | None = None,
+    names: list[str] | None = None, midway: Callable[[], None] | None = None,
 ) -> None:
     """Rank 0, once every rank's files are in: write the manifest (sizes, SHA-256, step, each rank's data position)
-    atomically, last. From this instant the step directory is a complete checkpoint."""
+    atomically, last. From this instant the step directory is a complete checkpoint. ``midway()`` is called with
+    half of the manifest written (:func:`~harness.resume.atomic.write_temp`)."""
     listed = checkpoint_files(folder) if names is None else names
     files = {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in listed}
     manifest: dict[str, Any] = {"format": FORMAT, "layout": layout, "step": step, "world_size": world_size,
                                 "files": files}
     if positions is not None:
         manifest["positions"] = list(positions)
-    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode(), midway)
 
 
 def save_checkpoint(

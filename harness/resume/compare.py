@@ -1,6 +1,9 @@
 """Where two training states first differ: a path into the nested state
-(``['optimizer']['state'][3]['momentum_buffer']``) and what differs there. Bitwise: a tensor matches only with the
-same dtype, shape and bytes (NaN included)."""
+(``['optimizer']['state'][3]['momentum_buffer']``) and what differs there. Bitwise: a tensor or a numpy array
+matches only with the same dtype, shape and bytes (NaN included); a numpy scalar only with the same type and bytes.
+
+The values compared are those :func:`harness.resume.contract.check_state` admits; it refuses anything else before a
+run compares it, so an ``==`` that answers with an array (or anything but a bool) never reaches this module."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -23,6 +27,22 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return f"{int((x != y).sum())} of {x.numel()} elements differ"
 
 
+def _numpy_difference(a: Any, b: Any, where: str) -> tuple[str, str] | None:
+    if type(a) is not type(b):
+        return where, f"{type(a).__name__} vs {type(b).__name__}"
+    x, y = np.asarray(a), np.asarray(b)
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return where, f"numpy {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+    if x.tobytes() == y.tobytes():
+        return None
+    if x.dtype.kind in "fc":
+        gap = np.abs(x.astype(np.complex128) - y.astype(np.complex128))
+        gap[np.isnan(x) & np.isnan(y)] = 0.0  # NaN where both are NaN is no difference
+        worst = float(np.nan_to_num(gap, nan=np.inf).max())
+        return where, f"max abs difference {worst:.3e} over {x.size} elements (numpy)"
+    return where, f"{int((x != y).sum())} of {x.size} elements differ (numpy)"
+
+
 def first_difference(expected: Any, got: Any, path: str = "") -> tuple[str, str] | None:
     """``(path, what)`` of the first leaf where ``got`` differs from ``expected``; None when they are bitwise equal."""
     where = path or "(top)"
@@ -31,6 +51,8 @@ def first_difference(expected: Any, got: Any, path: str = "") -> tuple[str, str]
             return where, f"{type(expected).__name__} vs {type(got).__name__}"
         what = _tensor_difference(expected, got)
         return None if what is None else (where, what)
+    if isinstance(expected, (np.ndarray, np.generic)) or isinstance(got, (np.ndarray, np.generic)):
+        return _numpy_difference(expected, got, where)
     if isinstance(expected, Mapping) and isinstance(got, Mapping):
         keys_e, keys_g = list(expected), list(got)
         if set(keys_e) != set(keys_g):

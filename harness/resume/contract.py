@@ -13,6 +13,9 @@ has seeded Python's, numpy's and torch's global generators for the rank. It retu
   and scheduler state, the data position, every generator the trainer owns (``torch.Generator.get_state()``,
   ``random.Random.getstate()``), and ``"step"``: the optimizer steps taken, which is what its checkpoints are labelled
   with. The global generators are the battery's to compare; a trainer that keeps them in ``state()`` too is fine.
+  The values admitted (:func:`check_state`): tensors, numpy arrays and scalars (``np.random.get_state()`` holds
+  one), ``None``, bools, ints, floats, complex numbers, strings, bytes, torch dtypes and devices, nested in dicts (any
+  mapping), lists and tuples. Each is compared bitwise; anything else is refused with its key named.
 
 An optional ``close()`` is called before the process group goes away (drop a DDP module there).
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from harness.core.paths import resolve
 
@@ -69,6 +72,56 @@ def resolve_factory(path: str) -> Any:
     return obj
 
 
+_LEAVES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _outside(value: Any, path: str) -> tuple[str, Any] | None:
+    """``(path, value)`` of the first value in ``value`` the contract does not admit; None when all are admitted."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, (*_LEAVES, torch.Tensor, torch.dtype, torch.device, np.generic)):
+        return None
+    if isinstance(value, np.ndarray):
+        return (path, value) if value.dtype.hasobject else None  # an object array's == is each element's own
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = _outside(item, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _outside(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return path, value
+
+
+def check_state(state: object) -> Mapping[str, Any]:
+    """``state`` once it is a mapping of values the contract admits (see the module's docstring); TrainerError
+    naming the key, the type and the fix otherwise."""
+    if not isinstance(state, Mapping):
+        msg = (f"the trainer's state() returned a {type(state).__name__}, not a mapping of named entries (a dict); "
+               f"{_STATE}")
+        raise TrainerError(msg)
+    found = _outside(state, "")
+    if found is not None:
+        path, value = found
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        if type(value).__module__ == "numpy":
+            kind += " of objects"
+        msg = (f"the trainer's state(){path} is a {kind}, which the resume battery cannot compare bitwise; {_STATE} "
+               "(a generator's get_state() or getstate(), an object's state_dict(), or the numbers it holds)")
+        raise TrainerError(msg)
+    return cast(Mapping[str, Any], state)
+
+
+_STATE = ("the contract admits tensors, numpy arrays and scalars, None, bools, ints, floats, complex numbers, strings, "
+          "bytes, torch dtypes and devices, nested in dicts, lists and tuples; return such a value instead")
+
+
 def load_trainer(path: str) -> Trainer:
     """Build the trainer ``path`` names (on a rank, inside the process group); TrainerError when the object it returns
     lacks one of the contract's methods."""
@@ -80,5 +133,5 @@ def load_trainer(path: str) -> Trainer:
     return trainer
 
 
-__all__ = ["HARNESS_TRAINER", "METHODS", "Trainer", "TrainerError", "load_trainer", "resolve_factory",
+__all__ = ["HARNESS_TRAINER", "METHODS", "Trainer", "TrainerError", "check_state", "load_trainer", "resolve_factory",
            "split_trainer_path"]

@@ -15,15 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from harness.resume.buckets import SETTING as DDP_BUCKETS
+from harness.resume.buckets import freeze_ddp_buckets
+
 DETERMINISTIC_SETTINGS = (
     "torch.use_deterministic_algorithms(True)",
     "torch.backends.cudnn.deterministic = True",
     "torch.backends.cudnn.benchmark = False",
     "CUBLAS_WORKSPACE_CONFIG=:4096:8",
     "one intra-op thread per rank",
+    DDP_BUCKETS,
 )
 """What every rank of the battery runs under, named in its report: without them a CUDA kernel (or a thread count)
-may change the last bits between two runs, and the comparison could not tell a resume bug from noise."""
+may change the last bits between two runs, and the comparison could not tell a resume bug from noise; and a fresh DDP
+wrapper would sum its first step in another order than the run that never stopped (:mod:`harness.resume.buckets`)."""
 
 CUBLAS_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
@@ -34,6 +39,7 @@ def apply_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    freeze_ddp_buckets()
 
 
 def seed_globals(seed: int, rank: int) -> None:

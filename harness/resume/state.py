@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -14,8 +15,12 @@ def cpu_copy(obj: Any) -> Any:
     """A detached CPU copy of every tensor in a nested state (dicts, lists, tuples); other leaves as they are."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu().clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()  # a loop may go on writing into the array it returned
     if isinstance(obj, dict):
         return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple takes its fields one by one
+        return type(obj)(*(cpu_copy(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(cpu_copy(v) for v in obj)
     return obj

@@ -139,14 +139,18 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(exc)) from None
     resume_options_from(config)  # bad --resume-* values are a usage error now (pure Python: no torch imported)
     _MODEL_NOTES.clear()
-    if config.getoption("model") is not None:
+    # The model probe (its backward checked by finite differences included) runs before a battery of a user's recipe
+    # or model; a session of the harness's own tests does not import torch here.
+    if config.getoption("model") is not None or config.getoption("recipe") is not None:
         from harness.battery.facts import probe
         from harness.model import ModelError
 
+        model = config.getoption("model")
         try:
-            _MODEL_NOTES[:] = probe(config.getoption("model"), config.getoption("batch_format")).notes()
+            found = probe(model, config.getoption("batch_format"))
+            _MODEL_NOTES[:] = found.notes() if model is not None else ()
         except ModelError as exc:
-            raise pytest.UsageError(f"--model: {exc}") from None
+            raise pytest.UsageError(f"--model: {exc}" if model is not None else str(exc)) from None
     options_from(config)  # bad options are a usage error now, before collection (parsed once: kept on the config)
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()

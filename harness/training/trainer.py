@@ -349,12 +349,17 @@ def _backward_window(
 
 
 def trainer_factory(config: str | Path | None = None, **options: Any) -> HarnessTrainer:
-    """``--trainer=harness.training.trainer:trainer_factory``: the harness's trainer on ``configs/minimum.yaml``
-    (or ``config``), for the resume battery. ``options`` are :class:`HarnessTrainer`'s keywords (``bug=``)."""
+    """``--trainer=harness.training.trainer:trainer_factory``: the harness's trainer for the resume battery, on
+    ``configs/minimum.yaml`` with the world size of the ranks started, or on ``config`` as it is (which refuses
+    another world size). ``options`` are :class:`HarnessTrainer`'s keywords (``bug=``)."""
     from harness.data.config import load_config
 
-    path = Path(config) if config is not None else Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml"
-    return HarnessTrainer(load_config(path), **options)
+    if config is not None:
+        return HarnessTrainer(load_config(Path(config)), **options)
+    # The default config's world size is its torchrun run's; the battery's ranks are as many as --resume-world-size
+    # says, and the plan deals the same corpus to however many there are.
+    default = load_config(Path(__file__).resolve().parents[2] / "configs" / "minimum.yaml")
+    return HarnessTrainer(default.replace(world_size=dist.get_world_size()), **options)
 
 
 def launched_run(

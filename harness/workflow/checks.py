@@ -27,16 +27,16 @@ def check_model_option(model: str | None, batch_format: str = "harness") -> str 
 
 def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, ...]:
     """What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), as sentences; BadInput when the
-    model cannot be used at all."""
-    if model is None:
-        return ()
+    model cannot be used at all, or its backward is not the gradient of its forward. The built-in model (None) is
+    probed too (its backward is checked before every battery) and has nothing to say."""
     from harness.battery.facts import probe
     from harness.model import ModelError
 
     try:
-        return probe(model, batch_format).notes()
+        found = probe(model, batch_format).notes()
     except ModelError as exc:
-        raise BadInput(f"--model: {exc}") from None
+        raise BadInput(f"--model: {exc}" if model is not None else str(exc)) from None
+    return found if model is not None else ()
 
 
 def battery_options(args: argparse.Namespace) -> BatteryOptions:

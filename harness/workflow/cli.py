@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from harness.battery.options import add_lane_options
 from harness.workflow import explain, resume
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
 from harness.workflow.commands import (
@@ -106,9 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--battery-world-sizes", dest="world_sizes", default="1,2,3,4", metavar="W,...",
                    help="comma-separated world sizes, the drawn layouts' included (default: 1,2,3,4)")
     _deprecated(p, "--world-sizes", "--battery-world-sizes", dest="world_sizes")
-    p.add_argument("--precision", default="both", metavar="LANES",
-                   help="fp32, fp64, bf16 (a bound derived from the measured noise), both (fp32,fp64: the default) "
-                   "or lanes separated by commas (fp32,bf16)")
+    add_lane_options(p)  # --strategy, --precision, --objective: explain declares the same
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model to check the recipes on: a zero-argument callable returning a torch.nn.Module (or "
                    "an nn.Module class), seeded and built on every rank and for the reference, dropout disabled "
@@ -116,12 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
                    help="what a recipe receives per microbatch: the harness's Microbatch (aligned labels, default) or "
                    "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels)")
-    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"),
-                   help="the data-parallel strategy the ranks run under: ddp (DistributedDataParallel, default), "
-                   "fsdp2 (the harness shards the model with fully_shard per block and the root), or both")
-    p.add_argument("--objective", default="token_mean", metavar="NAME",
-                   help="what the gradient must be the gradient of: token_mean (default), sequence_mean, "
-                   "weighted_token_mean or fixed_normalizer (docs/objectives.md)")
     p.add_argument("--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
                    help="DDP's find_unused_parameters for the ranks: auto (default) turns it on, and says so, when the "
                    "reference finds a parameter without a gradient in some microbatch; on; off")

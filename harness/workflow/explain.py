@@ -1,10 +1,15 @@
 """``python -m harness explain``: what a recipe's step actually optimized, read off its gradient.
 
-One battery run of the recipe (a scenario at one world size and precision), then the diagnosis of the window whose
-gradient is furthest from the reference (:mod:`harness.battery.diagnose`): the effective weight of every rank's
-microbatch against the right one, the signature those weights match, the per-parameter table, a figure (one cell
-per rank x microbatch, effective weight over expected) and the same numbers as JSON. Exit 0 when the weighting is
-right, 1 when it is not (or the run left no gradient to read), 2 for bad input.
+One battery run of the recipe per lane (a scenario at one world size, under each strategy and precision asked for:
+``--strategy``, ``--precision`` and ``--objective`` take the battery's names and values, and are validated by the
+same parser, :meth:`harness.battery.options.BatteryOptions.parse`), then the diagnosis of the window whose gradient
+is furthest from the reference (:mod:`harness.battery.diagnose`): the effective weight of every rank's microbatch
+against the right one, the signature those weights match, the per-parameter table, a figure (one cell per rank x
+microbatch, effective weight over expected) and the same numbers as JSON. The battery's checks run on the same run,
+so a case the battery rejects (a synchronization count, a clipped norm, ranks that disagree) is never read as right.
+Advice is given in the strategy's own form (FSDP2: ``set_requires_gradient_sync(False)``, never ``no_sync()``), and
+a right weighting is described in the declared objective's words. Exit 0 when the weighting is right and every check
+holds in every lane, 1 when not (or a run left no gradient to read), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 import time
 from pathlib import Path
 
+from harness.battery.options import add_lane_options
 from harness.workflow.outputs import BadInput, write_bytes, write_json
 
 SCHEMA = "harness.explain/1"
@@ -27,14 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe to explain")
     p.add_argument("--scenario", default="uneven", help="battery scenario (default: uneven)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="default: fp32")
+    add_lane_options(p, precision="fp32")  # the battery's --strategy, --precision, --objective
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
                    "(default: the built-in TinyCausalLM)")
     p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
                    help="what the recipe receives: harness Microbatches or HF-style dicts (default: harness)")
-    p.add_argument("--objective", default="token_mean", metavar="NAME",
-                   help="the declared objective the weights are read against (default: token_mean)")
     p.add_argument("--window", type=int, default=None, help="window to read (default: the worst one)")
     p.add_argument("--rank", type=int, default=None, help="rank whose gradient is read (default: the worst one)")
     p.add_argument("--per-sequence", action="store_true", help="also fit one weight per sequence")
@@ -44,12 +48,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_explain)
 
 
-def _stem(recipe: str, scenario: str, world: int, precision: str) -> str:
+def _stem(recipe: str, scenario: str, world: int, precision: str, strategy: str = "ddp") -> str:
     """The output files' name: the recipe's module and attribute (two modules' ``:recipe`` must not overwrite each
-    other), the scenario, world size and precision: ``explain-pkg.mod-recipe-uneven-W2-fp32``."""
+    other), the scenario, world size, precision and strategy (DDP's unnamed):
+    ``explain-pkg.mod-recipe-uneven-W2-fp32``, ``...-W2-bf16-fsdp2``."""
     module, _, attr = recipe.partition(":")
     name = "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", part) for part in (module, attr) if part)
-    return f"explain-{name}-{scenario}-W{world}-{precision}"
+    return f"explain-{name}-{scenario}-W{world}-{precision}" + ("" if strategy == "ddp" else f"-{strategy}")
+
+
+def in_strategy_form(text: str, strategy: str) -> str:
+    """``text`` with each way to skip a gradient synchronization written the way ``strategy`` spells it (a sentence
+    of the diagnosis says ``no_sync()``; under FSDP2 that is ``set_requires_gradient_sync(False)``), and the helper
+    that does it under either strategy named once."""
+    from harness.battery.runner import SKIP_SYNC
+
+    own = SKIP_SYNC.get(strategy)
+    if own is None:
+        return text
+    out = text
+    for other, form in SKIP_SYNC.items():
+        if other == strategy:
+            continue
+        bare = form.split(".", 1)[1]  # no_sync() as a sentence names it, without the model
+        out = out.replace(form, own).replace(bare, own.split(".", 1)[1])
+    if out != text:
+        out += (" (harness.recipes.sync_context(model, i, n) skips the synchronization of all but the last microbatch "
+                "under either strategy)")
+    return out
+
+
+def right_in_objective_words(found: object, objective: str) -> str:
+    """The reading of a right weighting in the declared objective's own words (the catalog's sentence speaks of the
+    token mean: "every token weighs 1/N")."""
+    from harness.battery.diagnose import Diagnosis
+    from harness.core.objectives import DESCRIPTIONS, QUANTITIES
+
+    assert isinstance(found, Diagnosis)
+    if objective == "token_mean":
+        return found.line()
+    worst = max((abs(q - 1) for q in found.ratios() if math.isfinite(q)), default=0.0)
+    return (f"diagnosis ({found.signature.name}): the weighting is right for {DESCRIPTIONS[objective]}: every block's "
+            f"weight is 1/Z, Z = {found.z:g} ({QUANTITIES[objective]}), to within {worst:.1e}, residual "
+            f"{found.residual:.1e}")
 
 
 def write_weight_figure(path: Path, diagnosis: object) -> Path:
@@ -92,10 +133,8 @@ def write_weight_figure(path: Path, diagnosis: object) -> Path:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from harness.battery import runner, scenarios
-    from harness.battery.checks import crash_summary
-    from harness.battery.diagnose import diagnose
-    from harness.battery.options import check_objective
+    from harness.battery import scenarios
+    from harness.battery.options import BatteryOptions
     from harness.recipes import RecipeError, load_recipe
     from harness.workflow.checks import check_model_option
 
@@ -103,62 +142,112 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise BadInput(f"--scenario={args.scenario!r} is not one of {', '.join(scenarios.SCENARIOS)}")
     if not 1 <= args.world_size <= scenarios.MAX_WORLD_SIZE:
         raise BadInput(f"--world-size={args.world_size} must be between 1 and {scenarios.MAX_WORLD_SIZE}")
+    try:  # the battery's own validation, so a bad value gets the battery's message
+        options = BatteryOptions.parse(strategy=args.strategy, precision=args.precision, objective=args.objective,
+                                       batch_format=args.batch_format)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
     try:
         load_recipe(args.recipe)
     except RecipeError as exc:
         raise BadInput(f"--recipe: {exc}") from None
     model = check_model_option(args.model, args.batch_format)
-    try:
-        check_objective(args.objective)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-    start = time.monotonic()
-    run = runner.run(args.recipe, args.scenario, args.world_size, args.precision, model=model,
-                     batch_format=args.batch_format, deadline=args.deadline, objective=args.objective)
-    ran = time.monotonic() - start
-    if run.failure is not None:
-        print(f"the run failed ({run.failure.kind}), so there is no gradient to read:")
-        for rank in run.failure.ranks[:1]:
-            print("\n".join(f"  rank {rank}: {ln}" for ln in crash_summary(run.failure.details.get(rank, ""))))
-        first = str(run.failure).splitlines()[0]
-        print(f"FAILED: explain: {args.recipe} on {args.scenario}, W={args.world_size}: {first}")
-        return 1
-    if args.window is not None and not 0 <= args.window < len(run.windows):
-        raise BadInput(f"--window={args.window}: scenario {args.scenario} has windows 0..{len(run.windows) - 1}")
+    if args.window is not None and args.window < 0:
+        raise BadInput(f"--window={args.window} must be a window index (0, 1, ...)")
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         raise BadInput(f"--rank={args.rank}: ranks are 0..{args.world_size - 1}")
+    lanes = [(strategy, lane) for strategy in options.strategy_lanes for lane in options.lanes]
+    statuses = []
+    for i, (strategy, lane) in enumerate(lanes):
+        if i:
+            print("\n" + "=" * 100 + "\n")
+        statuses.append(_explain_lane(args, model, strategy, lane))
+    if len(lanes) > 1:
+        bad = [f"{s}/{p}" for (s, p), status in zip(lanes, statuses) if status]
+        wrong = f"; wrong in {', '.join(bad)}" if bad else ""
+        print(f"\n{len(lanes) - len(bad)} of {len(lanes)} lanes right{wrong}")
+    return max(statuses)
+
+
+def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, precision: str) -> int:
+    """One lane: the run, its checks, and the reading of its worst gradient; 0 right, 1 not."""
+    from harness.battery import runner
+    from harness.battery.checks import FAIL, REGISTRY, crash_summary
+    from harness.battery.diagnose import diagnose
+    from harness.battery.options import RunSpec
+    from harness.core.diagnosis import accuracy
+
+    lane = f"{strategy}, {precision}"
     start = time.monotonic()
-    found = diagnose(run, args.window, args.rank, per_sequence=args.per_sequence)
+    spec = RunSpec(args.recipe, args.scenario, args.world_size, precision, model=model,
+                   batch_format=args.batch_format, strategy=strategy, deadline=args.deadline, objective=args.objective)
+    run = runner.run(spec)
+    ran = time.monotonic() - start
+    if run.failure is not None:
+        print(f"the run failed ({run.failure.kind}; {lane}), so there is no gradient to read:")
+        for rank in run.failure.ranks[:1]:
+            print("\n".join(f"  rank {rank}: {ln}" for ln in crash_summary(run.failure.details.get(rank, ""))))
+        first = in_strategy_form(str(run.failure).splitlines()[0], strategy)
+        print(f"FAILED: explain: {args.recipe} on {args.scenario}, W={args.world_size}, {lane}: {first}")
+        return 1
+    if args.window is not None and args.window >= len(run.windows):
+        raise BadInput(f"--window={args.window}: scenario {args.scenario} has windows 0..{len(run.windows) - 1}")
+    # The battery's verdicts on this very run: a case it rejects is never read as right here.
+    failed = [v for info in REGISTRY.values() if info.runs_on(args.scenario)
+              for v in [info.fn(run)] if v.status == FAIL]
+    start = time.monotonic()
+    if precision == "bf16" and run.bf16 is not None:
+        with accuracy(float(run.bf16.bound)):  # read to the accuracy bf16 allows, as the battery's parity does
+            found = diagnose(run, args.window, args.rank, per_sequence=args.per_sequence)
+    else:
+        found = diagnose(run, args.window, args.rank, per_sequence=args.per_sequence)
     took = time.monotonic() - start
     if found is None:
-        print(f"{args.recipe} left no gradient to read on {args.scenario} (W={args.world_size}): it refused every "
-              "window, or the windows hold no supervised token")
-        print(f"FAILED: explain: no gradient on {args.scenario}")
+        print(f"{args.recipe} left no gradient to read on {args.scenario} (W={args.world_size}, {lane}): it refused "
+              "every window, or the windows hold no supervised token")
+        for v in failed:
+            print(f"  the battery: {in_strategy_form(v.message.splitlines()[0], strategy)}")
+        print(f"FAILED: explain: no gradient on {args.scenario} ({lane})")
         return 1
-    print(f"{args.recipe} on scenario {args.scenario}, W={args.world_size}, {args.precision} "
-          f"(run {ran:.2f} s, diagnosis {took:.2f} s)\n")
+    print(f"{args.recipe} on scenario {args.scenario}, W={args.world_size}, {precision}, {strategy}, objective "
+          f"{args.objective} (run {ran:.2f} s, diagnosis {took:.2f} s)\n")
     print(found.weight_table())
-    print(f"\n{found.line()}")
+    line = right_in_objective_words(found, args.objective) if found.right else found.line()
+    print(f"\n{in_strategy_form(line, strategy)}")
+    if precision == "bf16" and run.bf16 is not None:
+        print(f"(read from a bf16 gradient: weights to within {float(run.bf16.bound):.1e}, the lane's bound)")
     if found.sequence_signature is not None or found.sequence_residual is not None:
         seq = found.sequence_signature.name if found.sequence_signature else "no per-sequence signature"
         print(f"per sequence: {seq} (fit residual {found.sequence_residual:.2e})")
     print(f"\n{found.location}\n{found.parameter_lines()}")
+    if failed:
+        print(f"\nthe battery's checks on this run ({args.scenario}, W={args.world_size}, {lane}) reject it:")
+        for v in failed:
+            print("  " + in_strategy_form(v.message.splitlines()[0], strategy))
     out = Path(args.outputs)
-    stem = _stem(args.recipe, args.scenario, args.world_size, args.precision)
+    stem = _stem(args.recipe, args.scenario, args.world_size, precision, strategy)
     payload = {"schema": SCHEMA, "recipe": args.recipe, "scenario": args.scenario, "world_size": args.world_size,
-               "precision": args.precision, "model": model, "batch_format": args.batch_format,
-               "run_seconds": ran, "diagnosis_seconds": took, **found.to_dict()}
+               "precision": precision, "strategy": strategy, "objective": args.objective, "model": model,
+               "batch_format": args.batch_format, "run_seconds": ran, "diagnosis_seconds": took,
+               "failed_checks": [v.check for v in failed], **found.to_dict()}
     write_json(out / f"{stem}.json", payload)
     if importlib.util.find_spec("matplotlib") is None:
         print(f"\nwritten: {out / f'{stem}.json'} (no figure: matplotlib is not installed; pip install matplotlib)")
     else:
         figure = write_weight_figure(out / f"{stem}.png", found)
         print(f"\nwritten: {out / f'{stem}.json'} and {figure}")
-    if found.right:
-        print("the weighting is right: this step optimizes the global token mean")
+    if found.right and not failed:
+        from harness.core.objectives import DESCRIPTIONS
+
+        print(f"the weighting is right ({lane}): this step optimizes {DESCRIPTIONS[args.objective]}")
         return 0
-    print(f"FAILED: explain: {found.signature.name}: {found.signature.sentence}")
+    if found.right:
+        names = ", ".join(dict.fromkeys(v.check for v in failed))
+        print(f"FAILED: explain: the weighting is right, but the battery rejects this case ({lane}): {names}")
+        return 1
+    sentence = in_strategy_form(found.signature.sentence, strategy)
+    print(f"FAILED: explain: {found.signature.name} ({lane}): {sentence}")
     return 1
 
 
-__all__ = ["SCHEMA", "add_parser", "cmd_explain", "write_weight_figure"]
+__all__ = ["SCHEMA", "add_parser", "cmd_explain", "in_strategy_form", "right_in_objective_words", "write_weight_figure"]

@@ -46,8 +46,9 @@ def options_of(args: argparse.Namespace) -> Any:
 
 
 def resume_battery(trainer: str, options: Any = None, progress: Any = None) -> tuple[Check, dict[str, Any]]:
-    """Run the battery on ``trainer``; the report's check (failing with the first differing state named) and the
-    battery's JSON. A bad ``trainer`` is BadInput."""
+    """Run the battery on ``trainer``; the report's check (failing with the first failed case's message: every state
+    that differs, per rank) and the battery's JSON. A bad ``trainer`` path is BadInput; a trainer that refuses to run
+    under the options fails the check with its one usage error (``payload["usage_error"]``)."""
     from harness.resume.battery import run_battery
     from harness.resume.contract import TrainerError
 
@@ -56,14 +57,19 @@ def resume_battery(trainer: str, options: Any = None, progress: Any = None) -> t
     except TrainerError as exc:
         raise BadInput(str(exc)) from None
     failed = report.failures()
-    detail = (f"{len(report.results)} cases bitwise equal to the continuous run in {report.seconds:.1f} s"
-              if not failed else f"{failed[0].case}: {failed[0].message}")
+    if report.usage_error is not None:
+        detail = f"usage error: {report.usage_error}"
+    elif failed:
+        detail = f"{failed[0].case}: {failed[0].message}"
+    else:
+        detail = f"{len(report.results)} cases bitwise equal to the continuous run in {report.seconds:.1f} s"
     return Check(f"resume battery of {trainer.split(':')[-1]}", report.passed, detail), {
         **report.to_dict(), "table": report.table()}
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    """Exit 0 when every case holds, 1 when one fails (its differing state named), 2 for bad input."""
+    """Exit 0 when every case holds, 1 when one fails (its differing states named), 2 for bad input (a trainer that
+    refuses to run under the options included: one usage error, after the table and the JSON)."""
     from harness.workflow.commands import err
 
     check, payload = resume_battery(args.trainer, options_of(args))
@@ -71,6 +77,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"report written to {args.json}")
+    if payload.get("usage_error") is not None:
+        err(f"resume: {check.detail}")
+        return 2
     if not check.passed:
         err(f"FAILED: resume: {check.detail}")
         return 1

@@ -36,7 +36,57 @@ def test_the_clipping_check_does_not_apply_to_a_recipe_that_does_not_clip() -> N
 
 @pytest.mark.slow
 def test_the_clip_before_the_final_sync_is_caught_by_its_norm() -> None:
-    """The norm of one rank's partial gradient is not the window's global norm."""
+    """The norm of one rank's partial gradient is not the window's global norm: named as that rank's norm before the
+    synchronization, with its ratio to the global one."""
     verdict = checks.clipping(runner.run(RunSpec("harness.recipes:clip_before_final_sync", "long", 2, "fp32")))
-    assert ("fail", "numbers") == (verdict.status, verdict.cause)
-    assert "the reference's global norm before clipping is" in verdict.message
+    assert ("fail", "numbers", "pre_sync_norm") == (verdict.status, verdict.cause, verdict.finding)
+    assert "x the reference's global norm before clipping" in verdict.message
+
+
+USER = "user_recipes.clipping"
+
+
+def test_a_clip_that_never_engages_reads_clipping_not_applied_and_its_norm_a_sum_of_tensor_norms() -> None:
+    """Each tensor clipped alone: the gradient is the unclipped reference (not "W applied twice", which its uniform
+    scale 2.0 would read without the clipping reading), and the norm it returned, the sum of what each clip returned,
+    is named with its ratio (about 3.3x) as a sum of per-tensor norms."""
+    run = runner.run(RunSpec(f"{USER}:PerTensorClip", "uneven", 2, "fp32"))
+    verdict = checks.parity(run)
+    assert verdict.diagnosis is not None and "clipping_not_applied" == verdict.diagnosis["signature"]
+    assert "clipping did not take effect (the gradient is the unclipped reference)" in verdict.message
+    norm = checks.clipping(run)
+    assert ("fail", "norm_sum_of_tensor_norms") == (norm.status, norm.finding)
+    assert "x the reference's global norm before clipping" in norm.message
+    assert "too small" not in norm.message and "pre-sync" not in norm.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "strategy", "finding", "words"), [
+    (f"{USER}:NormReducedAgain", "ddp", "norm_reduced_again", "1.414x the reference's global norm"),
+    (f"{USER}:ClipBeforeScale", "ddp", "clip_before_scale", "N/W = 578 times its final value: a clip before the scale"),
+    (f"{USER}:SumOfTensorNorms", "ddp", "norm_sum_of_tensor_norms", "a sum of per-tensor norms"),
+    ("harness.recipes:clip_before_final_sync", "ddp", "pre_sync_norm", "rank 0's gradient before the synchronization"),
+    ("harness.recipes:local_shard_norm", "fsdp2", "shard_norm", "the norm of rank 0's FSDP2 shard"),
+], ids=["reduced_again", "before_scale", "sum_of_norms", "pre_sync", "shard"])
+def test_each_wrong_norm_is_named_by_the_candidate_it_fits(recipe: str, strategy: str, finding: str,
+                                                           words: str) -> None:
+    """The clipping check's finding and sentence name the norm the recipe computed, with the ratio (W=2, uneven)."""
+    verdict = checks.clipping(runner.run(RunSpec(recipe, "uneven", 2, "fp32", strategy=strategy)))
+    assert ("fail", finding) == (verdict.status, verdict.finding), verdict.message
+    assert words in verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [f"{USER}:NormReducedAgain", f"{USER}:ClipBeforeScale"])
+def test_a_gradient_clipped_by_a_wrong_norm_reads_clipped_by_wrong_norm(recipe: str) -> None:
+    """The gradient is the reference clipped by the factor of the norm returned: named so, not as a count factor."""
+    verdict = checks.parity(runner.run(RunSpec(recipe, "uneven", 2, "fp32")))
+    assert verdict.diagnosis is not None and "clipped_by_wrong_norm" == verdict.diagnosis["signature"]
+
+
+@pytest.mark.slow
+def test_a_tensor_clipped_alone_past_max_norm_reads_clipped_per_tensor() -> None:
+    """On ``varying`` the unclipped first step moves the weights; in window 1 one tensor's own norm passes max_norm and
+    is scaled alone: read at the rank's own starting weights as each tensor clipped by its own norm."""
+    verdict = checks.parity(runner.run(RunSpec(f"{USER}:PerTensorClip", "varying", 2, "fp32")))
+    assert verdict.diagnosis is not None and "clipped_per_tensor" == verdict.diagnosis["signature"], verdict.message

@@ -201,3 +201,54 @@ def test_an_hf_count_taken_before_the_shift_is_named_as_that_count() -> None:
     verdict = checks.parity(run)
     assert verdict.diagnosis is not None and "global_scale" == verdict.diagnosis["signature"]
     assert "normalized by the hf labels counted before the shift" in verdict.message, verdict.message
+
+
+@pytest.mark.xdist_group(control_group("fsdp2_sync_every_microbatch", 2))
+def test_explain_under_fsdp2_never_reads_right_what_the_battery_rejects_and_speaks_fsdp2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An FSDP2 loop that syncs every microbatch leaves the right gradient; the battery rejects it by its sync count,
+    and so does explain (exit 1), in FSDP2's words: set_requires_gradient_sync(False), never no_sync() (the same run
+    the negative-control test judges)."""
+    status, out, err = _explain(tmp_path, capsys, "--recipe", "harness.recipes:fsdp2_sync_every_microbatch",
+                                "--strategy", "fsdp2")
+    assert 1 == status, out + err
+    assert "FAILED: explain: the weighting is right, but the battery rejects this case (fsdp2, fp32): one_sync" in out
+    assert "set_requires_gradient_sync(False)" in out and "no_sync()" not in out
+    assert (tmp_path / "explain-harness.recipes-fsdp2_sync_every_microbatch-uneven-W2-fp32-fsdp2.json").exists()
+
+
+@pytest.mark.slow
+def test_explain_reads_an_fsdp2_only_mistake_that_ddp_cannot_show(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP2's divisor knobs set on the root only: under --strategy fsdp2 the gradient is 1/W (exit 1, as the
+    battery); the correct recipe under FSDP2 is the control (exit 0)."""
+    status, out, err = _explain(tmp_path, capsys, "--recipe", "harness.recipes:divide_factor_on_root_only",
+                                "--strategy", "fsdp2")
+    assert 1 == status and "diagnosis (global_scale)" in out, out + err
+    assert not checks.parity(runner.run("harness.recipes:divide_factor_on_root_only", "uneven", 2,
+                                        strategy="fsdp2")).passed
+    status, out, err = _explain(tmp_path, capsys, "--recipe", CORRECT_RECIPE_PATH, "--strategy", "fsdp2")
+    assert 0 == status, out + err
+    assert "the weighting is right (fsdp2, fp32)" in out
+
+
+@pytest.mark.slow
+def test_explain_describes_a_right_sequence_mean_in_its_own_words(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under --objective sequence_mean the right weighting is the sequence mean's (1/S shared by a sequence's tokens),
+    never "every token weighs 1/N" nor "the global token mean"."""
+    status, out, err = _explain(tmp_path, capsys, "--recipe", "harness.recipes.objectives:sequence_mean",
+                                "--objective", "sequence_mean")
+    assert 0 == status, out + err
+    assert "the weighting is right for the sequence mean (each sequence with a supervised token weighs 1/S" in out
+    assert "every token weighs 1/N" not in out and "global token mean" not in out
+
+
+@pytest.mark.slow
+def test_explain_reads_the_bf16_lane_to_its_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--precision bf16 reads the gradient to the accuracy its derived bound allows: a mean of local means is still
+    named, and the line says the bound."""
+    status, out, err = _explain(tmp_path, capsys, "--recipe", "harness.recipes:mean_of_local_means", "--precision",
+                                "bf16")
+    assert 1 == status, out + err
+    assert "diagnosis (mean_of_local_means)" in out and "read from a bf16 gradient" in out

@@ -84,13 +84,15 @@ def test_a_model_computing_partly_in_float32_reads_the_same_in_the_float64_lane_
 
 
 def test_bf16_autocast_fails_the_float32_lane_at_bf16_scale_and_the_float64_lane_says_it_cannot_judge() -> None:
-    """fp32: a failure named bf16_computation with the autocast seen; fp64: n/a, because CPU autocast leaves float64
-    alone and that lane would pass a computation the recipe never trains with."""
+    """fp32: a failure named bf16_computation with the autocast seen; fp64: n/a with the finding ``autocast`` and the
+    recipe's line that called the model under it, because CPU autocast leaves float64 alone and that lane would pass a
+    computation the recipe never trains with."""
     fp32 = checks.parity(runner.run("user_recipes.loops:BF16Autocast", "uneven", 2, "fp32"))
     assert not fp32.passed and "bf16_computation" == fp32.finding
-    assert "autocast (cpu torch.bfloat16)" in fp32.message
+    assert "autocast (cpu torch.bfloat16, entered around the model call at loops.py:" in fp32.message
     fp64 = checks.parity(runner.run("user_recipes.loops:BF16Autocast", "uneven", 2, "fp64"))
-    assert "n/a" == fp64.status and "autocast" in fp64.message
+    assert "n/a" == fp64.status and "autocast" == fp64.finding
+    assert "autocast (cpu torch.bfloat16, entered around the model call at loops.py:" in fp64.message
 
 
 def test_the_bf16_finding_is_not_given_to_a_weighting_mistake() -> None:

@@ -212,10 +212,13 @@ def test_a_failure_message_names_check_world_window_precision_and_numbers() -> N
 
 
 def test_a_rank_that_leaves_its_peers_in_a_collective_is_reported_as_a_desync_naming_the_ranks() -> None:
-    """The empty rank returns while its peers wait in DDP's all-reduce: stopped early, the stuck peer's stack shown."""
+    """The empty rank returns while its peers wait in DDP's all-reduce: stopped early, the rank that skipped named
+    with its window as the cause, the stuck peer's stack shown."""
     verdict = checks.parity(runner.run(control("skip_backward_when_empty"), "one_empty", 2))
     assert "desync" == verdict.cause
-    assert "rank 0" in verdict.message and "rank 1" in verdict.message
+    assert ("rank 0 skipped the forward and backward of window 0 (no gradient synchronization): every rank must run "
+            "the same collectives") in verdict.message.splitlines()[0]
+    assert "rank 1" in verdict.message
 
 
 def _with_record(run: runner.Run, rank: int, **change: object) -> runner.Run:

@@ -1,5 +1,6 @@
 """The installed battery on a user's own package in another directory: their model (BatchNorm, a head the loss never
-uses, a parameter unused on some ranks), their correct step, and their step with weight decay written into it.
+uses, a parameter unused on some ranks), their correct step, their step with weight decay written into it, and their
+model with a fused activation whose backward is wrong.
 
 Both surfaces: ``pytest --pyargs harness.battery`` and ``python -m harness battery``, from the user's directory, with
 nothing of this checkout on the path but the installed package.
@@ -94,6 +95,50 @@ PROJECT = {
         step = Step()
         step_with_decay = StepWithDecay()
         ''',
+    "myfused.py": '''
+        import torch
+        from torch import nn
+
+
+        class FusedGelu(torch.autograd.Function):
+            """A fused tanh-GELU whose backward is missing the tanh term's chain rule."""
+
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+
+            @staticmethod
+            def backward(ctx, grad):
+                (x,) = ctx.saved_tensors
+                return grad * 0.5 * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+
+
+        class Mlp(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(24, 48)
+                self.down = nn.Linear(48, 24)
+
+            def forward(self, x):
+                return self.down(FusedGelu.apply(self.up(x)))
+
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(32, 24)
+                self.mlp = Mlp()
+                self.lm_head = nn.Linear(24, 32)
+
+            def forward(self, input_ids, attention_mask=None):
+                x = torch.cumsum(self.emb(input_ids), 1)
+                return self.lm_head(x + self.mlp(x))
+
+
+        def make():
+            return Net()
+        ''',
 }
 
 
@@ -148,3 +193,16 @@ def test_the_installed_battery_fails_a_users_step_that_decays_the_weights_in_pla
                 "--precision=fp32", "--battery-examples=0", "-k", "bitwise_unchanged and uneven")
     assert 1 == done.returncode, done.stdout[-4000:] + done.stderr[-4000:]
     assert "check weights_unchanged FAILED" in done.stdout and "lm_head.weight" in done.stdout
+
+
+@pytest.mark.slow
+@requires_installed_plugin
+def test_the_installed_battery_refuses_a_users_model_whose_fused_activation_has_a_wrong_backward(
+    tmp_path: Path
+) -> None:
+    """From the user's directory: exit 2 before any rank, naming the model, the module ``mlp`` and the Function."""
+    user = _project(tmp_path)
+    cli = _run(user, "-m", "harness", "battery", "--recipe", "mysteps:step", "--model", "myfused:make")
+    assert 2 == cli.returncode, cli.stdout[-4000:] + cli.stderr[-4000:]
+    assert "--model: model='myfused:make': the model's backward is not the gradient of its forward" in cli.stderr
+    assert "module mlp (Mlp)" in cli.stderr and "myfused.FusedGelu" in cli.stderr

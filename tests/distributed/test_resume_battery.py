@@ -1,9 +1,9 @@
 """The resume battery through real ranks: the harness's trainer and both examples pass; every negative control fails
 with the differing state named, through the battery, the ``resume`` command and the report's resume step.
 
-The test command keeps one representative of each: the harness's trainer on a stop and a kill inside the save; the
-Python/numpy RNG control through ``python -m harness resume`` (in-process); the not-atomic save, caught only by the
-kill inside the save, by the label check (tests/unit/test_resume_contract.py checks labels without ranks). The slow
+The test command keeps one representative of each: the harness's trainer on a kill inside the save
+(tests/distributed/test_resume_verdicts.py); the Python/numpy RNG control and the checkpoints labelled from 0 through
+``python -m harness resume`` (in-process). The slow
 tier runs every control through every case, both examples through ``pytest --pyargs harness.resume`` from another
 directory, and ``report``'s resume step on each control.
 """
@@ -30,23 +30,20 @@ SMALL = {"steps": 16, "every": 5}  # the least the battery allows at every=5, st
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.slow  # the default tier's test_resume.py resumes the same trainer; its control below stays here
-def test_the_harness_trainer_passes_a_drawn_stop_and_a_kill_inside_its_save() -> None:
-    """Stop at a drawn step, resume; SIGKILL inside the save, resume into the same directory: every state equal."""
-    report = run_battery(HARNESS_TRAINER, ResumeOptions(**SMALL, cases=("stop-resume", "kill-in-save")))
-    assert report.passed, report.table()
-    assert ["repeatable", "stop-resume", "kill-in-save"] == [r.case for r in report.results]
-    assert report.plan.stop % 5 != 0, "the stop is drawn between checkpoints"
-
-
-def test_python_and_numpy_rng_not_restored_turns_the_resume_command_red(capsys: pytest.CaptureFixture[str]) -> None:
-    """Negative control: the state comparison (not luck) names Python's generator after the battery's draws."""
-    code = main(["resume", "--trainer", CONTROLS["python_numpy_rng"], "--resume-steps", "16", "--resume-every", "5",
-                 "--resume-cases", "stop-resume"])
+@pytest.mark.parametrize(("control", "says"), [("python_numpy_rng", "the global generator ['python']"),
+                                               ("labels_from_0", "a resumed run that counts from 0 labels")])
+def test_a_resume_mistake_of_the_harness_trainer_turns_the_resume_command_red(
+    control: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Negative controls of the default tier's battery on the harness's trainer (test_resume_verdicts.py): Python's
+    and numpy's generators not restored (named after the battery's draws, not found by luck), and a resumed run that
+    labels its checkpoints from 0."""
+    code = main(["resume", "--trainer", CONTROLS[control], "--resume-steps", "16", "--resume-every", "5",
+                 "--resume-cases", "kill-in-save"])
     out = capsys.readouterr()
     assert 1 == code
-    assert "FAILED: resume: stop-resume:" in out.err
-    assert "the global generator ['python']" in out.err
+    assert "FAILED: resume: kill-in-save:" in out.err
+    assert says in out.err
 
 
 @pytest.mark.slow
@@ -102,4 +99,4 @@ def test_an_example_trainer_passes_the_pyargs_battery_from_another_directory(exa
          f"--trainer=harness.resume.examples.{example}:build", "-q", "-p", "no:cacheprovider"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "7 passed" in done.stdout
+    assert "8 passed" in done.stdout

@@ -151,3 +151,32 @@ def test_both_lanes_take_the_model_and_the_batch_format(tmp_path: Path) -> None:
     assert set(reports[0]) == set(reports[1])
     assert {frozenset(c) for c in reports[0]["checks"]} == {frozenset(c) for c in reports[1]["checks"]}
     assert [2] == reports[0]["world_sizes"] == reports[1]["world_sizes"]
+
+
+WRONG_BACKWARD = "user_recipes.backward_models:wrong_attention"
+
+
+@pytest.mark.slow
+def test_a_model_with_a_wrong_custom_backward_is_refused_on_every_surface_and_its_right_twin_passes() -> None:
+    """pytest --recipe (exit 4), python -m harness battery (exit 2) and the torchrun entry (exit 2, before the worker
+    joins any group) each say the model's backward is not the gradient of its forward, naming the model, the module
+    and the Function; the same model with the right backward passes the command line's battery."""
+    said = "model='user_recipes.backward_models:wrong_attention': the model's backward is not the gradient"
+    done = _run("-m", "pytest", "-p", "no:cacheprovider", "-q", "harness/battery/test_battery.py", "-m", "recipe",
+                f"--recipe={CORRECT['harness']}", f"--model={WRONG_BACKWARD}", "--battery-world-sizes=2")
+    assert 4 == done.returncode, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"--model: {said}" in done.stderr and "module attn (FusedAttention)" in done.stderr
+    done = _run("-m", "harness", "battery", "--recipe", CORRECT["harness"], "--model", WRONG_BACKWARD)
+    assert 2 == done.returncode, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"--model: {said}" in done.stderr and "_AttentionFn" in done.stderr
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "harness.battery.dist", "--recipe", CORRECT["harness"], "--model",
+                           WRONG_BACKWARD], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env, "PYTHONPATH": path})
+    assert 2 == done.returncode, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"bad input: {said}" in done.stderr
+    done = _run("-m", "harness", "battery", "--recipe", CORRECT["harness"], "--model",
+                "user_recipes.backward_models:right_attention", "--battery-world-sizes", "2", "--precision", "fp32",
+                "--battery-examples", "0")
+    assert 0 == done.returncode, done.stdout[-2000:] + done.stderr[-2000:]

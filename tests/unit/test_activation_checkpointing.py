@@ -1,11 +1,15 @@
 """Activation checkpointing in the model (seed 004): gradients unchanged within tolerance, and fewer bytes kept for
-backward, measured with ``torch.autograd.graph.saved_tensors_hooks`` (called for every tensor autograd saves)."""
+backward, measured with ``torch.autograd.graph.saved_tensors_hooks`` (called for every tensor autograd saves); and
+a reentrant checkpoint whose inputs need no gradient named as what drops its parameters' gradients."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from harness.battery.facts import probe_model
+from harness.battery.spec import ModelSpec
 from harness.core.loss import loss_sum
 from harness.data.batching import collate
 from harness.data.config import Config
@@ -71,3 +75,22 @@ def test_the_byte_measurement_sees_checkpointing_switched_off_in_eval_mode() -> 
     plain, _ = _saved_bytes_and_grad(_model(False))
     off, _ = _saved_bytes_and_grad(_model(True).eval())
     assert plain == off
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the model's own warning, and true
+def test_a_reentrant_checkpoint_whose_inputs_need_no_gradient_is_named_as_what_drops_18_gradients() -> None:
+    """Frozen embeddings feed three blocks under use_reentrant=True: the forward uses the blocks' 18 parameters, and
+    the probe names the checkpoint (around blocks.0-2) as the cause, with the fix, never "no forward reaches"."""
+    found = probe_model(ModelSpec("user_recipes.backward_models:FrozenEmbeddingCheckpointed"))
+    assert 18 == len(found.unused)
+    assert {"checkpoint"} == {g.cause for g in found.gradless}
+    (note, remedy) = found.notes()
+    assert "find_unused_parameters=True" in remedy
+    assert "inside a reentrant activation checkpoint" in note and "around blocks.0, blocks.1, blocks.2" in note
+    assert "use_reentrant=False" in note and "no forward reaches" not in note
+
+
+def test_the_same_blocks_under_a_non_reentrant_checkpoint_all_get_their_gradient() -> None:
+    """The control: use_reentrant=False recomputes through the parameters themselves, so nothing is missing."""
+    found = probe_model(ModelSpec("user_recipes.backward_models:FrozenEmbeddingCheckpointedRight"))
+    assert () == found.unused == found.gradless and () == found.notes()

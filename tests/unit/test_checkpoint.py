@@ -1,7 +1,7 @@
 """Checkpoint files in one process: atomic layout, manifest, discovery, and every documented refusal.
 
-A two-rank checkpoint is written here without a process group (the barriers are no-ops outside one) by calling
-``save_checkpoint`` as rank 1, then as rank 0, which writes the shared file and the manifest last.
+A two-rank checkpoint is written here without a process group, in the order ``save_checkpoint``'s barriers give on
+W ranks: rank 0 makes the step directory empty, rank 1 then rank 0 write their files, rank 0 writes the manifest last.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from harness.data.config import Config
 from harness.resume.checkpoint import (
     MANIFEST,
     SHARED,
+    begin_step_dir,
+    commit_step_dir,
     latest_checkpoint,
     load_checkpoint,
+    rank_file,
     read_manifest,
-    save_checkpoint,
     trajectory_mismatch,
+    write_checkpoint_files,
 )
 from harness.resume.faults import FAULT_ENV, Fault, parse_fault
 from harness.resume.state import state_difference
@@ -32,6 +35,9 @@ LOCK = "a" * 64
 
 
 def _write(run_dir: Path, step: int, *, world: int = 2, config: Config = CONFIG, lock: str = LOCK) -> Path:
+    # As save_checkpoint runs on W ranks, in one process: rank 0 empties the folder before any rank writes
+    # (the barrier orders that), every rank writes its file, rank 0 commits last.
+    folder = begin_step_dir(run_dir, step, rank=0)
     for rank in reversed(range(world)):
         shared = None
         if rank == 0:
@@ -44,7 +50,9 @@ def _write(run_dir: Path, step: int, *, world: int = 2, config: Config = CONFIG,
                 "data_lock": lock,
             }
         state = {"rank": rank, "world_size": world, "position": step, "losses": [3.0, 2.5], "rng": {"python": None}}
-        folder = save_checkpoint(run_dir, step, shared=shared, rank_state=state, rank=rank, world_size=world)
+        write_checkpoint_files(folder, shared=shared, rank_state=state, rank=rank)
+    names = [SHARED, *(rank_file(r) for r in range(world))]
+    commit_step_dir(folder, step, world_size=world, positions=[step] * world, names=names)
     return folder
 
 

@@ -18,13 +18,16 @@ from harness.resume.checkpoint import (
     MANIFEST,
     SHARED,
     audit_run_dir,
+    begin_step_dir,
+    commit_step_dir,
     latest_checkpoint,
+    rank_file,
     read_manifest,
-    save_checkpoint,
     step_dir_name,
     step_dirs,
     step_of,
     write_atomic,
+    write_checkpoint_files,
 )
 from harness.training.torchrun import parse_args, resolve_resume
 
@@ -32,13 +35,18 @@ NO_SUCH_PID = 2**22 + 12345  # above Linux's largest pid_max: no process ever ha
 
 
 def _write(run_dir: Path, step: int, world: int = 2) -> Path:
+    # As save_checkpoint runs on W ranks, in one process: rank 0 empties the folder before any rank writes
+    # (the barrier orders that), every rank writes its file, rank 0 commits last.
+    folder = begin_step_dir(run_dir, step, rank=0)
     for rank in reversed(range(world)):
         shared = None
         if rank == 0:
             shared = {"step": step, "model": {"w": torch.arange(3.0)}, "optimizer": {}, "scheduler": {},
                       "config": Config().to_dict(), "data_lock": "a" * 64}
         state = {"rank": rank, "world_size": world, "position": step, "losses": [], "rng": {}}
-        folder = save_checkpoint(run_dir, step, shared=shared, rank_state=state, rank=rank, world_size=world)
+        write_checkpoint_files(folder, shared=shared, rank_state=state, rank=rank)
+    names = [SHARED, *(rank_file(r) for r in range(world))]
+    commit_step_dir(folder, step, world_size=world, positions=[step] * world, names=names)
     return folder
 
 

@@ -280,3 +280,34 @@ def test_the_default_config_is_the_checkouts_own_when_run_from_elsewhere(
     path = config_path_of(argparse.Namespace(config=None))
     assert Path(path) == ROOT / "configs" / "minimum.yaml"
     assert 0 == main(["check-loss"])
+
+
+@pytest.mark.parametrize("option", [["--strategy", "fsdp3"], ["--precision", "fp16"], ["--objective", "median"]])
+def test_explain_refuses_a_bad_lane_option_as_the_battery_does(
+        capsys: pytest.CaptureFixture[str], option: list[str]) -> None:
+    """--strategy, --precision and --objective are one set of options: the same exit 2 and the same message from
+    explain as from the battery, decided before any rank starts."""
+    said = []
+    for command in (["battery", "--recipe", "harness.recipes:global_token_mean"],
+                    ["explain", "--recipe", "harness.recipes:global_token_mean"]):
+        try:
+            status = main([*command, *option])
+        except SystemExit as exc:  # argparse's own refusal of a value outside --strategy's choices
+            status = int(exc.code or 0)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        said.append((status, last.split("error: ", 1)[-1]))  # after argparse's "python -m harness <command>: "
+    assert 2 == said[0][0] == said[1][0]
+    assert said[0][1] == said[1][1]
+    assert option[0] in said[1][1] and option[1] in said[1][1]
+
+
+def test_explain_writes_advice_in_the_strategy_s_own_form() -> None:
+    """A sentence naming no_sync() reads set_requires_gradient_sync(False) under FSDP2 (with the helper that does
+    either); under DDP it is left as it is (the control)."""
+    from harness.workflow.explain import in_strategy_form
+
+    sentence = "the first backward ran inside no_sync() and was never synchronized"
+    fsdp2 = in_strategy_form(sentence, "fsdp2")
+    assert "no_sync()" not in fsdp2 and "set_requires_gradient_sync(False)" in fsdp2
+    assert "harness.recipes.sync_context(model, i, n)" in fsdp2
+    assert sentence == in_strategy_form(sentence, "ddp")

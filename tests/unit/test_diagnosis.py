@@ -226,10 +226,11 @@ def test_blocks_too_alike_to_weigh_apart_are_not_given_a_signature() -> None:
 
 
 def test_a_scale_that_only_comes_near_a_named_factor_is_not_named_after_it() -> None:
-    """0.4996 (a count that happens to sit near half of N) is not "1/W" or "1/k"; 0.5 to float32 rounding is."""
+    """0.49985 (3e-4 off half) is not "1/W" or "1/k", nor any other fact of the window; 0.5 to float32 rounding
+    is 1/W."""
     blocks = [dx.Block(0, 0, 120), dx.Block(0, 1, 130), dx.Block(1, 0, 400), dx.Block(1, 1, 597)]
     assert "world-size factor is missing" in dx.name_factor(0.5 * (1 + 1e-7), blocks, 2)
-    near = dx.name_factor(1247 / 2496, blocks, 2)
+    near = dx.name_factor(0.5 * (1 - 3e-4), blocks, 2)
     assert "no token count of this window" in near and "missing" not in near and "microbatch count" not in near
 
 

@@ -42,10 +42,10 @@ class ClipBeforeFinalSync:
         return global_sum(local) / total, norm
 
 
-@control(Target("ranks_agree", "uneven"), "global_scale")
+@control(Target("ranks_agree", "uneven"), "clipping_not_applied")
 class ClipOnOneRank:
     """Clips on rank 0 only (a clip under ``if rank == 0``, next to the logging): the ranks' weights drift apart at
-    the first step (the unclipped rank's gradient reads as a uniform scale of the reference's clipped one)."""
+    the first step (the unclipped rank's gradient is the unclipped reference: clipping did not take effect there)."""
 
     name = "clip_on_one_rank"
 

@@ -1,0 +1,67 @@
+"""Readings of a window's gradient that need the run, not only the fitted weights: a gradient that is zero where the
+reference's is not (named by whether the window synchronized, in the strategy's own words), and whether a failing
+gradient's error is rounding-sized (the only case a remark about bf16 arithmetic is honest).
+
+:mod:`harness.battery.diagnose` calls :func:`zero_gradient` before fitting (the fit of a zero gradient reads every
+weight 0, which no signature names), and :mod:`harness.battery.checks` asks :func:`rounding_only` before it blames
+bf16 arithmetic for a float32 run's failure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from harness.battery.runner import Run
+from harness.core import diagnosis as dx
+
+
+def _strategy(run: Run) -> str:
+    return run.run_spec.strategy if run.run_spec is not None else "ddp"
+
+
+def zero_gradient(run: Run, window: int, rank: int, g: torch.Tensor, expected: torch.Tensor) -> dx.Signature | None:
+    """``not_synchronized`` when rank ``rank``'s gradient is zero, the reference's is not, and the window ran no
+    synchronization (FSDP2 with the sync never re-enabled keeps its gradients unsharded and leaves every ``.grad``
+    None); ``dropped`` when it synchronized a zero gradient (no backward reached the model). None otherwise."""
+    if bool(g.ne(0).any()) or not bool(expected.ne(0).any()):
+        return None
+    assert run.records is not None
+    rec = run.records[rank][window]
+    blocks = tuple(f"rank {r}'s microbatch {m}" for r, mbs in enumerate(run.windows[window])
+                   for m, mb in enumerate(mbs) if mb.supervised)
+    if rec.syncs == 0 and run.world_size > 1:
+        if _strategy(run) == "fsdp2":
+            how = ("every backward ran with model.set_requires_gradient_sync(False) and the last one was never "
+                   "given set_requires_gradient_sync(True): FSDP2 then keeps the gradients unsharded inside the "
+                   "module and leaves every sharded parameter's .grad None, so rank {rank}'s gradient is zero")
+        else:
+            how = ("the window ran no synchronization and rank {rank}'s gradient is zero: every backward ran inside "
+                   "no_sync(), and the gradients were then cleared")
+        return dx.Signature("not_synchronized", how.format(rank=rank) + "; re-enable the synchronization for the "
+                            "last microbatch's backward", 0.0, blocks=blocks)
+    return dx.Signature("dropped", f"rank {rank}'s gradient is zero although the window synchronized: every "
+                        "microbatch contributed nothing (no backward reached the model's parameters, or the gradients "
+                        "were zeroed after it)", 0.0, blocks=blocks)
+
+
+BF16_UNIT = 2.0**-8
+"""bfloat16's unit roundoff (8 significant bits): the relative error of one rounding. A loss taken on logits cast to
+bfloat16 leaves the microbatch fit a residual of 8.5e-4 and weights within 1.4e-3 of right (``logits_in_bf16`` in
+``tests/user_recipes/diagnosed.py``, uneven, W=2); tokens re-weighted by up to 7% leave 2.0e-2
+(``position_weighted``)."""
+
+
+def rounding_only(ratios: Sequence[float], residual: float, unit: float = BF16_UNIT) -> bool:
+    """Whether the fitted weights leave only rounding-sized damage: a residual above float32 rounding (noise no
+    re-weighting of the microbatches makes) and no larger than one rounding at ``unit``, with every weight within
+    ``unit`` of right. A re-weighting of the microbatches leaves a float32-sized residual and shows in the weights;
+    one inside the rows (tokens off by a few percent) leaves a residual larger than a rounding: neither is
+    rounding."""
+    live = [q for q in ratios if math.isfinite(q)]
+    return bool(live) and dx.FLOAT32_RESIDUAL < residual <= unit and all(abs(q - 1) <= unit for q in live)
+
+
+__all__ = ["BF16_UNIT", "rounding_only", "zero_gradient"]

@@ -1,0 +1,63 @@
+"""The clipping readings (:mod:`harness.battery.clipping_diagnosis`) on a run assembled by hand from the battery's
+own reference chain: a norm is named only by the candidate its number fits, a norm too large is never called too
+small, and a gradient is read as unclipped only when it is the unclipped reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.battery import runner, scenarios
+from harness.battery.clipping_diagnosis import clip_factor, gradient_reading, read_norm
+from harness.battery.options import RunSpec
+
+CLIPPED = "harness.recipes:clipped_global_token_mean"
+
+
+@pytest.fixture(scope="module")
+def prepared() -> runner.Prepared:
+    """The uneven case at W=2 of the correct clipping recipe, references only (no rank starts)."""
+    return runner.prepare(RunSpec(CLIPPED, "uneven", 2, "fp32"), scenarios.build("uneven", 2), share_chain=True)
+
+
+def _run(ready: runner.Prepared, grad: torch.Tensor, norm: float) -> runner.Run:
+    """A run whose every rank left ``grad`` and returned ``norm`` in window 0."""
+    start = ready.chain.starts[0]
+    rec = runner.WindowRecord(grad=grad, params_before=start, params_after=start, syncs=1, logged=None, error=None,
+                              mode_changed=False, grad_dtypes=(), grad_norm=norm)
+    return ready.run([[rec] for _ in range(2)])
+
+
+def test_a_norm_sqrt_w_too_large_is_named_so_and_never_too_small(prepared: runner.Prepared) -> None:
+    ref = prepared.chain.references[0]
+    assert ref is not None and prepared.chain.norms[0] is not None
+    want = prepared.chain.norms[0]
+    reading = read_norm(_run(prepared, ref.gradient, math.sqrt(2) * want), 0, 0, math.sqrt(2) * want)
+    assert "norm_reduced_again" == reading.name and abs(reading.ratio - math.sqrt(2)) < 1e-9
+    assert "too small" not in reading.sentence
+
+
+def test_a_norm_that_fits_no_candidate_is_called_too_large_or_too_small_by_its_ratio(
+        prepared: runner.Prepared) -> None:
+    """The control: 2.9x and 0.77x the reference's norm fit no candidate; each is named by its direction only."""
+    ref = prepared.chain.references[0]
+    assert ref is not None and prepared.chain.norms[0] is not None
+    want = prepared.chain.norms[0]
+    large = read_norm(_run(prepared, ref.gradient, 2.9 * want), 0, 0, 2.9 * want)
+    small = read_norm(_run(prepared, ref.gradient, 0.77 * want), 0, 0, 0.77 * want)
+    assert (None, None) == (large.name, small.name)
+    assert large.sentence.startswith("too large") and small.sentence.startswith("too small")
+
+
+def test_the_unclipped_reference_reads_clipping_not_applied_and_the_clipped_one_nothing(
+        prepared: runner.Prepared) -> None:
+    """The gradient reading fits the unclipped reference only; the right (clipped) gradient is left to the catalog."""
+    ref = prepared.chain.references[0]
+    assert ref is not None and prepared.chain.norms[0] is not None
+    want = prepared.chain.norms[0]
+    run = _run(prepared, ref.gradient / clip_factor(_run(prepared, ref.gradient, want), 0), want)
+    sig = gradient_reading(run, 0, 1)
+    assert sig is not None and "clipping_not_applied" == sig.name
+    assert gradient_reading(_run(prepared, ref.gradient, want), 0, 1) is None
