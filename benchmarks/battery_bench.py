@@ -30,7 +30,7 @@ _RUN = """
 import os, sys, time
 from harness.battery import plan, runner
 from harness.battery.options import BatteryOptions
-from harness.battery.layouts import drawn_verdict
+from harness.battery.layouts import drawn_verdicts
 from harness.battery.table import run_cases
 if os.environ.get("BENCH_NO_PRELOAD") == "1":
     runner.recipe_module = lambda spec: None  # every rank of every launch imports the recipe's module itself
@@ -38,7 +38,7 @@ recipe, examples = sys.argv[1], int(sys.argv[2])
 start = time.monotonic()
 verdicts = run_cases(recipe, plan.cases())
 if examples:
-    verdicts.append(drawn_verdict(recipe, BatteryOptions(examples=examples), derandomize=True))
+    verdicts += drawn_verdicts(recipe, BatteryOptions(examples=examples), derandomize=True)  # fp32 and fp64
 failed = [v for v in verdicts if not v.passed]
 print(f"RESULT {len(verdicts)} {len(failed)} {time.monotonic() - start:.3f}")
 """

@@ -167,6 +167,7 @@ def measure_noise(spec: ModelSpec, windows: Sequence[Sequence[Sequence[Microbatc
     at a W that is not a power of two every bf16 rounding in the backward then falls elsewhere, so the measurement
     also takes the gradient with the loss times W (and divides it back), as the ranks do."""
     from harness.battery.facts import rank_threads
+    from harness.battery.start import load, start_weights
 
     mode = MODES.get(strategy, "autocast")
     judged = scale_judged(mode, objective)
@@ -179,8 +180,11 @@ def measure_noise(spec: ModelSpec, windows: Sequence[Sequence[Sequence[Microbatc
             for window in windows:
                 if sum(mb.supervised for rank in window for mb in rank) == 0:
                     continue
-                truth = _gradient(fp64.build(), window, gradient_of(fp64), None)
-                low = _gradient(replace(seeded, precision="fp32").build(), window, gradient_of(seeded), mode)
+                # At the weights the lane's runs start from (harness.battery.start): float32's, the truth cast.
+                start = start_weights(replace(seeded, precision="fp32"))
+                truth = _gradient(load(fp64.build(), start), window, gradient_of(fp64), None)
+                low = _gradient(load(replace(seeded, precision="fp32").build(), start), window, gradient_of(seeded),
+                                mode)
                 worst = max(worst, relative_l2(low, truth))
                 if judged is not None:
                     continue

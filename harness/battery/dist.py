@@ -214,7 +214,9 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
                                                f"{type(exc).__name__}: {exc}"))
             raise
         mine[i] = ready
-        _put(store, f"{i}/plan", ("ok", ready.chain.model_error, ready.digest, ready.wrap, ready.chain.max_norm))
+        # The starting weights travel whole (harness.battery.start): a worker that recomputed them could sum otherwise.
+        _put(store, f"{i}/plan", ("ok", ready.chain.model_error, ready.digest, ready.wrap, ready.chain.max_norm,
+                                  ready.start))
     return mine
 
 
@@ -240,10 +242,11 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         published = _get(store, f"{i}/plan", options.deadline)
         if published[0] == "raise":
             raise RuntimeError(published[1])
-        _, model_error, digest, wrap, max_norm = published
+        _, model_error, digest, wrap, max_norm, weights = published
         if model_error is None:
             try:
-                out: tuple[Any, ...] = ("ok", _on_cpu(runner.rank_body(spec, windows, digest, wrap, max_norm)))
+                out: tuple[Any, ...] = ("ok", _on_cpu(runner.rank_body(spec, windows, digest, wrap, max_norm,
+                                                                       weights)))
             except Exception as exc:
                 out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from harness.battery import checks, runner
-from harness.battery.checks import FAIL, PASS, Verdict
+from harness.battery.checks import FAIL, NOT_APPLICABLE, PASS, Verdict
 from harness.battery.facts import ModelFacts
-from harness.battery.options import BatteryOptions, RunSpec
+from harness.battery.options import WORLD_SIZES, BatteryOptions, RunSpec
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
@@ -199,9 +199,57 @@ def shrink(layout: Layout, fails: Callable[[Layout], bool], budget: int = 10,
     return layout, spent
 
 
-DRAWN_CHECKS = ("parity", "one_sync", "logged_loss")
-"""What every drawn layout is checked for."""
+DRAWN_CHECKS = tuple(name for name, info in checks.REGISTRY.items() if info.runs_on("drawn"))
+"""What every drawn layout is checked for: every registered check that runs on a window with supervised tokens
+(parity, one synchronization, ranks agree, the logged loss, hygiene, clipping, weights unchanged; a check that does
+not apply, such as clipping for a recipe that does not clip or one_sync at W=1, is n/a there). A drawn layout always
+holds a token (:func:`_with_tokens`), so the empty-window check is the all_empty scenario's."""
 
+
+def informative_layouts(world_sizes: Sequence[int] | None = None, facts: ModelFacts | None = None) -> list[Layout]:
+    """The layouts the drawn lane checks first, before any drawn one: shapes on which the usual mistakes read apart.
+
+    Hypothesis's first example is its simplest (one rank or two, one microbatch, one row, one supervised token),
+    where a mean of local means, a missing world-size factor and a per-microbatch mean give the same gradient and
+    the diagnosis cannot tell them apart. These hold the largest chosen world size (then the next one), ranks whose
+    supervised counts all differ, three microbatches per rank whose counts differ too, prompts on some rows, and
+    (the second) a microbatch without any supervised token and a second window of two microbatches."""
+    worlds = sorted(set(world_sizes or WORLD_SIZES), reverse=True)
+    seconds = [w for w in worlds[1:] if w > 1] or worlds[:1]
+
+    def rank_rows(rank: int, micro: int, shift: int) -> list[RowShape]:
+        # Row r of microbatch m on rank p: lengths that grow with p and m (no two ranks, no two microbatches of a rank
+        # hold one count), one or two rows, a prompt on every other microbatch.
+        rows = 1 + (rank + micro + shift) % 2
+        return [(6 + 5 * rank + 3 * micro + 2 * r + shift, 2 if (micro + r) % 2 else 0) for r in range(rows)]
+
+    def make(world: int, shape: Sequence[int], shift: int, empty: tuple[int, int] | None, seed: int) -> Layout:
+        windows = []
+        for k, n_mb in enumerate(shape):
+            window = [[_fit_rows(rank_rows(rank, m, shift + k), facts) for m in range(n_mb)] for rank in range(world)]
+            if k == 0 and empty is not None and empty[0] < world:
+                rank, m = empty
+                window[rank][m] = [(n, n) for n, _ in window[rank][m]]  # every position a prompt: no target
+            windows.append(_with_tokens(window))
+        frozen = tuple(tuple(tuple(tuple(rows) for rows in rank) for rank in w) for w in windows)
+        return Layout(world, frozen, data_seed=seed, init_seed=seed + 1, factor_seed=seed + 2)
+
+    return [make(worlds[0], (3,), 0, None, 11), make(seconds[0], (3, 2), 1, (seconds[0] - 1, 1), 23)]
+
+
+def judge_layout(recipe: str, layout: Layout, options: BatteryOptions, precision: str = "fp32",
+                 strategy: str | None = None) -> list[Verdict]:
+    """Every drawn check's verdict (:data:`DRAWN_CHECKS`) for ``recipe`` on ``layout`` in ``precision`` under
+    ``strategy`` (default: the session's first), under ``options`` (the model, batch format, find_unused policy,
+    objective and each launch's deadline)."""
+    spec = replace(options.spec(recipe, "drawn", layout.world_size, precision, strategy=strategy),
+                   init_seed=layout.init_seed)
+    run = runner.launch_run(spec, layout.windows_for(spec))
+    return [checks.CHECKS[c](run) for c in DRAWN_CHECKS]
+
+
+def _failing(verdicts: list[Verdict]) -> list[Verdict]:
+    return [v for v in verdicts if v.status == FAIL]
 
 
 class _LayoutFailed(AssertionError):
@@ -211,29 +259,46 @@ class _LayoutFailed(AssertionError):
         super().__init__("\n".join(v.message for v in verdicts))
 
 
-def judge_layout(recipe: str, layout: Layout, options: BatteryOptions) -> list[Verdict]:
-    """The drawn checks' failing verdicts for ``recipe`` on ``layout`` (empty when it holds), under ``options`` (the
-    model, batch format, strategy, find_unused policy and each launch's deadline)."""
-    spec = replace(options.spec(recipe, "drawn", layout.world_size, "fp32"), init_seed=layout.init_seed)
-    run = runner.launch_run(spec, layout.windows_for(spec))
-    return [v for v in (checks.CHECKS[c](run) for c in DRAWN_CHECKS) if v.status == FAIL]
+def lane_label(examples: int, world_sizes: Sequence[int], precision: str, strategy: str) -> str:
+    """The drawn lane's row in the table: its budget, world sizes, precision lane and strategy."""
+    return f"drawn ({examples} layouts, W in {','.join(map(str, sorted(world_sizes)))}, {precision}, {strategy})"
 
 
-def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False) -> Verdict:
-    """Check ``recipe`` on ``options.examples`` drawn layouts (at the world sizes of ``options``, the shrunk layout's
-    included; default :class:`~harness.battery.options.BatteryOptions`); one verdict, whose failure message shows the
-    drawn layout, a shrunk one that still fails, and the failing checks' messages. Needs Hypothesis.
+def drawn_verdicts(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False) -> list[Verdict]:
+    """:func:`drawn_verdict` in every precision lane and strategy of ``options``
+    (:func:`harness.battery.plan.drawn_lanes`): one verdict, one table row, each."""
+    from harness.battery.plan import drawn_lanes
+
+    options = options or BatteryOptions()
+    return [drawn_verdict(recipe, options, derandomize, precision=lane.precision, strategy=lane.strategy)
+            for lane in drawn_lanes(options)]
+
+
+def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False, *,
+                  precision: str | None = None, strategy: str | None = None) -> Verdict:
+    """Check ``recipe`` on ``options.examples`` layouts (the first :func:`informative_layouts`, then drawn ones; at
+    the world sizes of ``options``, the shrunk layout's included; default
+    :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the session's
+    first lane and strategy); one verdict, whose failure message shows the failing layout with the failing checks'
+    messages and diagnosis, then a shrunk layout that still fails. Needs Hypothesis.
+
+    In the bf16 lane each layout is judged as the bf16 scenarios are (:mod:`harness.battery.bf16`: the bound derived
+    from the correct computation's own noise on that layout, its windows too balanced to judge refused); the verdict
+    says on how many layouts parity could be judged, and is n/a when on none.
 
     The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
-    ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32)"; a failure's message names the failing layout's world size."""
+    ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32, ddp)"; a failure's message names the failing layout's world
+    size."""
     import hypothesis
 
     options = options or BatteryOptions()
+    precision = precision or options.lanes[0]
+    strategy = strategy or options.strategy_lanes[0]
     examples, worlds = options.examples, options.world_sizes
     if examples < 1:
         msg = f"--battery-examples={examples!r} must be a positive number of drawn layouts here"
         raise ValueError(msg)
-    label = f"drawn ({examples} layouts, W in {','.join(map(str, sorted(worlds)))}, fp32)"
+    label = lane_label(examples, worlds, precision, strategy)
 
     facts: ModelFacts | None = None
     if options.model is not None:
@@ -241,34 +306,65 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
         from harness.battery.spec import ModelSpec
 
         facts = probe_model(ModelSpec(options.model, options.batch_format))
+    parity_judged = [0]
 
-    @hypothesis.settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
-                         print_blob=True, phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate),
-                         suppress_health_check=list(hypothesis.HealthCheck))
-    @hypothesis.given(layout=layouts(facts=facts, world_sizes=worlds))
-    def every_layout(layout: Layout) -> None:
-        failed = judge_layout(recipe, layout, options)
+    def check(layout: Layout) -> None:
+        verdicts = judge_layout(recipe, layout, options, precision, strategy)
+        parity_judged[0] += any(v.check == "parity" and v.status == PASS for v in verdicts)
+        failed = _failing(verdicts)
         if failed:
             raise _LayoutFailed(layout, failed)
 
+    first = [lay for lay in informative_layouts(worlds, facts) if fits(lay, facts)][:examples]
+
+    @hypothesis.settings(max_examples=max(examples - len(first), 1), deadline=None, derandomize=derandomize,
+                         database=None, print_blob=True,
+                         phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate),
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(layout=layouts(facts=facts, world_sizes=worlds))
+    def every_layout(layout: Layout) -> None:
+        check(layout)
+
+    def fails(layout: Layout) -> bool:
+        return bool(_failing(judge_layout(recipe, layout, options, precision, strategy)))
+
     try:
-        every_layout()
+        for layout in first:
+            check(layout)
+        if examples > len(first):
+            every_layout()
     except _LayoutFailed as exc:
-        head = (f"check drawn FAILED: recipe {recipe}: a drawn layout at W={exc.layout.world_size} fails "
-                f"{', '.join(sorted({v.check for v in exc.verdicts}))}:\n{exc.layout.describe()}\n")
+        head = (f"check drawn FAILED: recipe {recipe}, {precision}, {strategy}: a drawn layout at "
+                f"W={exc.layout.world_size} fails {', '.join(sorted({v.check for v in exc.verdicts}))}:\n"
+                f"{exc.layout.describe()}\n" + "\n".join(v.message for v in exc.verdicts) + "\n")
         if all(v.cause == "deadline" for v in exc.verdicts):
             # Every smaller layout would cost a whole deadline too, and the size of a layout is rarely the reason.
-            shown, message = exc.verdicts, head + "not shrunk (the run hit its deadline)\n"
+            message = head + "not shrunk (the run hit its deadline)"
         else:
-            small, spent = shrink(exc.layout, lambda lay: bool(judge_layout(recipe, lay, options)), facts=facts,
-                                  world_sizes=worlds)
-            shown = judge_layout(recipe, small, options) or exc.verdicts
-            message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n"
-        message += "\n".join(v.message for v in shown)
-        return Verdict("drawn", recipe, "drawn", 0, "fp32", FAIL, message, cause=shown[0].cause,
-                       details=shown[0].details, label=label)
+            small, spent = shrink(exc.layout, fails, facts=facts, world_sizes=worlds)
+            if small == exc.layout:
+                message = head + f"not shrunk: no smaller layout fails ({spent} launches)"
+            else:
+                shown = _failing(judge_layout(recipe, small, options, precision, strategy)) or exc.verdicts
+                message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n" + "\n".join(
+                    v.message for v in shown)
+        # The diagnosis is read on the failing layout itself: a shrunk one (one rank's single token, say) can make
+        # several mistakes give one gradient.
+        read = next((v for v in exc.verdicts if v.diagnosis is not None), exc.verdicts[0])
+        return Verdict("drawn", recipe, "drawn", 0, precision, FAIL, message, cause=exc.verdicts[0].cause,
+                       details=exc.verdicts[0].details, diagnosis=read.diagnosis, finding=read.finding, label=label,
+                       strategy=strategy)
     how = "derandomized" if derandomize else "random"
-    return Verdict("drawn", recipe, "drawn", 0, "fp32", PASS,
-                   f"check drawn passed: recipe {recipe}: {examples} drawn layouts ({how}, W in "
-                   f"{','.join(map(str, sorted(worlds)))}) keep parity, one synchronization per window and the logged "
-                   "loss", label=label)
+    said = (f"check drawn passed: recipe {recipe}, {precision}, {strategy}: {examples} layouts ({len(first)} chosen to "
+            f"tell mistakes apart, the rest drawn, {how}; W in {','.join(map(str, sorted(worlds)))}) pass every "
+            f"check that applies ({', '.join(DRAWN_CHECKS)})")
+    if precision == "bf16":
+        if parity_judged[0] == 0:
+            return Verdict("drawn", recipe, "drawn", 0, precision, NOT_APPLICABLE, said.replace(
+                "check drawn passed", "check drawn not applicable") + "; but parity could be judged on none of them "
+                "in bf16: every window too balanced for a weighting mistake to stand above the noise's bound",
+                label=label, strategy=strategy)
+        said += f"; parity judged in bf16 on {parity_judged[0]} of them" + (
+            " (the others too balanced for a weighting mistake to stand above the bound derived from their noise)"
+            if parity_judged[0] < examples else "")
+    return Verdict("drawn", recipe, "drawn", 0, precision, PASS, said, label=label, strategy=strategy)

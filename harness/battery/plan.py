@@ -69,5 +69,25 @@ def session_cases(options: BatteryOptions, checks: Sequence[str] | None = None) 
     return cases(options.world_sizes, options.precision, checks, options.strategy)
 
 
-__all__ = ["PRECISION_CHOICES", "WORLD_SIZES", "BatteryOptions", "Case", "cases", "check_world_sizes",
-           "parse_world_sizes", "precisions", "session_cases"]
+@dataclass(frozen=True)
+class DrawnLane:
+    """One run of the drawn-layout lane: every drawn layout judged in ``precision`` under ``strategy``."""
+
+    precision: str
+    strategy: str = "ddp"
+
+    @property
+    def id(self) -> str:
+        return f"drawn-{self.precision}-{self.strategy}"
+
+
+def drawn_lanes(options: BatteryOptions) -> list[DrawnLane]:
+    """The drawn lane's runs under ``options``: one per precision lane and strategy the session asked for (the same
+    lanes its cases run in), none when ``options.examples`` is 0."""
+    if options.examples == 0:
+        return []
+    return [DrawnLane(p, s) for s in options.strategy_lanes for p in options.lanes]
+
+
+__all__ = ["PRECISION_CHOICES", "WORLD_SIZES", "BatteryOptions", "Case", "DrawnLane", "cases", "check_world_sizes",
+           "drawn_lanes", "parse_world_sizes", "precisions", "session_cases"]

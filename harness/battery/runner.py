@@ -27,6 +27,8 @@ from harness.battery import scenarios
 from harness.battery.gradless import unused_notes
 from harness.battery.options import DEADLINE, FIND_UNUSED, RunSpec, check_find_unused
 from harness.battery.spec import ModelSpec, model_modules, weights_digest
+from harness.battery.start import load as load_start
+from harness.battery.start import start_note, start_weights
 from harness.battery.window_report import Passes, window_note
 from harness.core.compare import flat_params
 from harness.core.formats import HARNESS
@@ -269,11 +271,13 @@ def _autocast_dtype(device_type: str) -> torch.dtype:
 
 
 def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
-              find_unused: bool = False, max_norm: float | None = None) -> list[WindowRecord]:
+              find_unused: bool = False, max_norm: float | None = None,
+              start: torch.Tensor | None = None) -> list[WindowRecord]:
     """Runs on every rank: ``run``'s recipe on its model wrapped by its strategy (counting synchronizations), window
     after window; ``digest`` is the fingerprint of the initial weights every rank must rebuild (None: the built-in
     model, deterministic), ``find_unused`` whether parameters may miss a gradient in a backward, ``max_norm`` what
-    a clipping recipe clips to (:func:`harness.recipes.contract.clips`)."""
+    a clipping recipe clips to (:func:`harness.recipes.contract.clips`), ``start`` the flat weights the run starts
+    from (:mod:`harness.battery.start`, computed once by the parent; None: the initial weights)."""
     import torch.distributed as dist
 
     from harness.distributed import strategies
@@ -286,6 +290,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     spec = ModelSpec.of(run, digest)
     model = spec.build()
     spec.check_weights(model, f"rank {rank}")
+    load_start(model, start)  # the parent's warmed weights, bitwise: no rank recomputes them with other sums
     model = model.to(dev)
 
     def refuse_comm_hook() -> None:
@@ -429,19 +434,21 @@ def reference_chain(windows: scenarios.Windows, precision: str, init_seed: int |
 
 
 def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | None = None,
-                  spec: ModelSpec | None = None, objective: Objective = PLAIN, *, clip: bool = False) -> Chain:
+                  spec: ModelSpec | None = None, objective: Objective = PLAIN, *, clip: bool = False,
+                  start: torch.Tensor | None = None) -> Chain:
     """:func:`reference_chain` with what it saw: the parameters each microbatch reached, and, for a user's model, the
     model's own error on a microbatch it cannot run (the harness's built-in model raises instead: that is a bug).
 
     ``clip``: the recipe clips (:func:`harness.recipes.contract.clips`). ``max_norm`` is then :data:`CLIP_FRACTION`
     of the first reference gradient's norm, so that clipping engages, and each reference gradient is clipped the
     way ``torch.nn.utils.clip_grad_norm_`` clips (by ``min(1, max_norm / (norm + 1e-6))``) before the chain steps
-    on it."""
+    on it. ``start``: the flat weights the chain starts from (:mod:`harness.battery.start`; None: the initial
+    weights), cast to the chain's precision."""
     from harness.battery.facts import rank_threads
 
     spec = spec or ModelSpec(None, HARNESS, init_seed, precision)
     with rank_threads():
-        model = spec.build()
+        model = load_start(spec.build(), start)
         trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
         refs: list[Reference | None] = []
         used: list[list[list[frozenset[str]]]] = []
@@ -597,6 +604,9 @@ class Prepared:
     objective: Objective = PLAIN
     noise: Any = None
     """The bf16 lane's measured noise and bound (:class:`harness.battery.bf16.Noise`); None in the other lanes."""
+    start: torch.Tensor | None = None
+    """The flat weights the ranks and the reference start from (:mod:`harness.battery.start`); None: the initial
+    weights."""
 
     @property
     def digest(self) -> str | None:
@@ -633,6 +643,11 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)
     notes: tuple[str, ...] = ()
+    # Every lane starts from the warmed weights of the ranks' own precision (the bf16 lane: float32, its float64
+    # truth the same numbers cast), so that per-token losses differ (harness.battery.start).
+    start = start_weights(model)
+    if start_note(model):
+        notes += (str(start_note(model)),)
     computes_in = None
     found = None
     if spec.model is not None:  # every rank must rebuild the weights the reference starts from
@@ -641,7 +656,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         digest = weights_digest(model.build())
         found = probe_model(model)
         computes_in = found.computes_in
-        notes = found.notes(unused=False)  # the chain below says which parameters miss a gradient, and where
+        notes = found.notes(unused=False) + notes  # the chain says which parameters miss a gradient, and where
         model = ModelSpec.of(spec, digest)
     from harness.recipes import load_recipe
     from harness.recipes.contract import clips
@@ -649,10 +664,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     clip = clips(load_recipe(spec.recipe))
     # The bf16 lane is judged against float64: its chain is the float64 one, and its bound comes from the noise.
     truth = replace(model, precision="fp64") if spec.precision == "bf16" else model
-    key = (spec.scenario, spec.world_size, truth, objective, clip)
+    key = (spec.scenario, spec.world_size, truth, objective, clip, spec.precision)  # bf16 starts at float32's weights
     chain = _CHAINS.get(key) if share_chain else None
     if chain is None:
-        chain = compute_chain(windows, truth.precision, spec.init_seed, truth, objective, clip=clip)
+        chain = compute_chain(windows, truth.precision, spec.init_seed, truth, objective, clip=clip, start=start)
         if share_chain and len(_CHAINS) < 64:
             _CHAINS[key] = chain
     noise = None
@@ -681,7 +696,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                           "mixed-precision policy); under DDP it needs find_unused_parameters=True")
             else:
                 notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
-    return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective, noise)
+    return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective, noise, start)
 
 
 def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
@@ -702,7 +717,7 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
         records = launch(rank_body, spec.world_size, spec, ready.windows, ready.digest, ready.wrap,
-                         ready.chain.max_norm,
+                         ready.chain.max_norm, ready.start,
                          deadline=spec.deadline, backend=spec.backend, device=spec.device, env=env, preload=preload,
                          lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
     except LaunchError as exc:

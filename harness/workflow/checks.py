@@ -84,15 +84,19 @@ def cmd_battery(args: argparse.Namespace) -> int:
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     drawn = options.examples > 0 and importlib.util.find_spec("hypothesis") is not None
+    from harness.battery.plan import drawn_lanes
+
+    lanes = drawn_lanes(options) if drawn else []  # one drawn row per precision lane and strategy
     verdicts = []
     for r in recipes:
         verdicts += run_cases(r, cases, options, progress)
-        if drawn:
+        for lane in lanes:
             from harness.battery.layouts import drawn_verdict
 
             if progress:
-                progress(f"{r.split(':')[-1]}: {options.examples} drawn layouts")
-            verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true"))
+                progress(f"{r.split(':')[-1]}: {options.examples} drawn layouts ({lane.precision}, {lane.strategy})")
+            verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true",
+                                          precision=lane.precision, strategy=lane.strategy))
     results = run_controls(controls, options, progress) if controls else []
     elsewhere = [c for c in controls if CONTROLS[c].launch != "in-process"]
     if elsewhere:
@@ -115,7 +119,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     for path in filter(None, (options.report,)):
         from harness.battery.table import write_report
 
-        expected = (len(cases) + drawn) * len(recipes)
+        expected = (len(cases) + len(lanes)) * len(recipes)
         write_report(path, report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
                                        precision=options.precision, model=model, batch_format=batch_format,
                                        model_notes=notes))

@@ -93,7 +93,7 @@ def test_recipes_sharing_a_name_get_their_module_then_their_path() -> None:
 
 def test_a_passing_and_a_failing_drawn_verdict_share_one_row() -> None:
     """The drawn lane is one row per run, labeled by its budget and world sizes, whatever each recipe's outcome."""
-    label = "drawn (12 layouts, W in 2,3, fp32)"
+    label = "drawn (12 layouts, W in 2,3, fp32, ddp)"
     table = format_table([_verdict(CORRECT, PASS, "drawn", label),
                           _verdict("user_recipes.variants:ClassRecipe", FAIL, "drawn", label)])
     rows = [ln for ln in table.splitlines() if ln.startswith("drawn")]
@@ -109,7 +109,8 @@ def test_explain_files_carry_the_module_and_the_attribute() -> None:
 
 def _fake_judge(seen: list[tuple[int, float]], fail_at: int | None = None, options: list[str] | None = None
                 ) -> object:
-    def judge(recipe: str, layout: Layout, battery: BatteryOptions) -> list[Verdict]:
+    def judge(recipe: str, layout: Layout, battery: BatteryOptions, precision: str = "fp32",
+              strategy: str | None = None) -> list[Verdict]:
         seen.append((layout.world_size, battery.deadline))
         if options is not None:
             options.append(battery.find_unused)
@@ -129,7 +130,8 @@ def test_the_drawn_lane_launches_with_the_given_deadline_and_world_sizes(monkeyp
     monkeypatch.setattr(lay, "judge_layout", _fake_judge(seen, options=options))
     verdict = lay.drawn_verdict(CORRECT, BatteryOptions.parse(examples=6, deadline=120.0, world_sizes="2,3",
                                                               find_unused="off"), derandomize=True)
-    assert (PASS, 0, "drawn (6 layouts, W in 2,3, fp32)") == (verdict.status, verdict.world_size, verdict.label)
+    assert (PASS, 0, "drawn (6 layouts, W in 2,3, fp32, ddp)") == (verdict.status, verdict.world_size,
+                                                                   verdict.label)
     assert seen and {d for _, d in seen} == {120.0} and {w for w, _ in seen} <= {2, 3}
     assert {"off"} == set(options)  # --find-unused-parameters reaches the drawn lane too
 
@@ -140,7 +142,8 @@ def test_a_failing_drawn_verdict_keeps_the_row_and_names_the_world_size(monkeypa
 
     monkeypatch.setattr(lay, "judge_layout", _fake_judge([], fail_at=3))
     verdict = lay.drawn_verdict(CORRECT, BatteryOptions(examples=20, world_sizes=(2, 3)), derandomize=True)
-    assert (FAIL, 0, "drawn (20 layouts, W in 2,3, fp32)") == (verdict.status, verdict.world_size, verdict.label)
+    assert (FAIL, 0, "drawn (20 layouts, W in 2,3, fp32, ddp)") == (verdict.status, verdict.world_size,
+                                                                    verdict.label)
     assert "a drawn layout at W=3 fails parity" in verdict.message
 
 
@@ -153,14 +156,15 @@ def test_the_command_line_gives_the_drawn_lane_its_deadline_and_world_sizes(
 
     calls: list[BatteryOptions] = []
 
-    def drawn(recipe: str, options: BatteryOptions, derandomize: bool = False) -> Verdict:
+    def drawn(recipe: str, options: BatteryOptions, derandomize: bool = False, **lane: str) -> Verdict:
         calls.append(options)
-        return _verdict(recipe, PASS, "drawn", "drawn (2 layouts, W in 2,3, fp32)")
+        return _verdict(recipe, PASS, "drawn", f"drawn (2 layouts, W in 2,3, {lane['precision']}, {lane['strategy']})")
 
     monkeypatch.setattr(table, "run_cases", lambda *args, **kwargs: [])
     monkeypatch.setattr(lay, "drawn_verdict", drawn)
     assert 0 == main(["battery", "--recipe", CORRECT, "--battery-world-sizes", "2,3", "--battery-examples", "2",
                       "--battery-deadline", "120"])
-    assert 1 == len(calls)
+    assert 2 == len(calls)  # --precision both: the float32 and the float64 lane
     assert (120.0, (2, 3), 2) == (calls[0].deadline, calls[0].world_sizes, calls[0].examples)
-    assert "drawn (2 layouts, W in 2,3, fp32)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "drawn (2 layouts, W in 2,3, fp32, ddp)" in out and "drawn (2 layouts, W in 2,3, fp64, ddp)" in out
