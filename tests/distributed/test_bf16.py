@@ -112,8 +112,8 @@ def test_under_fsdp2_the_scale_is_not_judged_and_the_verdict_says_so() -> None:
 
 
 @pytest.mark.parametrize(("recipe", "strategy"), [
-    ("user_recipes.autocast:AutocastStep", "ddp"),
-    pytest.param("user_recipes.autocast:AutocastStep", "fsdp2", marks=pytest.mark.slow),
+    ("user_recipes.autocast:AutocastTokenMean", "ddp"),
+    pytest.param("user_recipes.autocast:AutocastTokenMean", "fsdp2", marks=pytest.mark.slow),
     pytest.param(CORRECT_RECIPE, "ddp", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("scenario", ["long", pytest.param("varying", marks=pytest.mark.slow)])

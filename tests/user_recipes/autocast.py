@@ -73,9 +73,3 @@ class AutocastMeanOfLocalMeans:
 
     def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> float:
         return _step(model, window, own_count=True)
-
-
-class AutocastStep(AutocastTokenMean):
-    """The right step under another name, as the bf16 lane's own tests point at it."""
-
-    name = "autocast_step"
