@@ -270,15 +270,16 @@ def drawn_verdicts(recipe: str, options: BatteryOptions | None = None, derandomi
     from harness.battery.plan import drawn_lanes
 
     options = options or BatteryOptions()
-    return [drawn_verdict(recipe, options, derandomize, precision=lane.precision, strategy=lane.strategy)
-            for lane in drawn_lanes(options)]
+    return [drawn_verdict(recipe, options, derandomize, precision=lane.precision, strategy=lane.strategy,
+                          examples=lane.examples) for lane in drawn_lanes(options)]
 
 
 def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False, *,
-                  precision: str | None = None, strategy: str | None = None) -> Verdict:
-    """Check ``recipe`` on ``options.examples`` layouts (the first :func:`informative_layouts`, then drawn ones; at
-    the world sizes of ``options``, the shrunk layout's included; default
-    :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the session's
+                  precision: str | None = None, strategy: str | None = None,
+                  examples: int | None = None) -> Verdict:
+    """Check ``recipe`` on ``examples`` layouts (default ``options.examples``: the first
+    :func:`informative_layouts`, then drawn ones; at the world sizes of ``options``, the shrunk layout's included;
+    default :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the session's
     first lane and strategy); one verdict, whose failure message shows the failing layout with the failing checks'
     messages and diagnosis, then a shrunk layout that still fails. Needs Hypothesis.
 
@@ -294,7 +295,7 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
     options = options or BatteryOptions()
     precision = precision or options.lanes[0]
     strategy = strategy or options.strategy_lanes[0]
-    examples, worlds = options.examples, options.world_sizes
+    examples, worlds = options.examples if examples is None else examples, options.world_sizes
     if examples < 1:
         msg = f"--battery-examples={examples!r} must be a positive number of drawn layouts here"
         raise ValueError(msg)

@@ -69,12 +69,17 @@ def session_cases(options: BatteryOptions, checks: Sequence[str] | None = None) 
     return cases(options.world_sizes, options.precision, checks, options.strategy)
 
 
+FIRST_LAYOUTS = 2
+"""The layouts every drawn lane starts with (:func:`harness.battery.layouts.informative_layouts`)."""
+
+
 @dataclass(frozen=True)
 class DrawnLane:
-    """One run of the drawn-layout lane: every drawn layout judged in ``precision`` under ``strategy``."""
+    """One run of the drawn-layout lane: ``examples`` layouts, each judged in ``precision`` under ``strategy``."""
 
     precision: str
     strategy: str = "ddp"
+    examples: int = 2
 
     @property
     def id(self) -> str:
@@ -83,10 +88,16 @@ class DrawnLane:
 
 def drawn_lanes(options: BatteryOptions) -> list[DrawnLane]:
     """The drawn lane's runs under ``options``: one per precision lane and strategy the session asked for (the same
-    lanes its cases run in), none when ``options.examples`` is 0."""
+    lanes its cases run in), none when ``options.examples`` is 0.
+
+    ``--battery-examples`` is the session's budget, shared over these runs (each gets its share, rounded up, and at
+    least the two layouts chosen to tell mistakes apart): a drawn layout costs a launch in every lane, and a second
+    lane would otherwise double the battery's drawn time while judging the same recipe code on the same shapes."""
     if options.examples == 0:
         return []
-    return [DrawnLane(p, s) for s in options.strategy_lanes for p in options.lanes]
+    pairs = [(p, s) for s in options.strategy_lanes for p in options.lanes]
+    share = min(options.examples, max(FIRST_LAYOUTS, -(-options.examples // len(pairs))))
+    return [DrawnLane(p, s, share) for p, s in pairs]
 
 
 __all__ = ["PRECISION_CHOICES", "WORLD_SIZES", "BatteryOptions", "Case", "DrawnLane", "cases", "check_world_sizes",

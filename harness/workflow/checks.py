@@ -94,9 +94,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
             from harness.battery.layouts import drawn_verdict
 
             if progress:
-                progress(f"{r.split(':')[-1]}: {options.examples} drawn layouts ({lane.precision}, {lane.strategy})")
+                progress(f"{r.split(':')[-1]}: {lane.examples} drawn layouts ({lane.precision}, {lane.strategy})")
             verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true",
-                                          precision=lane.precision, strategy=lane.strategy))
+                                          precision=lane.precision, strategy=lane.strategy, examples=lane.examples))
     results = run_controls(controls, options, progress) if controls else []
     elsewhere = [c for c in controls if CONTROLS[c].launch != "in-process"]
     if elsewhere:

@@ -53,6 +53,17 @@ def test_no_drawn_lane_runs_with_a_budget_of_zero() -> None:
     assert [] == plan.drawn_lanes(BatteryOptions.parse(examples=0, precision="bf16", strategy="both"))
 
 
+@pytest.mark.parametrize(("examples", "precision", "strategy", "share"), [
+    (12, "both", "ddp", 6), (12, "fp32", "ddp", 12), (12, "fp32,fp64,bf16", "both", 2), (3, "both", "ddp", 2),
+    (1, "both", "ddp", 1), (13, "both", "ddp", 7)], ids=lambda v: str(v))
+def test_the_drawn_budget_is_shared_over_the_lanes_with_at_least_the_chosen_layouts_each(
+        examples: int, precision: str, strategy: str, share: int) -> None:
+    """--battery-examples is the session's budget: each drawn row gets its share, rounded up, never fewer than the two
+    layouts chosen to tell mistakes apart (nor more than the budget); one lane alone keeps it whole (the control)."""
+    lanes = plan.drawn_lanes(BatteryOptions.parse(examples=examples, precision=precision, strategy=strategy))
+    assert {share} == {lane.examples for lane in lanes}
+
+
 def test_every_drawn_layout_is_judged_by_every_check_that_runs_on_a_window_with_tokens() -> None:
     """The drawn checks are the registry's (clipping included); only the empty-window check, whose windows hold no
     token, is left to the all_empty scenario."""
