@@ -48,11 +48,14 @@ NOISE_MULTIPLE = 4.0
 DDP and FSDP2): the correct recipe's error on the ranks is 0.195-0.254 of the bound (at most the noise itself), a
 mean of local means 4.7-17x above it."""
 
-SCALE_MULTIPLE = 3.0
+SCALE_MULTIPLE = 2.0
 """The scale bound is this multiple of the correct computation's largest ``|scale - 1|`` over the seeds and windows
-(:attr:`Noise.scale`), the way the relative-L2 bound is of its noise. Measured (``bf16_scale`` in
-``benchmarks/results/fsdp2_bf16.json``, DDP, W=1-4): the correct recipe's scale is at most 0.285 of the bound, a
-count rounded to bf16 on ``long`` 1.9-2.7x above it."""
+(:attr:`Noise.scale`), the way the relative-L2 bound is of its noise. The first seed is the run's own starting
+weights, so a correct recipe's scale is itself one of the samples the bound is built from (up to the ranks' order
+of summation): 2x leaves it a margin of 2 by construction. The bf16 lane's runs start from trained weights
+(:mod:`harness.battery.start`), where the correct computation's own scale strays from 1 by about 1e-3, a third of
+what a count rounded to bfloat16 moves it by; the figures are ``bf16_scale`` in
+``benchmarks/results/fsdp2_bf16.json`` (``python benchmarks/fsdp2_bf16_bench.py``)."""
 
 SEPARATION = 2.0
 """A window is judged only where the mean of local means misses the truth by at least this multiple of the bound."""
@@ -191,7 +194,7 @@ def measure_noise(spec: ModelSpec, windows: Sequence[Sequence[Sequence[Microbatc
                 worst_scale = max(worst_scale, abs(least_squares_scale(low, truth) - 1))
                 world = len(window)
                 if world & (world - 1):  # W = 2^j scales exactly: the rounding falls where it did
-                    as_ranks = _gradient(replace(seeded, precision="fp32").build(), window,
+                    as_ranks = _gradient(load(replace(seeded, precision="fp32").build(), start), window,
                                          gradient_function(seeded, objective, loss_factor=world), mode) / world
                     worst_scale = max(worst_scale, abs(least_squares_scale(as_ranks, truth) - 1))
             samples.append(worst)

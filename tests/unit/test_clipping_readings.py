@@ -4,6 +4,7 @@ small, and a gradient is read as unclipped only when it is the unclipped referen
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -61,3 +62,32 @@ def test_the_unclipped_reference_reads_clipping_not_applied_and_the_clipped_one_
     sig = gradient_reading(run, 0, 1)
     assert sig is not None and "clipping_not_applied" == sig.name
     assert gradient_reading(_run(prepared, ref.gradient, want), 0, 1) is None
+
+
+def _per_tensor_case(ready: runner.Prepared) -> tuple[runner.Run, torch.Tensor, torch.Tensor]:
+    """The uneven window's unclipped gradient U with a max_norm under its largest tensor's own norm (the built-in
+    model's tensors all sit under the harness's max_norm at the battery's starting weights): the run whose reference
+    is U clipped as clip_grad_norm_ does, and U with each tensor over max_norm clipped alone."""
+    run = _run(ready, ready.chain.references[0].gradient, 1.0)  # type: ignore[union-attr]
+    unclipped = run.references[0].gradient.double() / clip_factor(run, 0)  # type: ignore[union-attr]
+    sizes = [p.numel() for p in run.model().parameters()]
+    tensors = list(torch.split(unclipped, sizes))
+    max_norm = 0.9 * max(float(t.norm()) for t in tensors)
+    f = max_norm / (float(unclipped.norm()) + 1e-6)
+    ref = dataclasses.replace(run.references[0], gradient=(unclipped * f).to(torch.float32))  # type: ignore[type-var]
+    run = dataclasses.replace(run, max_norm=max_norm, references=[ref, *run.references[1:]])
+    alone = torch.cat([t * min(1.0, max_norm / (float(t.norm()) + 1e-6)) for t in tensors]).to(torch.float32)
+    return run, alone, ref.gradient
+
+
+def test_tensors_clipped_alone_past_max_norm_read_clipped_per_tensor(prepared: runner.Prepared) -> None:
+    """A gradient whose tensors over max_norm were each scaled alone reads ``clipped_per_tensor``; its control, the
+    gradient clipped over every parameter together, gets no clipping reading."""
+    run, alone, right = _per_tensor_case(prepared)
+    for rank in run.records:
+        rank[0] = dataclasses.replace(rank[0], grad=alone)
+    found = gradient_reading(run, 0, 0)
+    assert found is not None and "clipped_per_tensor" == found.name, found
+    for rank in run.records:
+        rank[0] = dataclasses.replace(rank[0], grad=right)
+    assert gradient_reading(run, 0, 0) is None
