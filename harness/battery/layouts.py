@@ -279,9 +279,9 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
                   examples: int | None = None) -> Verdict:
     """Check ``recipe`` on ``examples`` layouts (default ``options.examples``: the first
     :func:`informative_layouts`, then drawn ones; at the world sizes of ``options``, the shrunk layout's included;
-    default :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the session's
-    first lane and strategy); one verdict, whose failure message shows the failing layout with the failing checks'
-    messages and diagnosis, then a shrunk layout that still fails. Needs Hypothesis.
+    default :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the
+    session's first lane and strategy); one verdict, whose failure message shows the failing layout with the failing
+    checks' messages and diagnosis, then a shrunk layout that still fails. Needs Hypothesis.
 
     In the bf16 lane each layout is judged as the bf16 scenarios are (:mod:`harness.battery.bf16`: the bound derived
     from the correct computation's own noise on that layout, its windows too balanced to judge refused); the verdict
