@@ -272,12 +272,13 @@ def _autocast_dtype(device_type: str) -> torch.dtype:
 
 def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
               find_unused: bool = False, max_norm: float | None = None,
-              start: torch.Tensor | None = None) -> list[WindowRecord]:
+              start: torch.Tensor | np.ndarray | None = None) -> list[WindowRecord]:
     """Runs on every rank: ``run``'s recipe on its model wrapped by its strategy (counting synchronizations), window
     after window; ``digest`` is the fingerprint of the initial weights every rank must rebuild (None: the built-in
     model, deterministic), ``find_unused`` whether parameters may miss a gradient in a backward, ``max_norm`` what
     a clipping recipe clips to (:func:`harness.recipes.contract.clips`), ``start`` the flat weights the run starts
-    from (:mod:`harness.battery.start`, computed once by the parent; None: the initial weights)."""
+    from (:mod:`harness.battery.start`, computed once by the parent, as a numpy array: a tensor argument would travel
+    through a shared-memory file per rank and launch; None: the initial weights)."""
     import torch.distributed as dist
 
     from harness.distributed import strategies
@@ -717,7 +718,7 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
         records = launch(rank_body, spec.world_size, spec, ready.windows, ready.digest, ready.wrap,
-                         ready.chain.max_norm, ready.start,
+                         ready.chain.max_norm, None if ready.start is None else ready.start.numpy(),
                          deadline=spec.deadline, backend=spec.backend, device=spec.device, env=env, preload=preload,
                          lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
     except LaunchError as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -107,12 +108,13 @@ def start_note(spec: ModelSpec) -> str | None:
     return _start(_key(spec))[1]
 
 
-def load(model: nn.Module, flat: torch.Tensor | None) -> nn.Module:
+def load(model: nn.Module, flat: torch.Tensor | np.ndarray | None) -> nn.Module:
     """Copy the flat weights ``flat`` (model order) into ``model``'s parameters, cast to each one's dtype; None leaves
     the model as it is. Buffers keep their initial values on the ranks and in the reference alike (a train-mode
     forward reads a batch's statistics, not the running ones)."""
     if flat is None:
         return model
+    flat = torch.as_tensor(flat)
     with torch.no_grad():
         offset = 0
         for p in model.parameters():
