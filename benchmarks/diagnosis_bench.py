@@ -18,6 +18,7 @@ from _common import RESULTS, command, machine, now, summary, timed, write_result
 
 from harness.battery import runner, scenarios
 from harness.battery.diagnose import diagnose
+from harness.battery.run import Run
 
 CASES = (
     ("harness.recipes:mean_of_local_means", "uneven", 2),
@@ -40,10 +41,10 @@ def main() -> None:
     rows = []
     for recipe, scenario, world in CASES:
         windows = scenarios.build(scenario, world)
-        runs: list[runner.Run] = []
+        runs: list[Run] = []
 
         def launch(recipe: str = recipe, windows: scenarios.Windows = windows, scenario: str = scenario,
-                   runs: list[runner.Run] = runs) -> None:
+                   runs: list[Run] = runs) -> None:
             runs.append(runner.run_windows(recipe, windows, scenario=scenario))
 
         run_times = timed(launch, args.repeat)

@@ -32,7 +32,7 @@ def main() -> int:
     args = parser.parse_args()
     from support.battery_jobs import job
 
-    from harness.battery import plan, runner
+    from harness.battery import plan, prepare, runner
     from harness.battery.options import BatteryOptions
     from harness.battery.table import run_cases
     from harness.distributed.launcher import launch
@@ -46,7 +46,7 @@ def main() -> int:
         times = []
         for _ in range(args.repeats):
             runner._CACHE.clear()
-            runner._CHAINS.clear()
+            prepare._CHAINS.clear()
             t = time.perf_counter()
             verdicts = run_cases(CORRECT_RECIPE, cases, options)
             times.append(time.perf_counter() - t)

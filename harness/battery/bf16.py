@@ -36,7 +36,7 @@ import torch
 from harness.core.reference import reference_gradient
 
 if TYPE_CHECKING:
-    from harness.battery.runner import Run
+    from harness.battery.run import Run
     from harness.battery.spec import ModelSpec
     from harness.core.microbatch import Microbatch
 

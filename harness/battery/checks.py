@@ -1,4 +1,4 @@
-"""The battery's checks: each turns a :class:`~harness.battery.runner.Run` into a verdict with the numbers behind it.
+"""The battery's checks: each turns a :class:`~harness.battery.run.Run` into a verdict with the numbers behind it.
 
 A verdict never raises. Its ``status`` is ``"pass"``, ``"fail"`` or ``"n/a"`` (the check means nothing here: there is
 nothing to synchronize or agree on with one rank); a failure carries its ``cause``: ``"numbers"`` when the check's own
@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from harness.battery.diagnose import diagnose, worst
+from harness.battery.rank_program import SKIP_SYNC
+from harness.battery.run import Run, token_mean_at
 from harness.battery.run_readings import rounding_only
-from harness.battery.runner import SKIP_SYNC, Run, token_mean_at
 from harness.core.compare import compare, max_abs_difference, tolerances
 from harness.distributed.errors import LaunchError
 
@@ -426,7 +427,7 @@ def _parity_bf16(run: Run) -> Verdict:
     from harness.battery import bf16
 
     noise = run.bf16
-    assert noise is not None, "a bf16 run carries its measured noise (runner.prepare)"
+    assert noise is not None, "a bf16 run carries its measured noise (harness.battery.prepare)"
     read = bf16.read_windows(run, bf16.gradient_function(run.spec, run.objective))
     judged = [w for w in read if w.mistake >= bf16.SEPARATION * noise.bound]
     refused = [w for w in read if w not in judged]

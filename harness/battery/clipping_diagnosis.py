@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from harness.battery.runner import Run
+from harness.battery.run import Run
 from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
 

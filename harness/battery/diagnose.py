@@ -3,7 +3,7 @@ the per-parameter view (the math is :mod:`harness.core.diagnosis`).
 
 The block gradients are computed in float64 on one device, at the weights the recipe started the window from (its
 own, right or wrong, so windows after a wrong step are read on their own terms), through the run's own model and
-loss convention (:meth:`harness.battery.runner.Run.loss_sum`). The fitted gradient is one rank's synchronized
+loss convention (:meth:`harness.battery.run.Run.loss_sum`). The fitted gradient is one rank's synchronized
 gradient; the expected one is the block gradients weighted ``1/N``.
 """
 
@@ -18,7 +18,7 @@ import torch
 from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
 from harness.battery import run_readings as rr
-from harness.battery.runner import Run
+from harness.battery.run import Run
 from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
 from harness.core.formats import HF, to_hf

@@ -9,13 +9,14 @@ torchrun set up, on one machine or many.
 
 Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
 overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
-builds), and runs the recipe through the same rank program (:func:`harness.battery.runner.rank_body`). The runs are
-dealt round-robin over the ranks (:func:`owner`): before the first starts, each rank computes the single-device
-references of its share (:func:`harness.battery.runner.prepare`); after each, its owner collects every rank's records
-and says whether the battery goes on; at the end each rank judges its share with the battery's checks, so no rank
-carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts, writes the report
-(``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per verdict)
-and prints the table. Every worker exits with the same status: 0 every check holds, 1 a check failed, 2 bad input.
+builds), and runs the recipe through the same rank program (:func:`harness.battery.rank_program.rank_body`). The
+runs are dealt round-robin over the ranks (:func:`owner`): before the first starts, each rank computes the
+single-device references of its share (:func:`harness.battery.prepare.prepare`); after each, its owner collects every
+rank's records and says whether the battery goes on; at the end each rank judges its share with the battery's checks,
+so no rank carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts, writes
+the report (``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per
+verdict) and prints the table. Every worker exits with the same status: 0 every check holds, 1 a check failed, 2 bad
+input.
 
 Results travel through torchrun's store (``MASTER_ADDR:MASTER_PORT``), not through collectives: a rank whose recipe
 raises, or whose collective timed out at ``--battery-deadline``, still reports, and the battery stops there (a process
@@ -41,10 +42,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from harness.battery import checks, plan, runner, scenarios
+from harness.battery import checks, plan, scenarios
 from harness.battery.checks import FAIL, Verdict
 from harness.battery.objective import windows_for
 from harness.battery.options import BatteryOptions, RunSpec
+from harness.battery.prepare import Prepared, prepare
+from harness.battery.rank_program import rank_body
+from harness.battery.run import Run, WindowRecord
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
 
@@ -152,7 +156,7 @@ def _get(store: dist.Store, key: str, deadline: float) -> Any:
     return pickle.loads(store.get(key))
 
 
-def _on_cpu(records: list[runner.WindowRecord]) -> list[runner.WindowRecord]:
+def _on_cpu(records: list[WindowRecord]) -> list[WindowRecord]:
     return [replace(r, grad=None if r.grad is None else r.grad.cpu(), params_before=r.params_before.cpu(),
                     params_after=r.params_after.cpu()) for r in records]
 
@@ -200,15 +204,15 @@ def owner(i: int, world: int) -> int:
 
 
 def _prepare_share(store: dist.Store, rank: int, world: int,
-                   specs: list[tuple[RunSpec, scenarios.Windows]]) -> dict[int, runner.Prepared]:
+                   specs: list[tuple[RunSpec, scenarios.Windows]]) -> dict[int, Prepared]:
     """This rank's share of the preparations, published to the store before any run starts (every rank prepares at
     once); a preparation that raises is published as such and stops every worker."""
-    mine: dict[int, runner.Prepared] = {}
+    mine: dict[int, Prepared] = {}
     for i, (spec, windows) in enumerate(specs):
         if owner(i, world) != rank:
             continue
         try:
-            ready = runner.prepare(spec, windows, share_chain=True)
+            ready = prepare(spec, windows, share_chain=True)
         except Exception as exc:
             _put(store, f"{i}/plan", ("raise", f"rank {rank} preparing run {spec.scenario}/{spec.precision}: "
                                                f"{type(exc).__name__}: {exc}"))
@@ -235,7 +239,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         # The objective's drawn factors (weights, advantages): the same draw on every worker, as in prepare().
         specs.append((spec, windows_for(spec, scenarios.build(scenario, world))))
     mine = _prepare_share(store, rank, world, specs)
-    judged: dict[int, runner.Run] = {}
+    judged: dict[int, Run] = {}
     stopped: str | None = None
     done = 0
     for i, (spec, windows) in enumerate(specs):
@@ -245,7 +249,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         _, model_error, digest, wrap, max_norm, weights = published
         if model_error is None:
             try:
-                out: tuple[Any, ...] = ("ok", _on_cpu(runner.rank_body(spec, windows, digest, wrap, max_norm,
+                out: tuple[Any, ...] = ("ok", _on_cpu(rank_body(spec, windows, digest, wrap, max_norm,
                                                                        weights)))
             except Exception as exc:
                 out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
@@ -276,9 +280,9 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     return status
 
 
-def _collect(store: dist.Store, i: int, ready: runner.Prepared, world: int, deadline: float,
-             model_error: str | None) -> tuple[runner.Run, str | None]:
-    """The owner of run ``i``: every rank's result of it as a :class:`~harness.battery.runner.Run`, and why the
+def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: float,
+             model_error: str | None) -> tuple[Run, str | None]:
+    """The owner of run ``i``: every rank's result of it as a :class:`~harness.battery.Run`, and why the
     battery stops here (None: it goes on)."""
     if model_error is not None:
         return ready.run(None, model_error=model_error), None

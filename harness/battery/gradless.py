@@ -226,7 +226,7 @@ def _by_cause(gradless: Sequence[Gradless]) -> list[list[Gradless]]:
 
 def unused_notes(chain: Any, gradless: Sequence[Gradless] = ()) -> tuple[bool, tuple[str, ...]]:
     """Whether some parameter misses a gradient in some microbatch's backward of the single-device reference
-    (``chain``: :class:`harness.battery.runner.Chain`; DDP then needs ``find_unused_parameters=True``), and the
+    (``chain``: :class:`harness.battery.chain.Chain`; DDP then needs ``find_unused_parameters=True``), and the
     sentences that say which, where; ``gradless``: the causes the model probe found
     (:attr:`harness.battery.facts.ModelFacts.gradless`)."""
     trainable = set(chain.trainable)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from harness.battery.runner import Run
+from harness.battery.run import Run
 from harness.core import diagnosis as dx
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad

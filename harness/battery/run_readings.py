@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from harness.battery.runner import Run
+from harness.battery.run import Run
 from harness.core import diagnosis as dx
 
 

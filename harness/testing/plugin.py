@@ -106,7 +106,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--battery-deadline", default=None, type=float, metavar="SECONDS",
         help="seconds one battery run (one launch) may take before it is called hung (default: "
-        "harness.battery.runner.DEADLINE, 30); raise it for a slow model, e.g. one under torch.compile",
+        "harness.battery.options.DEADLINE, 30); raise it for a slow model, e.g. one under torch.compile",
     )
 
 

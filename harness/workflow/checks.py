@@ -14,8 +14,8 @@ import torch
 
 from harness.battery.options import BatteryOptions
 from harness.recipes import CORRECT_RECIPE
-from harness.workflow.commands import config_from, config_path_of, err, outputs_of
-from harness.workflow.outputs import BadInput, leftover_in_use
+from harness.workflow.commands import config_from, config_path_of, outputs_of
+from harness.workflow.outputs import BadInput, err, leftover_in_use
 
 
 def check_model_option(model: str | None, batch_format: str = "harness") -> str | None:

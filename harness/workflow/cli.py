@@ -28,9 +28,8 @@ from harness.workflow.commands import (
     cmd_prepare,
     cmd_reference,
     cmd_report,
-    err,
 )
-from harness.workflow.outputs import BadInput
+from harness.workflow.outputs import BadInput, err
 from harness.workflow.scaling import SCALING_STEPS
 
 

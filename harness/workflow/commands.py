@@ -1,5 +1,6 @@
 """The commands of seed 000's workflow that produce the outputs folder: prepare, reference, evaluate, exercise,
-check-loss and report; and the plumbing every command shares (config, outputs folder, messages on stderr).
+check-loss and report; and the plumbing every command shares (the config and the outputs folder; messages on stderr
+come from :func:`harness.workflow.outputs.err`).
 
 Each ``cmd_*`` takes the parsed arguments and returns the exit code; :class:`BadInput` becomes exit 2 in
 :func:`harness.workflow.cli.main`.
@@ -8,7 +9,6 @@ Each ``cmd_*`` takes the parsed arguments and returns the exit code; :class:`Bad
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -16,12 +16,7 @@ import torch
 
 from harness.core.loss import global_token_loss
 from harness.data.config import Config, load_config
-from harness.workflow.outputs import BadInput
-
-
-def err(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
+from harness.workflow.outputs import BadInput, err
 
 # ------------------------------------------------------------------------------------------------ shared plumbing
 

@@ -61,7 +61,7 @@ def in_strategy_form(text: str, strategy: str) -> str:
     """``text`` with each way to skip a gradient synchronization written the way ``strategy`` spells it (a sentence
     of the diagnosis says ``no_sync()``; under FSDP2 that is ``set_requires_gradient_sync(False)``), and the helper
     that does it under either strategy named once."""
-    from harness.battery.runner import SKIP_SYNC
+    from harness.battery.rank_program import SKIP_SYNC
 
     own = SKIP_SYNC.get(strategy)
     if own is None:

@@ -35,6 +35,11 @@ from harness.resume.atomic import fsync_dir, write_atomic
 MARKER = "outputs.json"
 
 
+def err(msg: str) -> None:
+    """A message on stderr, flushed (every command's way of saying what it does and why it failed)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 class BadInput(ValueError):
     """The user's input cannot be used as given (another data lock, a missing step, an incomplete checkpoint)."""
 

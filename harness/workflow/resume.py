@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.workflow.outputs import BadInput
+from harness.workflow.outputs import BadInput, err
 from harness.workflow.results import Check
 
 
@@ -70,7 +70,6 @@ def resume_battery(trainer: str, options: Any = None, progress: Any = None) -> t
 def cmd_resume(args: argparse.Namespace) -> int:
     """Exit 0 when every case holds, 1 when one fails (its differing states named), 2 for bad input (a trainer that
     refuses to run under the options included: one usage error, after the table and the JSON)."""
-    from harness.workflow.commands import err
 
     check, payload = resume_battery(args.trainer, options_of(args))
     print(payload["table"])

@@ -9,6 +9,7 @@ import pytest
 
 from harness.battery import checks, runner
 from harness.battery.options import RunSpec
+from harness.battery.prepare import prepare
 from harness.battery.scenarios import build
 
 CLIPPED = "harness.recipes:clipped_global_token_mean"
@@ -28,7 +29,7 @@ def test_the_correct_clipping_recipe_passes_parity_and_the_clipping_check(strate
 def test_the_clipping_check_does_not_apply_to_a_recipe_that_does_not_clip() -> None:
     """The correct recipe has no max_norm: n/a, saying how a recipe opts in (decided before any rank starts)."""
     spec = RunSpec("harness.recipes:global_token_mean", "uneven", 2, "fp32")
-    ready = runner.prepare(spec, build("uneven", 2))
+    ready = prepare(spec, build("uneven", 2))
     assert ready.chain.max_norm is None
     verdict = checks.clipping(ready.run(None))
     assert "n/a" == verdict.status and "max_norm keyword" in verdict.message

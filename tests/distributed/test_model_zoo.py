@@ -14,6 +14,7 @@ import pytest
 from user_recipes import zoo
 
 from harness.battery import checks, runner, scenarios
+from harness.battery.run import Run
 from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"
@@ -155,7 +156,7 @@ def test_a_harness_error_on_one_case_is_that_case_s_failing_verdict_and_the_othe
     cases = [c for c in plan.cases((2,), "fp32") if c.scenario in ("uneven", "single") and c.check == "parity"]
     real = runner.run
 
-    def flaky(spec: RunSpec) -> runner.Run:
+    def flaky(spec: RunSpec) -> Run:
         if spec.scenario == "single":
             raise RuntimeError("boom inside the harness")
         return real(spec)

@@ -19,6 +19,7 @@ from support.groups import control_group
 from harness.battery import checks, runner, scenarios
 from harness.battery.diagnose import worst
 from harness.battery.options import BatteryOptions, RunSpec
+from harness.battery.run import Run
 from harness.battery.table import run_controls
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS, control_class
 from harness.recipes.catalog import IN_PROCESS
@@ -221,12 +222,12 @@ def test_a_rank_that_leaves_its_peers_in_a_collective_is_reported_as_a_desync_na
     assert "rank 1" in verdict.message
 
 
-def _with_record(run: runner.Run, rank: int, **change: object) -> runner.Run:
+def _with_record(run: Run, rank: int, **change: object) -> Run:
     assert run.records is not None
     records = [list(r) for r in run.records]
     rec = records[rank][0]
     records[rank][0] = type(rec)(**{**rec.__dict__, **change})
-    return runner.Run(run.recipe, run.scenario, run.world_size, run.precision, run.windows, records, run.references)
+    return Run(run.recipe, run.scenario, run.world_size, run.precision, run.windows, records, run.references)
 
 
 def test_ranks_agree_rejects_ranks_that_step_from_different_weights() -> None:

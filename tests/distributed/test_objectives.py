@@ -18,6 +18,7 @@ import pytest
 
 from harness.battery import checks, runner, scenarios
 from harness.battery.options import BatteryOptions, RunSpec
+from harness.battery.run import Run
 from harness.recipes.objectives import OBJECTIVE_RECIPES
 
 ROOT = Path(__file__).parents[2]
@@ -25,7 +26,7 @@ M = "harness.recipes.objectives"
 
 
 def _run(recipe: str, objective: str, scenario: str = "uneven", world: int = 2, precision: str = "fp32",
-         **fields: object) -> runner.Run:
+         **fields: object) -> Run:
     return runner.run(RunSpec(recipe, scenario, world, precision, objective=objective, **fields))  # type: ignore[arg-type]
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.battery import runner, scenarios
+from harness.battery.run import Run
 
 DEADLINE = 90.0
 """Seconds one battery run on CUDA ranks may take: each rank creates its own CUDA context (seconds, not the 0.1 s of
@@ -22,10 +23,10 @@ DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 workspace is fixed; ``:4096:8`` is the setting PyTorch's reproducibility notes require for deterministic cuBLAS on
 CUDA >= 10.2. It must be in the environment before the rank's first cuBLAS call, hence ``launch(..., env=...)``."""
 
-BatteryRun = Callable[[str, str, str], runner.Run]
+BatteryRun = Callable[[str, str, str], Run]
 
 
-def battery_run(recipe: str, scenario: str, backend: str, *, device: str = "cuda", world_size: int = 2) -> runner.Run:
+def battery_run(recipe: str, scenario: str, backend: str, *, device: str = "cuda", world_size: int = 2) -> Run:
     """The battery's ``scenario`` for ``recipe`` on ``world_size`` ranks of ``device`` over ``backend``, in fp32.
 
     ``runner.run`` caches by recipe, scenario, world size, precision and device but not by backend, so the lanes
@@ -39,9 +40,9 @@ def battery_run(recipe: str, scenario: str, backend: str, *, device: str = "cuda
 @pytest.fixture(scope="session")
 def cuda_battery() -> BatteryRun:
     """``cuda_battery(recipe, scenario, backend)``: a two-rank CUDA run, launched once per session and arguments."""
-    cache: dict[tuple[str, str, str], runner.Run] = {}
+    cache: dict[tuple[str, str, str], Run] = {}
 
-    def get(recipe: str, scenario: str, backend: str) -> runner.Run:
+    def get(recipe: str, scenario: str, backend: str) -> Run:
         key = (recipe, scenario, backend)
         if key not in cache:
             cache[key] = battery_run(recipe, scenario, backend)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from harness.battery.checks import NOT_APPLICABLE, Verdict
-from harness.battery.runner import _AutocastSeen
+from harness.battery.rank_watch import AutocastSeen
 from harness.battery.table import format_table
 
 RECIPE = "user_recipes.loops:BF16Autocast"
@@ -15,7 +15,7 @@ RECIPE = "user_recipes.loops:BF16Autocast"
 def _seen(autocast: bool) -> str | None:
     with torch.random.fork_rng(devices=[]):  # the suite's global generator stays as found
         model = torch.nn.Linear(4, 4)
-    seen = _AutocastSeen("cpu")
+    seen = AutocastSeen("cpu")
     model.register_forward_pre_hook(seen)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         model(torch.zeros(2, 4))  # the line the record names

@@ -10,28 +10,30 @@ import math
 import pytest
 import torch
 
-from harness.battery import runner, scenarios
+from harness.battery import scenarios
 from harness.battery.clipping_diagnosis import clip_factor, gradient_reading, read_norm
 from harness.battery.options import RunSpec
+from harness.battery.prepare import Prepared, prepare
+from harness.battery.run import Run, WindowRecord
 
 CLIPPED = "harness.recipes:clipped_global_token_mean"
 
 
 @pytest.fixture(scope="module")
-def prepared() -> runner.Prepared:
+def prepared() -> Prepared:
     """The uneven case at W=2 of the correct clipping recipe, references only (no rank starts)."""
-    return runner.prepare(RunSpec(CLIPPED, "uneven", 2, "fp32"), scenarios.build("uneven", 2), share_chain=True)
+    return prepare(RunSpec(CLIPPED, "uneven", 2, "fp32"), scenarios.build("uneven", 2), share_chain=True)
 
 
-def _run(ready: runner.Prepared, grad: torch.Tensor, norm: float) -> runner.Run:
+def _run(ready: Prepared, grad: torch.Tensor, norm: float) -> Run:
     """A run whose every rank left ``grad`` and returned ``norm`` in window 0."""
     start = ready.chain.starts[0]
-    rec = runner.WindowRecord(grad=grad, params_before=start, params_after=start, syncs=1, logged=None, error=None,
+    rec = WindowRecord(grad=grad, params_before=start, params_after=start, syncs=1, logged=None, error=None,
                               mode_changed=False, grad_dtypes=(), grad_norm=norm)
     return ready.run([[rec] for _ in range(2)])
 
 
-def test_a_norm_sqrt_w_too_large_is_named_so_and_never_too_small(prepared: runner.Prepared) -> None:
+def test_a_norm_sqrt_w_too_large_is_named_so_and_never_too_small(prepared: Prepared) -> None:
     ref = prepared.chain.references[0]
     assert ref is not None and prepared.chain.norms[0] is not None
     want = prepared.chain.norms[0]
@@ -41,7 +43,7 @@ def test_a_norm_sqrt_w_too_large_is_named_so_and_never_too_small(prepared: runne
 
 
 def test_a_norm_that_fits_no_candidate_is_called_too_large_or_too_small_by_its_ratio(
-        prepared: runner.Prepared) -> None:
+        prepared: Prepared) -> None:
     """The control: 2.9x and 0.77x the reference's norm fit no candidate; each is named by its direction only."""
     ref = prepared.chain.references[0]
     assert ref is not None and prepared.chain.norms[0] is not None
@@ -53,7 +55,7 @@ def test_a_norm_that_fits_no_candidate_is_called_too_large_or_too_small_by_its_r
 
 
 def test_the_unclipped_reference_reads_clipping_not_applied_and_the_clipped_one_nothing(
-        prepared: runner.Prepared) -> None:
+        prepared: Prepared) -> None:
     """The gradient reading fits the unclipped reference only; the right (clipped) gradient is left to the catalog."""
     ref = prepared.chain.references[0]
     assert ref is not None and prepared.chain.norms[0] is not None
@@ -64,7 +66,7 @@ def test_the_unclipped_reference_reads_clipping_not_applied_and_the_clipped_one_
     assert gradient_reading(_run(prepared, ref.gradient, want), 0, 1) is None
 
 
-def _per_tensor_case(ready: runner.Prepared) -> tuple[runner.Run, torch.Tensor, torch.Tensor]:
+def _per_tensor_case(ready: Prepared) -> tuple[Run, torch.Tensor, torch.Tensor]:
     """The uneven window's unclipped gradient U with a max_norm under its largest tensor's own norm (the built-in
     model's tensors all sit under the harness's max_norm at the battery's starting weights): the run whose reference
     is U clipped as clip_grad_norm_ does, and U with each tensor over max_norm clipped alone."""
@@ -80,7 +82,7 @@ def _per_tensor_case(ready: runner.Prepared) -> tuple[runner.Run, torch.Tensor, 
     return run, alone, ref.gradient
 
 
-def test_tensors_clipped_alone_past_max_norm_read_clipped_per_tensor(prepared: runner.Prepared) -> None:
+def test_tensors_clipped_alone_past_max_norm_read_clipped_per_tensor(prepared: Prepared) -> None:
     """A gradient whose tensors over max_norm were each scaled alone reads ``clipped_per_tensor``; its control, the
     gradient clipped over every parameter together, gets no clipping reading."""
     run, alone, right = _per_tensor_case(prepared)

@@ -80,33 +80,24 @@ def test_every_layer_exists_as_a_folder_or_module(layer: str) -> None:
 
 
 def module_graph(root: Path = HARNESS) -> dict[str, set[str]]:
-    """Each module's imports of other modules of the package made at module level, those under ``if TYPE_CHECKING:``
-    included (a type-only import is still a dependency a reader follows); an import inside a function is a
-    deliberate late one and left out."""
+    """Each module's imports of other modules of the package, wherever they stand: at module level, under
+    ``if TYPE_CHECKING:`` (a type-only import is still a dependency a reader follows) and inside a function (a late
+    import still runs, and a circle closed by one is still a circle: it only hides from the import system)."""
     modules: dict[str, Path] = {}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root.parent).with_suffix("").parts
         modules[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
-
-    def top_level(body: list[ast.stmt], package: str, out: set[str]) -> None:
-        for node in body:
-            if isinstance(node, ast.Import):
-                out |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                base = node.module if node.level == 0 else package
-                out.add(base)
-                out |= {f"{base}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.If):
-                top_level(node.body, package, out)
-                top_level(node.orelse, package, out)
-            elif isinstance(node, ast.Try):
-                top_level(node.body, package, out)
-
     graph = {}
     for name, path in modules.items():
-        found: set[str] = set()
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        top_level(ast.parse(path.read_text()).body, package, found)
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module if node.level == 0 else package
+                found.add(base)
+                found |= {f"{base}.{a.name}" for a in node.names}
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
 
@@ -145,13 +136,15 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_two_modules_import_each_other() -> None:
-    """No circle between modules, even through a type-only import: shared types live in a module of their own."""
+    """No circle between modules, even through a type-only or a late import: shared types live in a module of their
+    own, and a helper (a printer) lives below the modules that use it."""
     assert [] == circles(module_graph())
 
 
-def test_the_circle_check_finds_a_type_only_circle_and_ignores_a_late_import(tmp_path: Path) -> None:
+def test_the_circle_check_finds_a_type_only_circle_and_a_late_import_circle(tmp_path: Path) -> None:
     """Its negative control: render importing report's types under TYPE_CHECKING while report imports render is a
-    circle; the same import inside a function is not."""
+    circle; so is the same import inside a function, and a loop of three closed by one; the late import alone, with
+    nothing importing back, is not."""
     fake = tmp_path / "harness" / "workflow"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
@@ -160,6 +153,12 @@ def test_the_circle_check_finds_a_type_only_circle_and_ignores_a_late_import(tmp
                                     "    from harness.workflow.report import Report\n")
     assert [["harness.workflow.render", "harness.workflow.report"]] == circles(module_graph(tmp_path / "harness"))
     (fake / "render.py").write_text("def write(r):\n    from harness.workflow.report import Report\n")
+    assert [["harness.workflow.render", "harness.workflow.report"]] == circles(module_graph(tmp_path / "harness"))
+    (fake / "render.py").write_text("from harness.workflow import resume\n")
+    (fake / "resume.py").write_text("def run():\n    from harness.workflow.report import err\n")
+    assert [["harness.workflow.render", "harness.workflow.report", "harness.workflow.resume"]] == circles(
+        module_graph(tmp_path / "harness"))
+    (fake / "report.py").write_text("")
     assert [] == circles(module_graph(tmp_path / "harness"))
 
 

@@ -1,0 +1,156 @@
+"""The rank program: what every rank of a battery run executes (:func:`rank_body`). The model wrapped by the run's
+strategy with the harness's counting hook, the recipe's optional ``setup()``, its ``backward_window`` per window,
+then what every check needs (:class:`~harness.battery.run.WindowRecord`): the synchronized gradient, the weights
+before and after, the synchronization count, the logged loss, what the recipe left when it refused a window, and
+which global random generators or settings it touched (:mod:`harness.battery.rank_watch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.battery import rank_watch as watch
+from harness.battery import scenarios
+from harness.battery.chain import LR
+from harness.battery.options import RunSpec
+from harness.battery.run import WindowRecord
+from harness.battery.spec import ModelSpec
+from harness.battery.start import load as load_start
+from harness.battery.window_report import Passes, window_note
+from harness.distributed import launcher, strategies
+from harness.distributed.strategies.fsdp2 import local
+from harness.recipes import load_recipe
+from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation
+
+
+def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
+              find_unused: bool = False, max_norm: float | None = None,
+              start: torch.Tensor | np.ndarray | None = None) -> list[WindowRecord]:
+    """Runs on every rank: ``run``'s recipe on its model wrapped by its strategy (counting synchronizations), window
+    after window; ``digest`` is the fingerprint of the initial weights every rank must rebuild (None: the built-in
+    model, deterministic), ``find_unused`` whether parameters may miss a gradient in a backward, ``max_norm`` what
+    a clipping recipe clips to (:func:`harness.recipes.contract.clips`), ``start`` the flat weights the run starts
+    from (:mod:`harness.battery.start`, computed once by the parent, as a numpy array: a tensor argument would travel
+    through a shared-memory file per rank and launch; None: the initial weights)."""
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" else torch.device("cpu")
+    recipe = load_recipe(run.recipe)
+    spec = ModelSpec.of(run, digest)
+    model = spec.build()
+    spec.check_weights(model, f"rank {rank}")
+    load_start(model, start)  # the parent's warmed weights, bitwise: no rank recomputes them with other sums
+    model = model.to(dev)
+
+    def refuse_comm_hook() -> None:
+        raise ContractViolation(COMM_HOOK_OWNED)
+
+    # The bf16 lane: FSDP2 computes in bf16 through its own policy (reducing in float32); DDP has none, so the
+    # recipe runs under autocast, as a bf16 DDP training loop does.
+    low = run.precision == "bf16"
+    wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
+                                                reduction=declared_reduction(recipe, run.reduction),
+                                                on_comm_hook=refuse_comm_hook,
+                                                mixed_precision=torch.bfloat16 if low else None)
+    autocast_bf16 = low and run.strategy != "fsdp2"
+    ddp = wrapped.module
+    autocast = watch.AutocastSeen(dev.type)
+    model.register_forward_pre_hook(autocast)
+    passes = Passes()  # what the window's note reports: a rank that skipped its backward is named by it
+    passes.attach(model)
+    ddp.train()
+    setup = getattr(recipe, "setup", None)
+    if setup is not None:
+        setup()
+    records = []
+    for k, window in enumerate(windows):
+        mine = [spec.batch(mb.to(dev)) for mb in window[rank]]
+        for p in model.parameters():
+            p.grad = None
+        before = wrapped.full_params()
+        tensors = [local(p.detach()).clone() for p in model.parameters()]
+        autocast.seen = None
+        passes.reset()
+        rngs, threads, env = watch.rng_states(), torch.get_num_threads(), dict(os.environ)
+        wrapped.reset_syncs()
+        error = None
+        logged = None
+        norm = None
+        try:
+            with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
+                if max_norm is None:
+                    out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
+                else:
+                    out = recipe.backward_window(ddp, mine, max_norm=max_norm)  # type: ignore[call-arg,arg-type]
+                if isinstance(out, tuple) and len(out) == 2:
+                    out, norm = out[0], None if out[1] is None else watch.as_float(out[1])
+            logged = None if out is None else float(out)
+        except ValueError as exc:
+            error = f"ValueError: {exc}"
+        except AttributeError as exc:
+            mismatch = strategy_mismatch(str(exc), run.strategy)
+            if mismatch is None:
+                raise
+            raise ContractViolation(mismatch) from exc
+        left = watch.grads_left(model)
+        launcher.progress(k, window_note(k, wrapped.syncs, passes, left, error), collectives=wrapped.syncs)
+        moved, notes = watch.moved(rngs, watch.rng_states()), watch.settings_notes(threads, env)
+        grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
+        touched = float((wrapped.full_params() - before).abs().max()) if before.numel() else 0.0
+        edited = watch.changed_tensors(tensors, model)
+        grad = wrapped.full_grad() if error is None else None
+        if error is None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-LR)
+        records.append(
+            WindowRecord(
+                grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
+                logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
+                rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
+                autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(),
+            )
+        )
+        if error is not None:
+            break  # the window was refused; DDP may hold a half-prepared reduction, so stop here
+    del ddp, wrapped  # before the process group goes away (a DDP module alive then can keep the rank from exiting)
+    return records
+
+
+def declared_reduction(recipe: object, chosen: str | None = None) -> str:
+    """How the ranks must combine gradients for ``recipe``: ``chosen`` when the run names one (a test that runs a
+    recipe under the other reduction on purpose), else its ``reduction`` attribute when it declares one (``"sum"``:
+    written for a summing reduction, as torchtitan's loss is: divided by the global count without a world-size
+    factor), else the average (data parallelism's default)."""
+    if chosen is not None:
+        return chosen
+    declared = getattr(recipe, "reduction", None)
+    if declared is None:
+        return "mean"
+    if declared not in ("mean", "sum"):
+        msg = (f"{type(recipe).__name__}.reduction={declared!r} must be 'mean' (the ranks' gradients are averaged, "
+               "the default) or 'sum' (they are summed: a loss divided by the global count without a world-size "
+               "factor)")
+        raise ValueError(msg)
+    return str(declared)
+
+
+SKIP_SYNC = {"ddp": "model.no_sync()", "fsdp2": "model.set_requires_gradient_sync(False)"}
+"""How a recipe skips a gradient synchronization under each strategy."""
+
+
+def strategy_mismatch(error: str, strategy: str) -> str | None:
+    """The usage error for a recipe that skipped a synchronization the way of another strategy than the run's
+    (``AttributeError`` text ``error``), else None."""
+    wrong = next((s for s, call in SKIP_SYNC.items() if s != strategy and call.split("(")[0][6:] in error), None)
+    if wrong is None or strategy not in SKIP_SYNC:
+        return None
+    return (f"the recipe called {SKIP_SYNC[wrong]}, {wrong.upper()}'s way to skip a gradient synchronization, on a "
+            f"model under {strategy} ({error.strip()}): under {strategy} use {SKIP_SYNC[strategy]} around all "
+            "but the last microbatch, or harness.recipes.helpers.sync_context(model, i, n), which does the right "
+            "thing under either strategy")
