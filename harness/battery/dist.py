@@ -237,7 +237,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         spec = replace(options.spec(recipe, scenario, world, precision, strategy=strategy), device=device,
                        backend=backend)
         # The objective's drawn factors (weights, advantages): the same draw on every worker, as in prepare().
-        specs.append((spec, windows_for(spec, scenarios.build(scenario, world))))
+        specs.append((spec, windows_for(spec, scenarios.build(scenario, spec.mesh.data_ranks))))
     mine = _prepare_share(store, rank, world, specs)
     judged: dict[int, Run] = {}
     stopped: str | None = None

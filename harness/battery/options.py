@@ -16,6 +16,7 @@ from typing import Any
 
 # --objective: what the recipe's gradient must be the gradient of (the names, pure Python; the formulas are in
 # harness.core.objectives).
+from harness.core.mesh import Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
 
 DEADLINE = 30.0
@@ -198,6 +199,12 @@ class RunSpec:
             msg = (f"nodes={self.nodes!r} must be a positive number of nodes that divides world_size={self.world_size} "
                    "(each node holds world_size // nodes consecutive ranks)")
             raise ValueError(msg)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The layout of the run's ranks (:mod:`harness.core.mesh`): which of them share a window, which group a count
+        is reduced over. Every stage reads it here; a run is one-dimensional data parallelism over its world size."""
+        return Mesh.data_parallel(self.world_size)
 
     def at(self, scenario: str, world_size: int, precision: str) -> RunSpec:
         """The same run on another case."""

@@ -81,8 +81,9 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     """The parent's half of a run (:class:`Prepared`), before any rank starts. ``share_chain``: ``windows`` are the
     named scenario's own (:func:`harness.battery.scenarios.build`), so the reference chain computed for another recipe
     on the same case is reused."""
-    if spec.world_size != len(windows[0]):
-        msg = f"spec.world_size={spec.world_size} but the windows have {len(windows[0])} ranks"
+    if spec.mesh.data_ranks != len(windows[0]):
+        msg = (f"spec.world_size={spec.world_size} (mesh {spec.mesh.label}: {spec.mesh.data_ranks} distinct windows) "
+               f"but the windows have {len(windows[0])} ranks")
         raise ValueError(msg)
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
     objective = resolve(spec.objective, spec.recipe)

@@ -68,7 +68,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         setup()
     records = []
     for k, window in enumerate(windows):
-        mine = [spec.batch(mb.to(dev)) for mb in window[rank]]
+        mine = [spec.batch(mb.to(dev)) for mb in window[run.mesh.data_rank(rank)]]
         for p in model.parameters():
             p.grad = None
         before = wrapped.full_params()

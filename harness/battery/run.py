@@ -16,6 +16,7 @@ from harness.battery.objective import terms, value_at
 from harness.battery.options import RunSpec
 from harness.battery.spec import ModelSpec
 from harness.core.formats import HARNESS
+from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 from harness.core.objectives import PLAIN, Objective
 from harness.core.reference import Reference
@@ -106,6 +107,12 @@ class Run:
             f", {self.run_spec.strategy}" if self.run_spec is not None and self.run_spec.strategy != "ddp" else "")
         return (f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
                 f"{extra}")
+
+    @property
+    def mesh(self) -> Mesh:
+        """The layout of the run's ranks (:attr:`harness.battery.options.RunSpec.mesh`); a run assembled by hand is
+        data parallel over its world size."""
+        return self.run_spec.mesh if self.run_spec is not None else Mesh.data_parallel(self.world_size)
 
     @property
     def spec(self) -> ModelSpec:

@@ -47,7 +47,7 @@ def run(recipe: str | RunSpec, scenario: str | None = None, world_size: int | No
             raise TypeError(msg)
         spec = RunSpec(recipe, scenario, world_size, precision, **options)  # type: ignore[arg-type]
     if spec not in _CACHE:
-        _CACHE[spec] = launch_run(spec, scenarios.build(spec.scenario, spec.world_size), share_chain=True)
+        _CACHE[spec] = launch_run(spec, scenarios.build(spec.scenario, spec.mesh.data_ranks), share_chain=True)
     return _CACHE[spec]
 
 
@@ -80,7 +80,7 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
         return ready.run(None, model_error=ready.chain.model_error)
     preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
-        records = launch(rank_body, spec.world_size, spec, ready.windows, ready.digest, ready.wrap,
+        records = launch(rank_body, spec.mesh.world_size, spec, ready.windows, ready.digest, ready.wrap,
                          ready.chain.max_norm, None if ready.start is None else ready.start.numpy(),
                          deadline=spec.deadline, backend=spec.backend, device=spec.device, env=env, preload=preload,
                          lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
