@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from harness.battery.checks import Verdict
     from harness.battery.runner import Run
+    from harness.battery.verdict import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,8 @@ def _diagnosis_of(run: Run, verdict: Verdict) -> dict[str, object] | None:
 
 
 def measure() -> dict[str, object]:
-    from harness.battery import checks, runner
+    import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+    from harness.battery import registry, runner
     from harness.recipes.libraries import CASES, LIBRARY_RECIPES, NOT_ROWS, installed_version
 
     versions = {lib: installed_version(lib) for lib in ("torch", "transformers", "accelerate", "torchtitan")}
@@ -95,7 +96,7 @@ def measure() -> dict[str, object]:
         cells = {}
         for column, (check, scenario, world, precision) in CASES.items():
             run = runner.run(recipe.path, scenario, world, precision, strategy=recipe.strategy)
-            v = checks.CHECKS[check](run)
+            v = registry.CHECKS[check](run)
             want = recipe.expect(column)
             found = None
             if v.status == "fail" and (check == "parity" or want.diagnosis is not None):

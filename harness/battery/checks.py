@@ -1,226 +1,23 @@
-"""The battery's checks: each turns a :class:`~harness.battery.run.Run` into a verdict with the numbers behind it.
+"""The battery's checks: each turns a :class:`~harness.battery.run.Run` into a :class:`~harness.battery.verdict.Verdict`
+with the numbers behind it.
 
-A verdict never raises. Its ``status`` is ``"pass"``, ``"fail"`` or ``"n/a"`` (the check means nothing here: there is
-nothing to synchronize or agree on with one rank); a failure carries its ``cause``: ``"numbers"`` when the check's own
-comparison failed, else how the run itself failed (``"desync"``, ``"crash"``, ``"died"``, ``"deadline"``,
-``"refused"``). The battery's tests fail with ``verdict.message``; the negative-control tests require the cause their
-control's mistake produces; the command line prints verdicts as a table.
+Each is one function registered with :func:`~harness.battery.registry.check`, in the order the battery reports them;
+importing this module fills :data:`harness.battery.registry.REGISTRY`. A run that failed is read as a verdict by
+:mod:`harness.battery.failed_runs` before a check compares anything.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-
 import torch
 
 from harness.battery.diagnose import diagnose, worst
+from harness.battery.failed_runs import failed_run, unexpected_error
 from harness.battery.rank_program import SKIP_SYNC
+from harness.battery.registry import check
 from harness.battery.run import Run, token_mean_at
 from harness.battery.run_readings import rounding_only
+from harness.battery.verdict import NOT_APPLICABLE, Verdict, failed, make_verdict, passed, strategy
 from harness.core.compare import compare, max_abs_difference, tolerances
-from harness.distributed.errors import LaunchError
-
-PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
-_KIND_CAUSE = {"raised": "crash", "died": "died", "deadline": "deadline", "desync": "desync"}
-
-
-@dataclass(frozen=True)
-class Verdict:
-    check: str
-    recipe: str
-    scenario: str
-    world_size: int
-    precision: str
-    status: str
-    message: str
-    cause: str | None = None
-    max_error: float | None = None
-    worst_ratio: float | None = None
-    over_tolerance: int | None = None
-    window: int | None = None
-    finding: str | None = None
-    """A named reading of the numbers: ``"float32_computation"`` when a float64 error sits at float32 scale."""
-    notes: tuple[str, ...] = ()
-    details: str | None = None
-    """Every rank's whole report when the run failed (tracebacks, stacks), for ``-v``."""
-    diagnosis: dict[str, object] | None = None
-    """A failing parity verdict's diagnosis (:meth:`harness.battery.diagnose.Diagnosis.to_dict`): the effective
-    weights, the signature they match and the per-parameter table."""
-    label: str | None = None
-    """The battery table's row for a verdict that is not one (scenario, world size, precision) case: the drawn
-    lane's ``"drawn (12 layouts, W in 1,2,3,4, fp32)"`` (its ``world_size`` is 0: several). None: the case's row."""
-    strategy: str = "ddp"
-    """The data-parallel strategy the ranks ran under (``"ddp"``, ``"fsdp2"``)."""
-
-    @property
-    def passed(self) -> bool:
-        """True unless the check failed (a check that does not apply did not fail; ``status`` tells them apart)."""
-        return self.status != FAIL
-
-    def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "passed": self.passed}
-
-
-def _verdict(check: str, run: Run, status: str, detail: str, window: int | None = None, **fields: object) -> Verdict:
-    head = {PASS: "passed", FAIL: "FAILED", NOT_APPLICABLE: "not applicable"}[status]
-    message = f"check {check} {head}: {run.label(window)}: {detail}"
-    if status == FAIL and "cause" not in fields:
-        fields["cause"] = "numbers"
-    fields.setdefault("strategy", _strategy(run))
-    return Verdict(check, run.recipe, run.scenario, run.world_size, run.precision, status, message, window=window,
-                   **fields)  # type: ignore[arg-type]
-
-
-def _passed(check: str, run: Run, detail: str, window: int | None = None, **fields: object) -> Verdict:
-    return _verdict(check, run, PASS, detail, window, **fields)
-
-
-def _failed(check: str, run: Run, detail: str, window: int | None = None, **fields: object) -> Verdict:
-    return _verdict(check, run, FAIL, detail, window, **fields)
-
-
-_TRACEBACK = "Traceback (most recent call last):"
-_CHAINED = ("The above exception was the direct cause of the following exception:",
-            "During handling of the above exception, another exception occurred:")
-SHORT_BLOCK = 12
-"""An exception block (its ``Type: message`` line and continuation lines) of at most this many lines is kept whole."""
-_REMEDY = re.compile(
-    r"find_unused_parameters|static_graph|use_reentrant|collective mismatch|connection closed|environment variable"
-    r"|\b(?:TORCH|NCCL|GLOO|CUDA|OMP|MASTER)_[A-Z0-9_]+|parameter (?:indices|index|at index|names?)|\bwith name\b"
-    r"|(?:did not|didn't|does not) receive grad|marked as ready|\bparameters? .*\bnames?\b|\bworkaround\b",
-    re.IGNORECASE,
-)
-"""A line of a long exception block worth keeping: a remedy DDP, gloo or torch names (an option, a method, an
-environment variable) or the culprit (parameter indices or names, a collective mismatch)."""
-
-
-def _meaningful(text: str) -> list[str]:
-    """Non-empty lines, right-stripped, without the caret underlines Python 3.11 puts under a frame's code."""
-    return [ln.rstrip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("^~ ")]
-
-
-def _exception_block(segment: list[str]) -> tuple[str | None, list[str]]:
-    """A traceback segment's innermost frame and its exception block (``Type: message`` and every line after it)."""
-    last = max((i for i, ln in enumerate(segment) if ln.lstrip().startswith('File "')), default=None)
-    if last is None:
-        return None, segment
-    start = last + 1
-    while start < len(segment) and segment[start].startswith("    "):
-        start += 1  # the frame's code line
-    return segment[last].strip(), segment[start:]
-
-
-def _cut(block: list[str], limit: int) -> list[str]:
-    """A short block whole; a long one as its first line, every line naming a remedy or a culprit, and its last
-    line, with ``...`` where lines were left out."""
-    if len(block) <= limit:
-        return block
-    keep = [0, *(i for i in range(1, len(block) - 1) if _REMEDY.search(block[i])), len(block) - 1]
-    out: list[str] = []
-    for prev, i in zip([-1, *keep], keep):
-        if i - prev > 1:
-            out.append(f"... ({i - prev - 1} line{'s' if i - prev > 2 else ''} left out)")
-        out.append(block[i])
-    return out
-
-
-def crash_summary(text: str, limit: int = SHORT_BLOCK) -> list[str]:
-    """The lines of a rank's report a reader needs, never the caret underlines of Python 3.11.
-
-    For a traceback: what the launcher said before it (``died from SIGABRT``, the dead rank's last output, ``(rank 1
-    then raised:)``), the innermost frame, and the exception's type and message: the whole block when it has at most
-    ``limit`` lines (DDP's errors put the parameter indices and ``find_unused_parameters=True`` before a last line
-    about ``TORCH_DISTRIBUTED_DEBUG``), else its first line, every line naming a remedy or a culprit, and its last
-    line.
-    A chained exception adds its innermost cause (``caused by: Type: message``). A stack (faulthandler's, newest
-    frame first) gives its header and newest frames; any other text its first lines.
-    """
-    lines = _meaningful(text)
-    if not lines:
-        return ["(nothing reported)"]
-    starts = [i for i, ln in enumerate(lines) if ln.strip() == _TRACEBACK]
-    if not starts:
-        frames = [i for i, ln in enumerate(lines) if ln.lstrip().startswith('File "')]
-        if frames and any("most recent call first" in ln for ln in lines):
-            return [ln.strip() for ln in lines[: frames[0]] + lines[frames[0] : frames[0] + 2]]
-        return _cut([ln.strip() for ln in lines], limit)
-    preamble = [ln.strip() for ln in lines[: starts[0]]]
-    segments = [lines[a + 1 : b] for a, b in zip(starts, [*starts[1:], len(lines)])]
-    segments = [[ln for ln in seg if ln.strip() not in _CHAINED] for seg in segments]
-    frame, block = _exception_block(segments[-1])
-    out = [*_cut(preamble, limit), *([frame] if frame else []), *_cut([ln.strip() for ln in block], limit)]
-    if len(segments) > 1:
-        _, cause = _exception_block(segments[0])
-        if cause:
-            out.append(f"caused by: {cause[0].strip()}")
-            out += [ln.strip() for ln in cause[1:] if _REMEDY.search(ln)][: limit]
-    return out
-
-
-def _failed_run(check: str, run: Run) -> Verdict | None:
-    if run.failure is None:
-        return None
-    err = run.failure
-    what = {"deadline": "hung past the deadline", "died": "lost a rank", "raised": "crashed",
-            "desync": "left its ranks out of step"}.get(err.kind, err.kind)
-    lines = [str(err).splitlines()[0]]
-    for i, rank in enumerate(err.ranks):
-        detail = err.details.get(rank, "")
-        if i == 0:
-            lines += [f"  rank {rank}: {ln}" for ln in crash_summary(detail)]
-        elif _TRACEBACK in detail:
-            # A peer that failed too: what the launcher said of it, and its exception's first line.
-            shown = [ln for ln in crash_summary(detail) if not ln.startswith('File "')][:2]
-            if len(shown) == 2 and any(ln.endswith(f": {shown[1]}") for ln in lines):
-                shown = [f"{shown[0]}: the same {shown[1].split(':', 1)[0]}"]
-            lines += [f"  rank {rank}: {ln}" for ln in shown]
-        else:
-            # A peer's faulthandler stack starts with its newest frame: where it was stuck.
-            stack = [ln.strip() for ln in detail.splitlines() if ln.strip()]
-            lines += [f"  rank {rank}: {ln}" for ln in stack[:3]]
-    if err.kind == "deadline":
-        lines.insert(1, f"  the time ran out {deadline_phase(err, len(run.windows))}")
-        lines.append(f"  raise it with --battery-deadline SECONDS (pytest and the command line alike); "
-                     f"this run had {'?' if err.deadline is None else f'{err.deadline:g}'} s")
-    return _failed(check, run, f"the run {what}: " + "\n".join(lines), cause=_KIND_CAUSE.get(err.kind, err.kind),
-                   details=str(err))
-
-
-def deadline_phase(err: LaunchError, windows: int) -> str:
-    """Where the ranks still running at the deadline were, from the launcher's record of each rank (its function
-    started or not, the last window it reported through ``progress``): ``"during start-up ..."``, ``"in window k of
-    n ..."`` or ``"after the last window ..."``, with the ranks when they were in different places."""
-    where: dict[str, list[int]] = {}
-    for rank in err.ranks:
-        step = err.progress.get(rank)
-        k = 0 if step is None else step + 1
-        if rank not in err.started and step is None:
-            phase = "during start-up (the process group's rendezvous, before the first window)"
-        elif k == 0:
-            phase = f"in window 0 of {windows} (no window finished: the model's build, the recipe's setup() or its " \
-                    "first backward_window)"
-        elif k < windows:
-            phase = f"in window {k} of {windows} (window {k - 1} finished)"
-        else:
-            phase = f"after the last window (all {windows} finished; the run's end)"
-        where.setdefault(phase, []).append(rank)
-    if len(where) == 1:
-        return next(iter(where))
-    return "; ".join(f"{phase} on rank(s) {ranks}" for phase, ranks in where.items())
-
-
-def _unexpected_error(check: str, run: Run) -> Verdict | None:
-    assert run.records is not None
-    for rank, records in enumerate(run.records):
-        for k, rec in enumerate(records):
-            if rec.error is not None and run.references[k] is not None:
-                return _failed(check, run, f"rank {rank} raised {rec.error} on a window with supervised tokens", k,
-                               cause="refused")
-    return None
-
 
 BF16_RELATIVE_L2 = 2e-2
 """A float32-lane error this small in relative L2 (``|g - ref| / |ref|``) sits at bfloat16 rounding scale: the correct
@@ -228,93 +25,13 @@ recipe under bf16 autocast misses the reference by 4.1e-3 to 4.6e-3, a mean of l
 25 tokens by at least 3.75e-2 (FACTS, measured on these machines)."""
 
 
-def _usage_error(check: str, run: Run) -> Verdict | None:
-    """A rank that raised :class:`~harness.recipes.contract.ContractViolation`: a usage error, not a verdict on the
-    numbers."""
-    if run.failure is None:
-        return None
-    for rank, text in run.failure.details.items():
-        for line in text.splitlines():
-            if "ContractViolation:" in line:
-                why = line.split("ContractViolation:", 1)[1].strip()
-                return _failed(check, run, f"usage error on rank {rank}: {why}", cause="usage",
-                               details=str(run.failure))
-    return None
-
-
-SCENARIO_SETS = ("with_tokens", "all_empty", "every")
-"""Where a check runs: every scenario with supervised tokens (the default), only ``all_empty`` (no token anywhere in
-the window), or every scenario."""
-
-
-@dataclass(frozen=True)
-class CheckInfo:
-    """A registered check: its name, the function, whether it runs in every selected precision (the numbers depend on
-    it) or in the first only, and where it runs (:data:`SCENARIO_SETS`)."""
-
-    name: str
-    fn: Callable[[Run], Verdict]
-    per_precision: bool
-    scenarios: str
-
-    def runs_on(self, scenario: str) -> bool:
-        if self.scenarios == "every":
-            return True
-        return (scenario == "all_empty") == (self.scenarios == "all_empty")
-
-
-REGISTRY: dict[str, CheckInfo] = {}
-"""Every check, in the order the battery reports them (the order they are defined below)."""
-
-CHECKS: dict[str, Callable[[Run], Verdict]] = {}
-"""Every check by name, in :data:`REGISTRY`'s order (the plan, the command line and the controls' targets name them)."""
-
-
-def check(*, per_precision: bool = False, scenarios: str = "with_tokens") -> Callable[[Callable[[Run], Verdict]],
-                                                                                       Callable[[Run], Verdict]]:
-    """Register a check: the plan (:func:`harness.battery.plan.cases`), the command line and the pytest lane find it
-    here, in definition order. What every check does around its own comparison: a case the model cannot run is n/a
-    with the model's own error; a recipe that broke the contract so that nothing can be judged is a usage error; what
-    the harness found about the model (:attr:`Run.notes`) travels with the verdict, and a failure's message ends with
-    it."""
-    if scenarios not in SCENARIO_SETS:
-        msg = f"scenarios={scenarios!r} must be one of {', '.join(SCENARIO_SETS)}"
-        raise ValueError(msg)
-
-    def register(fn: Callable[[Run], Verdict]) -> Callable[[Run], Verdict]:
-        name = fn.__name__
-        if name in REGISTRY:
-            msg = f"a check named {name!r} is already registered ({REGISTRY[name].fn.__module__}); pick another name"
-            raise ValueError(msg)
-
-        @functools.wraps(fn)
-        def judged(run: Run) -> Verdict:
-            if run.model_error is not None:
-                return _verdict(name, run, NOT_APPLICABLE, f"{run.model_error}. A property of the model, not of the "
-                                "recipe: this case is not judged on this model (docs/your-model.md says what a "
-                                "model must allow)", notes=run.notes)
-            verdict = _usage_error(name, run) or fn(run)
-            if not run.notes:
-                return verdict
-            message = verdict.message
-            if verdict.status == FAIL:
-                message += "".join(f"\n  model: {n}" for n in run.notes)
-            return replace(verdict, message=message, notes=verdict.notes + run.notes)
-
-        REGISTRY[name] = CheckInfo(name, judged, per_precision, scenarios)
-        CHECKS[name] = judged
-        return judged
-
-    return register
-
-
 def _broken(check: str, run: Run) -> Verdict | None:
-    return _failed_run(check, run) or _unexpected_error(check, run)
+    return failed_run(check, run) or unexpected_error(check, run)
 
 
 def _single_rank(check: str, run: Run, why: str) -> Verdict | None:
     if run.world_size == 1:
-        return _verdict(check, run, NOT_APPLICABLE, why)
+        return make_verdict(check, run, NOT_APPLICABLE, why)
     return None
 
 
@@ -347,10 +64,6 @@ def _scalar_tolerances(run: Run) -> tuple[float, float]:
     return tolerances(torch.float32 if run.precision == "fp32" else torch.float64)
 
 
-def _strategy(run: Run) -> str:
-    return run.run_spec.strategy if run.run_spec is not None else "ddp"
-
-
 def _relative_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     norm = float(ref.double().norm())
     return float((got.double() - ref.double()).norm()) / norm if norm > 0 else float("inf")
@@ -367,10 +80,10 @@ def parity(run: Run) -> Verdict:
         return _parity_bf16(run)
     autocast = _autocast(run)
     if autocast is not None and run.precision == "fp64":
-        return _verdict("parity", run, NOT_APPLICABLE, f"the recipe's forward runs under autocast ({autocast}); "
-                        "autocast leaves float64 alone on the CPU, so this lane would judge a float64 computation "
-                        "the recipe never runs in training: the float32 lane judges it (--precision fp32)",
-                        finding="autocast")
+        return make_verdict("parity", run, NOT_APPLICABLE, f"the recipe's forward runs under autocast ({autocast}); "
+                            "autocast leaves float64 alone on the CPU, so this lane would judge a float64 computation "
+                            "the recipe never runs in training: the float32 lane judges it (--precision fp32)",
+                            finding="autocast")
     picked = worst(run)
     assert picked is not None
     k, rank = picked
@@ -386,7 +99,7 @@ def parity(run: Run) -> Verdict:
     if lowered:
         detail += " (float32 tolerances: the model computes part of its forward in float32)"
     if c.passed:
-        return _passed("parity", run, detail, window=k, **numbers)
+        return passed("parity", run, detail, window=k, **numbers)
     finding = None
     if run.precision == "fp64" and not lowered:
         atol, rtol = tolerances(torch.float32)
@@ -415,8 +128,8 @@ def parity(run: Run) -> Verdict:
                    "larger (a mean of local means misses by a relative L2 of about 0.5)")
     if found is not None:
         detail += "\n  " + found.line()
-    return _failed("parity", run, detail, k, finding=finding, diagnosis=None if found is None else found.to_dict(),
-                   **numbers)
+    return failed("parity", run, detail, k, finding=finding, diagnosis=None if found is None else found.to_dict(),
+                  **numbers)
 
 
 def _parity_bf16(run: Run) -> Verdict:
@@ -438,7 +151,7 @@ def _parity_bf16(run: Run) -> Verdict:
             f" not judged: too balanced for a weighting mistake to stand {bf16.SEPARATION:g}x above the bound")
     scaled = bf16.scale_finding(noise, read)  # a uniform scale: judged on every window, balanced or not
     if not judged and scaled is None:
-        return _verdict("parity", run, NOT_APPLICABLE, f"no window of this case can be judged in bf16: {said}")
+        return make_verdict("parity", run, NOT_APPLICABLE, f"no window of this case can be judged in bf16: {said}")
     w = max(judged or read, key=lambda w: w.error)
     detail = (f"worst on rank {w.rank}, window {w.window}: error {w.error:.2e}, {w.error / noise.bound:.2f}x the "
               f"bound; {said}; a mean of local means would miss by {w.mistake:.2e} here "
@@ -450,7 +163,7 @@ def _parity_bf16(run: Run) -> Verdict:
         numbers = {"max_error": abs(w.scale - 1), "worst_ratio": abs(w.scale - 1) / noise.scale_bound}
         within = noise.scale_bound
     elif w.error <= noise.bound:
-        return _passed("parity", run, f"{detail}; {noise.scale_note()}", window=w.window, **numbers)
+        return passed("parity", run, f"{detail}; {noise.scale_note()}", window=w.window, **numbers)
     k, rank = w.window, w.rank
     from harness.core.diagnosis import accuracy
 
@@ -458,7 +171,7 @@ def _parity_bf16(run: Run) -> Verdict:
         found = diagnose(run, k, rank)
     if found is not None:
         detail += "\n  " + found.line() + f" (read from a bf16 gradient: weights to within {within:.1e})"
-    return _failed("parity", run, detail, k, diagnosis=None if found is None else found.to_dict(), **numbers)
+    return failed("parity", run, detail, k, diagnosis=None if found is None else found.to_dict(), **numbers)
 
 
 @check()
@@ -473,10 +186,10 @@ def one_sync(run: Run) -> Verdict:
         for k, rec in enumerate(records):
             if rec.syncs != 1:
                 n = len(run.windows[k][rank])
-                return _failed("one_sync", run, f"rank {rank} synchronized gradients {rec.syncs} times in a window "
-                               f"of {n} microbatches; expected 1 (forward and backward of all but the last microbatch "
-                               f"inside {SKIP_SYNC.get(_strategy(run), 'model.no_sync()')})", k)
-    return _passed("one_sync", run, "one synchronization per window on every rank")
+                return failed("one_sync", run, f"rank {rank} synchronized gradients {rec.syncs} times in a window "
+                              f"of {n} microbatches; expected 1 (forward and backward of all but the last microbatch "
+                              f"inside {SKIP_SYNC.get(strategy(run), 'model.no_sync()')})", k)
+    return passed("one_sync", run, "one synchronization per window on every rank")
 
 
 @check()
@@ -490,9 +203,9 @@ def ranks_agree(run: Run) -> Verdict:
         for rank in range(1, run.world_size):
             d = max_abs_difference([run.records[0][k].params_after], [run.records[rank][k].params_after])
             if d != 0.0:
-                return _failed("ranks_agree", run, f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} "
-                               "after the step", k, max_error=d)
-    return _passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
+                return failed("ranks_agree", run, f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} "
+                              "after the step", k, max_error=d)
+    return passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
 
 
 @check()
@@ -512,7 +225,7 @@ def logged_loss(run: Run) -> Verdict:
         if all(v is None for v in values):
             continue
         if any(v is None for v in values):
-            return _failed("logged_loss", run, f"some ranks returned a loss and others None: {values}", k)
+            return failed("logged_loss", run, f"some ranks returned a loss and others None: {values}", k)
         truth: dict[bytes, float] = {}
         for rank, v in enumerate(values):
             before = run.records[rank][k].params_before
@@ -523,12 +236,12 @@ def logged_loss(run: Run) -> Verdict:
             err = abs(v - want)  # type: ignore[operator]
             if not err <= atol + rtol * abs(want):
                 what = "the global token mean" if run.objective.plain else f"the {run.objective.name} objective"
-                return _failed("logged_loss", run, f"rank {rank} logged {v!r}; {what} at its weights "
-                               f"is {want!r} (error {err:.3e})", k, max_error=err)
+                return failed("logged_loss", run, f"rank {rank} logged {v!r}; {what} at its weights "
+                              f"is {want!r} (error {err:.3e})", k, max_error=err)
             worst = err if worst is None else max(worst, err)
     if worst is None:
-        return _passed("logged_loss", run, "no logged loss returned (it is optional)")
-    return _passed("logged_loss", run, "the logged loss is the global token mean on every rank", max_error=worst)
+        return passed("logged_loss", run, "no logged loss returned (it is optional)")
+    return passed("logged_loss", run, "the logged loss is the global token mean on every rank", max_error=worst)
 
 
 @check(per_precision=True)
@@ -545,16 +258,16 @@ def hygiene(run: Run) -> Verdict:
     for rank, records in enumerate(run.records):
         for k, rec in enumerate(records):
             if rec.mode_changed:
-                return _failed("hygiene", run, f"rank {rank}: the recipe took the model out of train mode", k)
+                return failed("hygiene", run, f"rank {rank}: the recipe took the model out of train mode", k)
             if rec.rng_changed:
-                return _failed("hygiene", run, f"rank {rank}: the recipe moved the global random generator(s) "
-                               f"{', '.join(rec.rng_changed)}: use a generator of its own", k)
+                return failed("hygiene", run, f"rank {rank}: the recipe moved the global random generator(s) "
+                              f"{', '.join(rec.rng_changed)}: use a generator of its own", k)
             if any(d != dtype for d in rec.grad_dtypes):
-                return _failed("hygiene", run, f"rank {rank}: gradients in {sorted(set(rec.grad_dtypes))}, the model "
-                               f"is {dtype}", k)
+                return failed("hygiene", run, f"rank {rank}: gradients in {sorted(set(rec.grad_dtypes))}, the model "
+                              f"is {dtype}", k)
             notes += [f"rank {rank}, window {k}: {n}" for n in rec.notes]
     detail = "mode, random generators and dtype untouched" + (f" (notes: {'; '.join(notes)})" if notes else "")
-    return _passed("hygiene", run, detail, notes=tuple(notes))
+    return passed("hygiene", run, detail, notes=tuple(notes))
 
 
 @check()
@@ -564,8 +277,8 @@ def clipping(run: Run) -> Verdict:
     shard's. (The clipped gradient itself is parity's: the reference is clipped the same way; that the ranks stay
     identical is ranks_agree's.)"""
     if run.max_norm is None:
-        return _verdict("clipping", run, NOT_APPLICABLE, "the recipe does not clip (a recipe whose backward_window "
-                        "takes a max_norm keyword clips and returns (loss, norm); docs/recipe-contract.md)")
+        return make_verdict("clipping", run, NOT_APPLICABLE, "the recipe does not clip (a recipe whose backward_window "
+                            "takes a max_norm keyword clips and returns (loss, norm); docs/recipe-contract.md)")
     bad = _broken("clipping", run)
     if bad:
         return bad
@@ -581,26 +294,26 @@ def clipping(run: Run) -> Verdict:
                 continue
             got = records[k].grad_norm
             if got is None:
-                return _failed("clipping", run, f"rank {rank} returned no norm: a clipping recipe returns (loss, "
-                               "total_norm), the norm clip_grad_norm_ returns", k)
+                return failed("clipping", run, f"rank {rank} returned no norm: a clipping recipe returns (loss, "
+                              "total_norm), the norm clip_grad_norm_ returns", k)
             err = abs(got - want)
             if not err <= atol + rtol * abs(want):
                 from harness.battery.clipping_diagnosis import read_norm
 
                 norm = read_norm(run, k, rank, got)  # which norm it is, named only where the number fits
-                return _failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}, {norm.ratio:.4g}x "
-                               f"the reference's global norm before clipping, {want:.6g} (error {err:.3e}; max_norm "
-                               f"{run.max_norm:.6g}): {norm.sentence}", k, max_error=err, finding=norm.name)
+                return failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}, {norm.ratio:.4g}x "
+                              f"the reference's global norm before clipping, {want:.6g} (error {err:.3e}; max_norm "
+                              f"{run.max_norm:.6g}): {norm.sentence}", k, max_error=err, finding=norm.name)
             worst_error = max(worst_error, err)
-    return _passed("clipping", run, f"every rank returned the reference's global norm (max_norm {run.max_norm:.6g}, "
-                   f"clipping engaged in {engaged} window(s))", max_error=worst_error)
+    return passed("clipping", run, f"every rank returned the reference's global norm (max_norm {run.max_norm:.6g}, "
+                  f"clipping engaged in {engaged} window(s))", max_error=worst_error)
 
 
 @check(scenarios="all_empty")
 def empty_window(run: Run) -> Verdict:
     """A window without any supervised token: every rank raises ValueError, none hangs, and the recipe leaves no
     gradient other than zero and no weight changed (what a training loop would otherwise step on)."""
-    bad = _failed_run("empty_window", run)
+    bad = failed_run("empty_window", run)
     if bad:
         return bad
     assert run.records is not None
@@ -622,25 +335,25 @@ def empty_window(run: Run) -> Verdict:
                                                        "a training loop would step its optimizer on them"))
         touched = (f", and changed weights by up to {rec.weights_touched:.3e}" if rec.weights_touched != 0.0 else "")
         others = (f"; so did rank(s) {', '.join(str(r) for r in returned[1:])}" if len(returned) > 1 else "")
-        return _failed("empty_window", run, f"rank {rank} returned {value} instead of raising ValueError on a window "
-                       f"without any supervised token, leaving {grads}{touched} ({consequence}){others}", 0)
+        return failed("empty_window", run, f"rank {rank} returned {value} instead of raising ValueError on a window "
+                      f"without any supervised token, leaving {grads}{touched} ({consequence}){others}", 0)
     for rank, records in enumerate(run.records):
         rec = records[0]
         if rec.grads_left not in ("none", "zero"):
             grads = left.get(rec.grads_left, (f"{rec.grads_left} gradients in .grad", ""))[0]
-            return _failed("empty_window", run, f"rank {rank} raised ValueError, but left {grads} for the next "
-                           "window to add to", 0)
+            return failed("empty_window", run, f"rank {rank} raised ValueError, but left {grads} for the next "
+                          "window to add to", 0)
         if rec.weights_touched != 0.0:
-            return _failed("empty_window", run, f"rank {rank} changed weights by up to {rec.weights_touched:.3e} "
-                           "before raising", 0, max_error=rec.weights_touched)
-    return _passed("empty_window", run, "every rank raised ValueError and left no gradient and no weight changed")
+            return failed("empty_window", run, f"rank {rank} changed weights by up to {rec.weights_touched:.3e} "
+                          "before raising", 0, max_error=rec.weights_touched)
+    return passed("empty_window", run, "every rank raised ValueError and left no gradient and no weight changed")
 
 
 @check(scenarios="every")
 def weights_unchanged(run: Run) -> Verdict:
     """``backward_window`` leaves every weight bitwise as it found it: stepping, weight decay and any other edit of
     the weights belong to the training loop, after the gradient the battery checks."""
-    bad = _failed_run("weights_unchanged", run)
+    bad = failed_run("weights_unchanged", run)
     if bad:
         return bad
     assert run.records is not None
@@ -649,11 +362,11 @@ def weights_unchanged(run: Run) -> Verdict:
             if rec.weights_changed:
                 names = ", ".join(rec.weights_changed[:6]) + (
                     f" and {len(rec.weights_changed) - 6} more" if len(rec.weights_changed) > 6 else "")
-                return _failed("weights_unchanged", run, f"rank {rank}: backward_window changed "
-                               f"{len(rec.weights_changed)} weight tensor(s) in place ({names}) by up to "
-                               f"{rec.weights_touched:.3e}; a recipe must leave the weights alone (an in-place weight "
-                               "decay, an optimizer step or a weight clamp belongs to the training loop, after "
-                               "backward_window returns)", k, max_error=rec.weights_touched)
-    return _passed("weights_unchanged", run, "every call left every weight bitwise unchanged on every rank",
-                   max_error=0.0)
+                return failed("weights_unchanged", run, f"rank {rank}: backward_window changed "
+                              f"{len(rec.weights_changed)} weight tensor(s) in place ({names}) by up to "
+                              f"{rec.weights_touched:.3e}; a recipe must leave the weights alone (an in-place weight "
+                              "decay, an optimizer step or a weight clamp belongs to the training loop, after "
+                              "backward_window returns)", k, max_error=rec.weights_touched)
+    return passed("weights_unchanged", run, "every call left every weight bitwise unchanged on every rank",
+                  max_error=0.0)
 

@@ -42,13 +42,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from harness.battery import checks, plan, scenarios
-from harness.battery.checks import FAIL, Verdict
+from harness.battery import plan, registry, scenarios
 from harness.battery.objective import windows_for
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
+from harness.battery.verdict import FAIL, Verdict
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
 
@@ -264,7 +264,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     # Each rank judges the runs it owns, all at once, then rank 0 gathers the verdicts in the battery's order.
     for i, run in judged.items():
         mine_cases = [c for c in cases if (c.scenario, c.precision, c.strategy) == runs[i]]
-        _put(store, f"{i}/verdicts", [checks.CHECKS[c.check](run) for c in mine_cases])
+        _put(store, f"{i}/verdicts", [registry.CHECKS[c.check](run) for c in mine_cases])
     status = 0
     if rank == 0:
         verdicts: list[Verdict] = [v for i in range(done) for v in _get(store, f"{i}/verdicts", options.deadline)]

@@ -13,8 +13,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
 from harness.battery.table import ControlResult, row_label, write_text_atomic
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, Verdict
 
 CONTROLS_SUITE = "negative controls"
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from harness.battery import checks, runner
-from harness.battery.checks import FAIL, NOT_APPLICABLE, PASS, Verdict
+import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+from harness.battery import registry, runner
 from harness.battery.facts import ModelFacts
 from harness.battery.options import WORLD_SIZES, BatteryOptions, RunSpec
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
 from harness.data.corpus import Row
@@ -199,7 +200,7 @@ def shrink(layout: Layout, fails: Callable[[Layout], bool], budget: int = 10,
     return layout, spent
 
 
-DRAWN_CHECKS = tuple(name for name, info in checks.REGISTRY.items() if info.runs_on("drawn"))
+DRAWN_CHECKS = tuple(name for name, info in registry.REGISTRY.items() if info.runs_on("drawn"))
 """What every drawn layout is checked for: every registered check that runs on a window with supervised tokens
 (parity, one synchronization, ranks agree, the logged loss, hygiene, clipping, weights unchanged; a check that does
 not apply, such as clipping for a recipe that does not clip or one_sync at W=1, is n/a there). A drawn layout always
@@ -245,7 +246,7 @@ def judge_layout(recipe: str, layout: Layout, options: BatteryOptions, precision
     spec = replace(options.spec(recipe, "drawn", layout.world_size, precision, strategy=strategy),
                    init_seed=layout.init_seed)
     run = runner.launch_run(spec, layout.windows_for(spec))
-    return [checks.CHECKS[c](run) for c in DRAWN_CHECKS]
+    return [registry.CHECKS[c](run) for c in DRAWN_CHECKS]
 
 
 def _failing(verdicts: list[Verdict]) -> list[Verdict]:

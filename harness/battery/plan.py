@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
 from harness.battery import scenarios
-from harness.battery.checks import REGISTRY
 from harness.battery.options import (
     MAX_SCENARIO_WORLD_SIZE,
     PRECISION_CHOICES,
@@ -21,6 +21,7 @@ from harness.battery.options import (
     precisions,
     strategies,
 )
+from harness.battery.registry import REGISTRY
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Case:
 
 def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
           checks: Sequence[str] | None = None, strategy: str = "ddp") -> list[Case]:
-    """Every case of the battery, in a stable order: by check (:data:`harness.battery.checks.REGISTRY`'s order, each
+    """Every case of the battery, in a stable order: by check (:data:`harness.battery.registry.REGISTRY`'s order, each
     check where and in the precisions it registered for), then scenario, world size, strategy and precision."""
     lanes = precisions(precision)
     ways = strategies(strategy)

@@ -7,8 +7,10 @@ A run goes through these stages, each in its own module (``docs/layout.md`` draw
 3. the rank program (:mod:`harness.battery.rank_program`): what every rank runs;
 4. the launch (this module): :func:`run` (cached per :class:`~harness.battery.options.RunSpec`),
    :func:`run_windows` (explicit windows) and :func:`launch_run`, each giving a :class:`~harness.battery.run.Run`;
-5. judging (:mod:`harness.battery.checks`), 6. diagnosis (:mod:`harness.battery.diagnose`), 7. the report
-   (:mod:`harness.battery.table`, :mod:`harness.battery.junit`).
+5. judging: the checks (:mod:`harness.battery.checks`, listed in :mod:`harness.battery.registry`), each giving a
+   :class:`~harness.battery.verdict.Verdict`, a failed launch read as one (:mod:`harness.battery.failed_runs`);
+6. diagnosis (:mod:`harness.battery.diagnose`); 7. the report (:mod:`harness.battery.table`,
+   :mod:`harness.battery.junit`).
 
 ``model`` (``"pkg.mod:factory"``) checks the recipe on a user's model instead of the built-in one, and
 ``batch_format="hf"`` hands the recipe each microbatch as the dict a Hugging Face loop sees; both travel to the ranks

@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.battery import checks, plan, runner
-from harness.battery.checks import FAIL, NOT_APPLICABLE, Verdict
+from harness.battery import plan, registry, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.options import BatteryOptions
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, Verdict
 from harness.recipes import CONTROLS
 from harness.recipes.catalog import IN_PROCESS
 
@@ -37,7 +37,7 @@ def run_cases(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions |
         try:
             run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision,
                                           strategy=case.strategy))
-            verdicts.append(checks.CHECKS[case.check](run))
+            verdicts.append(registry.CHECKS[case.check](run))
         except Exception as exc:
             verdicts.append(error_verdict(recipe, case, exc))
     return verdicts
@@ -110,7 +110,7 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
                                 batch_format=target.batch_format, strategy=target.strategy,
                                 objective=target.objective)
             run = runner.run(spec)
-            verdict = checks.CHECKS[target.check](run)
+            verdict = registry.CHECKS[target.check](run)
             found = verdict.diagnosis
             if found is None:
                 read = diagnose(run)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.battery import checks, plan, runner
-from harness.battery.checks import Verdict
+from harness.battery import plan, registry, runner
 from harness.battery.options import BatteryOptions
+from harness.battery.verdict import Verdict
 
 pytestmark = pytest.mark.recipe
 
@@ -53,7 +53,7 @@ def judge(recipe_path: str, battery_options: BatteryOptions, battery_check: Chec
     def apply(case: plan.Case) -> None:
         run = runner.run(battery_options.spec(recipe_path, case.scenario, case.world_size, case.precision,
                                               strategy=case.strategy))
-        battery_check(checks.CHECKS[case.check](run))
+        battery_check(registry.CHECKS[case.check](run))
 
     return apply
 

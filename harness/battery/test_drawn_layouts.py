@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.battery.checks import Verdict
 from harness.battery.options import BatteryOptions
 from harness.battery.plan import DrawnLane
+from harness.battery.verdict import Verdict
 
 pytestmark = pytest.mark.recipe
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from harness.battery.checks import Verdict
     from harness.battery.options import BatteryOptions
+    from harness.battery.verdict import Verdict
     from harness.resume.options import ResumeOptions
 
 MARKERS = {
@@ -313,7 +313,7 @@ def batch_format(battery_options: BatteryOptions) -> str:
 def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
     """Record a verdict for ``--battery-report``; fail the test with its message when it failed (with every rank's
     whole report under ``-v``), skip it when the check does not apply."""
-    from harness.battery.checks import NOT_APPLICABLE
+    from harness.battery.verdict import NOT_APPLICABLE
 
     def check(verdict: Verdict) -> None:
         request.node.user_properties.append((_PROPERTY, verdict.to_dict()))

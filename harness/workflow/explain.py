@@ -171,10 +171,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, precision: str) -> int:
     """One lane: the run, its checks, and the reading of its worst gradient; 0 right, 1 not."""
+    import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
     from harness.battery import runner
-    from harness.battery.checks import FAIL, REGISTRY, crash_summary
     from harness.battery.diagnose import diagnose
+    from harness.battery.failed_runs import crash_summary
     from harness.battery.options import RunSpec
+    from harness.battery.registry import REGISTRY
+    from harness.battery.verdict import FAIL
     from harness.core.diagnosis import accuracy
 
     lane = f"{strategy}, {precision}"

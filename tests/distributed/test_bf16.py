@@ -13,10 +13,11 @@ import pytest
 from harness.battery import bf16, checks, runner
 from harness.battery.options import RunSpec
 from harness.battery.scenarios import build
+from harness.battery.verdict import Verdict
 from harness.recipes import CORRECT_RECIPE
 
 
-def _parity(recipe: str, strategy: str = "ddp", scenario: str = "uneven", world: int = 2) -> checks.Verdict:
+def _parity(recipe: str, strategy: str = "ddp", scenario: str = "uneven", world: int = 2) -> Verdict:
     return checks.parity(runner.run(RunSpec(recipe, scenario, world, "bf16", strategy=strategy)))
 
 

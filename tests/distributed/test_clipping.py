@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner
+from harness.battery import checks, registry, runner
 from harness.battery.options import RunSpec
 from harness.battery.prepare import prepare
 from harness.battery.scenarios import build
@@ -22,7 +22,7 @@ def test_the_correct_clipping_recipe_passes_parity_and_the_clipping_check(strate
     assert run.max_norm is not None and run.reference_norms[0] is not None
     assert run.reference_norms[0] > run.max_norm  # clipping engaged: a max_norm above the norm would check nothing
     for name in ("parity", "clipping", "ranks_agree", "logged_loss"):
-        verdict = checks.CHECKS[name](run)
+        verdict = registry.CHECKS[name](run)
         assert "pass" == verdict.status, verdict.message
 
 

@@ -17,6 +17,7 @@ from support.groups import control_group
 from harness.battery import checks, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.table import format_table, report_json
+from harness.battery.verdict import Verdict
 from harness.core.diagnosis import SIGNATURES
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
@@ -148,7 +149,7 @@ def test_a_parameter_ddp_never_synchronizes_is_located_by_the_per_parameter_view
 
 
 def _parity(recipe: str, scenario: str, world: int, precision: str = "fp32",
-            model: str | None = None) -> checks.Verdict:
+            model: str | None = None) -> Verdict:
     verdict = checks.parity(runner.run(recipe, scenario, world, precision, model=model))
     assert not verdict.passed and verdict.diagnosis is not None, verdict.message
     assert "correct" != verdict.diagnosis["signature"], verdict.message

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner
+from harness.battery import checks, registry, runner
 from harness.battery.options import RunSpec
+from harness.battery.verdict import Verdict
 from harness.recipes import CORRECT_RECIPE
 
 SUMMED = "harness.recipes:summed_global_token_mean"
 
 
-def _verdicts(recipe: str, strategy: str, scenario: str = "uneven", world: int = 2) -> dict[str, checks.Verdict]:
+def _verdicts(recipe: str, strategy: str, scenario: str = "uneven", world: int = 2) -> dict[str, Verdict]:
     run = runner.run(RunSpec(recipe, scenario, world, "fp32", strategy=strategy))
-    return {name: checks.CHECKS[name](run) for name in ("parity", "one_sync", "ranks_agree", "logged_loss")}
+    return {name: registry.CHECKS[name](run) for name in ("parity", "one_sync", "ranks_agree", "logged_loss")}
 
 
 def test_the_correct_recipe_passes_under_fsdp2() -> None:

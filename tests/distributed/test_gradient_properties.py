@@ -21,6 +21,7 @@ load_profile()
 
 from harness.battery import checks, runner  # noqa: E402
 from harness.battery.scenarios import BATTERY_CONFIG, Windows  # noqa: E402
+from harness.battery.verdict import Verdict  # noqa: E402
 from harness.data.batching import collate  # noqa: E402
 from harness.data.corpus import Row  # noqa: E402
 
@@ -100,7 +101,7 @@ def layouts(draw: st.DrawFn, max_world: int = 4) -> Layout:
     return layout
 
 
-def _parity(recipe: str, layout: Layout) -> checks.Verdict:
+def _parity(recipe: str, layout: Layout) -> Verdict:
     return checks.parity(runner.run_windows(recipe, layout.windows(), deadline=20))
 
 

@@ -15,6 +15,7 @@ import harness.battery.start as start
 from harness.battery import checks, runner, scenarios
 from harness.battery.options import RunSpec
 from harness.battery.spec import ModelSpec
+from harness.battery.verdict import Verdict
 
 MODEL = "user_recipes.models:small_init_lm"
 WRONG = ("LoggedMeanOfLocalMeans", "LoggedMicrobatchMean", "LoggedSequenceMean")
@@ -29,7 +30,7 @@ def initial_weights(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     start._start.cache_clear()
 
 
-def _logged(name: str, scenario: str = "uneven", world: int = 2) -> checks.Verdict:
+def _logged(name: str, scenario: str = "uneven", world: int = 2) -> Verdict:
     spec = RunSpec(f"user_recipes.logged:{name}", scenario, world, "fp32", model=MODEL)
     return checks.logged_loss(runner.launch_run(spec, scenarios.build(scenario, world)))
 

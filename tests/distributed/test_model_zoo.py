@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from user_recipes import zoo
 
-from harness.battery import checks, runner, scenarios
+from harness.battery import checks, registry, runner, scenarios
 from harness.battery.run import Run
 from harness.workflow.cli import main
 
@@ -33,7 +33,7 @@ def test_batchnorm_passes_where_it_can_run_and_a_shape_it_refuses_is_n_a_with_it
     window[0][0] = type(one)(one.inputs[:1, :1], one.labels[:1, :1])
     run = runner.run_windows(CORRECT, [window], model=_model("BatchNormLM"))
     assert run.records is None and run.failure is None
-    for name, check in checks.CHECKS.items():
+    for name, check in registry.CHECKS.items():
         verdict = check(run)
         assert "n/a" == verdict.status, name
         assert "Expected more than 1 value per channel" in verdict.message
@@ -47,7 +47,7 @@ def test_a_parameter_without_a_gradient_turns_on_find_unused_parameters_and_says
     run = runner.run(CORRECT, "uneven", 2, model=_model(model))
     assert run.find_unused
     for check in ("parity", "one_sync", "ranks_agree", "weights_unchanged"):
-        assert checks.CHECKS[check](run).passed, checks.CHECKS[check](run).message
+        assert registry.CHECKS[check](run).passed, registry.CHECKS[check](run).message
     named = "value_head.weight" if model == "UnusedHeadLM" else "experts.1.weight"
     assert any(named in n and n.startswith("the model's parameter") for n in run.notes)
     assert any("find_unused_parameters=True" in n for n in run.notes)

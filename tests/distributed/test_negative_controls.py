@@ -16,8 +16,9 @@ import pytest
 import torch
 from support.groups import control_group
 
-from harness.battery import checks, runner, scenarios
+from harness.battery import checks, registry, runner, scenarios
 from harness.battery.diagnose import worst
+from harness.battery.failed_runs import crash_summary
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.run import Run
 from harness.battery.table import run_controls
@@ -129,7 +130,7 @@ def _failing_checks(name: str, scenario: str, world_size: int = 2) -> list[str]:
     run = runner.run(control(name), scenario, world_size)
     names = ("empty_window",) if scenario == "all_empty" else ("parity", "one_sync", "ranks_agree", "logged_loss",
                                                                "hygiene")
-    return [n for n in names if not checks.CHECKS[n](run).passed]
+    return [n for n in names if not registry.CHECKS[n](run).passed]
 
 
 # Each runs its control on every scenario (seven launches): two in the default tier, every one in the slow tier.
@@ -316,7 +317,7 @@ def test_a_crash_message_keeps_the_exception_line_and_drops_the_caret_underline(
     """The innermost frame and the exception line, never Python's ^^^^ marks."""
     text = ('Traceback (most recent call last):\n  File "a.py", line 3, in f\n    g()\n    ^^^\n'
             '  File "b.py", line 9, in g\n    raise KeyError("k")\n    ~~~~~^^^^^\nKeyError: \'k\'\n')
-    assert ['File "b.py", line 9, in g', "KeyError: 'k'"] == checks.crash_summary(text)
+    assert ['File "b.py", line 9, in g', "KeyError: 'k'"] == crash_summary(text)
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import checks, runner, scenarios
+from harness.battery import checks, registry, runner, scenarios
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.run import Run
 from harness.recipes.objectives import OBJECTIVE_RECIPES
@@ -87,7 +87,7 @@ def test_every_objective_recipe_holds_on_every_scenario_under_its_objective(reci
     """Every check of the battery, on the matrix's scenarios at W=3 (and the base one at W=1 and 2): the objective
     recipes are correct recipes."""
     run = _run(recipe, objective, scenario, world)
-    for info in checks.REGISTRY.values():
+    for info in registry.REGISTRY.values():
         if info.runs_on(scenario):
             verdict = info.fn(run)
             assert verdict.passed, verdict.message

@@ -9,6 +9,7 @@ from support.reduction import loss_scale
 
 from harness.battery import checks, runner
 from harness.battery.scenarios import build
+from harness.battery.verdict import Verdict
 from harness.recipes import CORRECT_RECIPE as CORRECT
 
 FOR_SUM = "support.reduction:summing_hook_token_mean"
@@ -19,7 +20,7 @@ def world_size(request: pytest.FixtureRequest) -> int:
     return int(request.param)
 
 
-def _parity(recipe: str, world_size: int, reduction: str) -> checks.Verdict:
+def _parity(recipe: str, world_size: int, reduction: str) -> Verdict:
     return checks.parity(runner.run_windows(recipe, build("uneven", world_size), reduction=reduction))
 
 

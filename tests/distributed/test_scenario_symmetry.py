@@ -12,9 +12,10 @@ import pytest
 from harness.battery import checks, runner, scenarios
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.table import run_controls
+from harness.battery.verdict import Verdict
 
 
-def _parity(recipe: str, scenario: str, world: int, objective: str = "token_mean") -> checks.Verdict:
+def _parity(recipe: str, scenario: str, world: int, objective: str = "token_mean") -> Verdict:
     return checks.parity(runner.run(RunSpec(recipe, scenario, world, "fp32", objective=objective)))
 
 

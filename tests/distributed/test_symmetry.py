@@ -12,6 +12,7 @@ import pytest
 from support import symmetry
 
 from harness.battery import checks, runner
+from harness.battery.verdict import Verdict
 from harness.data.batching import collate
 from harness.data.corpus import Row
 from harness.distributed.launcher import LaunchError, launch
@@ -105,7 +106,7 @@ def uneven_microbatches(request: pytest.FixtureRequest) -> list:
     return [UNEVEN_MICROBATCHES[request.param]]
 
 
-def _join_parity(recipe: str, windows: list) -> checks.Verdict:
+def _join_parity(recipe: str, windows: list) -> Verdict:
     return checks.parity(runner.run_windows(f"support.symmetry:{recipe}", windows, deadline=10))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from user_recipes.guards import guarded_window
 
-from harness.battery import checks, plan, runner
+from harness.battery import checks, plan, registry, runner
 from harness.battery.options import BatteryOptions
 from harness.battery.table import run_cases, run_controls
 from harness.distributed.launcher import Expected, launch
@@ -36,7 +36,7 @@ def test_the_correct_recipe_passes_parity_and_one_sync_on_a_user_model(batch_for
     for precision in ("fp32", "fp64"):
         run = runner.run(CORRECT[batch_format], "uneven", world_size, precision, model=MODEL, batch_format=batch_format)
         for check in ("parity", "one_sync", "logged_loss"):
-            verdict = checks.CHECKS[check](run)
+            verdict = registry.CHECKS[check](run)
             assert verdict.passed, verdict.message
 
 

@@ -16,15 +16,16 @@ import torch
 
 from harness.battery import checks, runner, scenarios
 from harness.battery.options import RunSpec
+from harness.battery.verdict import Verdict
 
 D = "user_recipes.diagnosed"
 
 
-def _parity(recipe: str, scenario: str = "uneven", world: int = 3, **fields: object) -> checks.Verdict:
+def _parity(recipe: str, scenario: str = "uneven", world: int = 3, **fields: object) -> Verdict:
     return checks.parity(runner.run(RunSpec(f"{D}:{recipe}", scenario, world, "fp32", **fields)))  # type: ignore[arg-type]
 
 
-def _line(verdict: checks.Verdict) -> str:
+def _line(verdict: Verdict) -> str:
     assert not verdict.passed and verdict.diagnosis is not None, verdict.message
     return str(verdict.diagnosis["line"])
 

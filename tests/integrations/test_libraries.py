@@ -8,7 +8,8 @@ import importlib.util
 
 import pytest
 
-from harness.battery import checks, runner
+import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+from harness.battery import registry, runner
 from harness.battery.diagnose import diagnose
 from harness.recipes.libraries import CASES, LIBRARY_RECIPES, TESTED_WITH, LibraryRecipe, installed_version
 from harness.recipes.libraries._common import EXTRA_HINT, TORCHTITAN_HINT
@@ -42,7 +43,7 @@ def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, colu
     _require(recipe.library)
     check, scenario, world, precision = CASES[column]
     run = runner.run(recipe.path, scenario, world, precision, strategy=recipe.strategy)
-    verdict = checks.CHECKS[check](run)
+    verdict = registry.CHECKS[check](run)
     want = recipe.expect(column)
     version = installed_version(recipe.library)
     context = (f"{recipe.name} with {recipe.library} {version} (verdicts declared for {TESTED_WITH[recipe.library]}): "
@@ -87,7 +88,7 @@ def test_the_trainer_step_on_a_transformers_model_gives_the_global_token_mean(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is fetched: the model is built from a config
     run = runner.run("harness.recipes.libraries.transformers_loss:transformers_global_items_hf", "uneven", 2,
                      model="integrations.hf_models:tiny_llama", batch_format="hf")
-    verdicts = [checks.CHECKS[c](run) for c in ("parity", "one_sync", "logged_loss", "hygiene")]
+    verdicts = [registry.CHECKS[c](run) for c in ("parity", "one_sync", "logged_loss", "hygiene")]
     assert [] == [v.message for v in verdicts if v.status != "pass"]
 
 

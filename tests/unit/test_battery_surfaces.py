@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 
-from harness.battery.checks import FAIL, PASS, Verdict
 from harness.battery.layouts import Layout, layouts, shrink
 from harness.battery.options import BatteryOptions
 from harness.battery.table import format_table, recipe_names
+from harness.battery.verdict import FAIL, PASS, Verdict
 from harness.testing.hypothesis_profiles import load_profile
 from harness.workflow.cli import main
 from harness.workflow.explain import _stem

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from harness.battery import checks, plan, scenarios
-from harness.battery.checks import CHECKS, REGISTRY, Verdict, check
+from harness.battery.registry import CHECKS, REGISTRY, check
+from harness.battery.run import Run
+from harness.battery.verdict import Verdict, passed
 from harness.recipes import CONTROLS
 
 
@@ -37,8 +39,8 @@ def scratch_check() -> Iterator[str]:
     name = "scratch_probe"
 
     @check(per_precision=True)
-    def scratch_probe(run: checks.Run) -> Verdict:
-        return checks._passed(name, run, "nothing to see")
+    def scratch_probe(run: Run) -> Verdict:
+        return passed(name, run, "nothing to see")
 
     yield name
     del REGISTRY[name], CHECKS[name]
@@ -111,7 +113,7 @@ def test_a_bad_registration_is_refused(kwargs: dict[str, object], needle: str) -
 
 
 def test_a_second_check_under_a_taken_name_is_refused() -> None:
-    def parity(run: checks.Run) -> Verdict:
+    def parity(run: Run) -> Verdict:
         raise AssertionError
 
     with pytest.raises(ValueError, match="'parity' is already registered"):

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import find
 
 import harness.battery.layouts as lay
-from harness.battery import checks, plan
-from harness.battery.checks import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery import plan, registry
 from harness.battery.facts import ModelFacts
 from harness.battery.layouts import DRAWN_CHECKS, Layout, drawn_verdicts, fits, informative_layouts, layouts
 from harness.battery.options import BatteryOptions
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
 
 CORRECT = "harness.recipes:global_token_mean"
 
@@ -67,7 +67,7 @@ def test_the_drawn_budget_is_shared_over_the_lanes_with_at_least_the_chosen_layo
 def test_every_drawn_layout_is_judged_by_every_check_that_runs_on_a_window_with_tokens() -> None:
     """The drawn checks are the registry's (clipping included); only the empty-window check, whose windows hold no
     token, is left to the all_empty scenario."""
-    assert tuple(n for n in checks.REGISTRY if n != "empty_window") == DRAWN_CHECKS
+    assert tuple(n for n in registry.REGISTRY if n != "empty_window") == DRAWN_CHECKS
     assert "clipping" in DRAWN_CHECKS
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery.checks import FAIL, NOT_APPLICABLE, PASS, Verdict
 from harness.battery.junit import junit_xml, write_junit
 from harness.battery.table import ControlResult
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
 from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"

@@ -16,7 +16,8 @@ REPO = Path(__file__).parents[2]
 SESSION = """
 import sys, pytest
 rc = pytest.main(["-q", "-p", "harness.testing.plugin", "-p", "no:cacheprovider", *sys.argv[1:]])
-heavy = sorted(m for m in ("torch", "harness.battery.runner", "harness.battery.checks", "harness.recipes")
+heavy = sorted(m for m in ("torch", "harness.battery.runner", "harness.battery.checks", "harness.battery.registry",
+                           "harness.battery.verdict", "harness.recipes")
                if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
 sys.exit(int(rc))
