@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from harness.battery.runner import Run
+    from harness.battery.run import Run
     from harness.battery.verdict import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
