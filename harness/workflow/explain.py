@@ -175,7 +175,7 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     from harness.battery.checks import FAIL, REGISTRY, crash_summary
     from harness.battery.diagnose import diagnose
     from harness.battery.options import RunSpec
-    from harness.core.diagnosis import accuracy
+    from harness.core.fit import accuracy
 
     lane = f"{strategy}, {precision}"
     start = time.monotonic()

@@ -17,7 +17,7 @@ from support.groups import control_group
 from harness.battery import checks, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.table import format_table, report_json
-from harness.core.diagnosis import SIGNATURES
+from harness.core.signatures import SIGNATURES
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
 
