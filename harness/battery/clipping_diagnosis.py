@@ -265,8 +265,8 @@ def gradient_reading(run: Run, window: int, rank: int) -> Signature | None:
 
 
 def reread(run: Run, found: Any) -> Any:
-    """A diagnosis (:class:`harness.battery.diagnose.Diagnosis`) with its signature replaced by the clipping reading
-    where one fits its window and rank; the same diagnosis otherwise."""
+    """A diagnosis (:class:`harness.battery.diagnosis_result.Diagnosis`) with its signature replaced by the clipping
+    reading where one fits its window and rank; the same diagnosis otherwise."""
     if found is None or run.max_norm is None:
         return found
     sig = gradient_reading(run, found.window, found.rank)
