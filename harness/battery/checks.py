@@ -165,7 +165,7 @@ def _parity_bf16(run: Run) -> Verdict:
     elif w.error <= noise.bound:
         return passed("parity", run, f"{detail}; {noise.scale_note()}", window=w.window, **numbers)
     k, rank = w.window, w.rank
-    from harness.core.diagnosis import accuracy
+    from harness.core.fit import accuracy
 
     with accuracy(within):  # the weights are read to the accuracy bf16 allows, no finer
         found = diagnose(run, k, rank)

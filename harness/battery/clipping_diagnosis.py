@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from harness.battery.run import Run
-from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
+from harness.core.signatures import SIGNATURES, Signature
 
 CLIPPING_SIGNATURES = {
     "clipping_not_applied": "the gradient is the unclipped reference: the clip never engaged (each tensor clipped "
@@ -44,7 +44,7 @@ CLIPPING_SIGNATURES = {
     "clipped_per_tensor": "each tensor was clipped alone, by its own norm: the tensors over max_norm scaled, the rest "
                           "not",
 }
-dx.SIGNATURES.update(CLIPPING_SIGNATURES)  # the catalog the controls' declared diagnoses are checked against
+SIGNATURES.update(CLIPPING_SIGNATURES)  # the catalog the controls' declared diagnoses are checked against
 
 NORM_MATCH = 1e-3
 """Largest relative distance of a returned norm from a candidate for the candidate to name it (float32 and float64
@@ -220,7 +220,7 @@ def _unclipped_truth(run: Run, window: int, rank: int) -> tuple[torch.Tensor, st
     return flat_grad(model), f"the gradient at rank {rank}'s own starting weights (window {window})"
 
 
-def gradient_reading(run: Run, window: int, rank: int) -> dx.Signature | None:
+def gradient_reading(run: Run, window: int, rank: int) -> Signature | None:
     """``clipping_not_applied`` or ``clipped_by_wrong_norm`` where the rank's gradient in ``window`` is the unclipped
     gradient, or the gradient clipped by the norm the rank returned instead of the global one; else None."""
     if run.max_norm is None or run.records is None:
@@ -239,13 +239,13 @@ def gradient_reading(run: Run, window: int, rank: int) -> dx.Signature | None:
     factors = [min(1.0, run.max_norm / (float(t.norm()) + 1e-6)) for t in tensors]
     scaled = sum(c < 1.0 for c in factors)
     if scaled and _same(run, rec.grad, torch.cat([t * c for t, c in zip(tensors, factors)])):
-        return dx.Signature("clipped_per_tensor", f"each tensor was clipped alone, by its own norm: {scaled} of "
+        return Signature("clipped_per_tensor", f"each tensor was clipped alone, by its own norm: {scaled} of "
                             f"{len(tensors)} tensors had a norm over max_norm {run.max_norm:.6g} and were scaled, the "
                             f"rest kept whole, where clip_grad_norm_ over every parameter together scales all by "
                             f"{f:.4g} ({where} norm {norm_before:.6g}). Clip once, over every parameter together, "
                             "after the synchronization", 1 / f)
     if _same(run, rec.grad, unclipped):
-        return dx.Signature("clipping_not_applied", f"clipping did not take effect (the gradient is the unclipped "
+        return Signature("clipping_not_applied", f"clipping did not take effect (the gradient is the unclipped "
                             f"reference): {where} norm {norm_before:.6g} is over max_norm {run.max_norm:.6g}, so "
                             f"clip_grad_norm_ scales it by {f:.4g}, and rank {rank}'s gradient was not scaled. Clip on "
                             "every rank, once, over every parameter together, after the synchronization (a tensor "
@@ -259,14 +259,14 @@ def gradient_reading(run: Run, window: int, rank: int) -> dx.Signature | None:
     if run.reference_norms[window] is None or run.references[window] is None:
         return None
     norm = read_norm(run, window, rank, got)
-    return dx.Signature("clipped_by_wrong_norm", f"clipped by the norm it returned, {norm.ratio:.4g}x the reference's "
+    return Signature("clipped_by_wrong_norm", f"clipped by the norm it returned, {norm.ratio:.4g}x the reference's "
                         f"global norm (every weight {applied / f:.4g}x the clipped reference's): {norm.sentence}",
                         applied / f)
 
 
 def reread(run: Run, found: Any) -> Any:
-    """A diagnosis (:class:`harness.battery.diagnose.Diagnosis`) with its signature replaced by the clipping reading
-    where one fits its window and rank; the same diagnosis otherwise."""
+    """A diagnosis (:class:`harness.battery.diagnosis_result.Diagnosis`) with its signature replaced by the clipping
+    reading where one fits its window and rank; the same diagnosis otherwise."""
     if found is None or run.max_norm is None:
         return found
     sig = gradient_reading(run, found.window, found.rank)

@@ -1,5 +1,6 @@
-"""The diagnosis of a run's gradient: the effective weight of every rank's microbatch, the signature it matches, and
-the per-parameter view (the math is :mod:`harness.core.diagnosis`).
+"""The diagnosis of a run's gradient, computed: the effective weight of every rank's microbatch, the signature it
+matches, and the per-parameter view (the fit is :mod:`harness.core.fit`, the catalog :mod:`harness.core.signatures`,
+the per-parameter view :mod:`harness.core.parameter_view`; the result :mod:`harness.battery.diagnosis_result`).
 
 The block gradients are computed in float64 on one device, at the weights the recipe started the window from (its
 own, right or wrong, so windows after a wrong step are read on their own terms), through the run's own model and
@@ -11,149 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
 from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
 from harness.battery import run_readings as rr
+from harness.battery.diagnosis_result import Diagnosis
 from harness.battery.run import Run
-from harness.core import diagnosis as dx
 from harness.core.compare import compare, flat_grad, tolerances
+from harness.core.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
 from harness.core.formats import HF, to_hf
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """What one window's gradient optimized, read off the numbers."""
-
-    recipe: str
-    scenario: str
-    world_size: int
-    precision: str
-    window: int
-    rank: int
-    signature: dx.Signature
-    blocks: tuple[dx.Block, ...]
-    weights: tuple[float, ...]
-    """Fitted weight per block (NaN for a block without a token)."""
-    residual: float
-    condition: float
-    parameters: tuple[dx.ParameterRow, ...]
-    location: str
-    sequence_signature: dx.Signature | None = None
-    sequence_residual: float | None = None
-    objective: str = "token_mean"
-    """The declared objective the weights are read against."""
-    normalizer: float | None = None
-    """Its ``Z`` over the window: every block's right weight is ``1/Z`` (None: the token mean's N)."""
-    auxiliary_weights: tuple[float, ...] = ()
-    """The auxiliary term's fitted weight per block, where the recipe declares one."""
-
-    @property
-    def tokens(self) -> int:
-        return sum(b.tokens for b in self.blocks)
-
-    @property
-    def z(self) -> float:
-        """The right weight's inverse: the objective's normalizer (the supervised count under the token mean)."""
-        return float(self.tokens) if self.normalizer is None else self.normalizer
-
-    @property
-    def right(self) -> bool:
-        return self.signature.name == "correct"
-
-    def ratios(self) -> list[float]:
-        """Each block's weight over the right one (``weight * Z``; Z = N under the token mean)."""
-        return [w * self.z for w in self.weights]
-
-    def line(self) -> str:
-        """The one-line diagnosis a failing verdict carries."""
-        text = f"diagnosis ({self.signature.name}): {self.signature.sentence}"
-        if self.signature.alternatives:
-            text += f" (these counts cannot tell it from {', '.join(self.signature.alternatives)})"
-        if self.signature.name == "unexplained" and self.residual > dx.EXPLAINED_RESIDUAL:
-            text += f"; {self.location}"
-        return text
-
-    def weight_table(self) -> str:
-        """Actual and expected weight per rank and microbatch, with their ratio."""
-        n, z = self.tokens, self.z
-        under = "" if self.normalizer is None else f", {self.objective} normalizer Z={z:g}"
-        expected = "expected 1/N" if self.normalizer is None else "expected 1/Z"
-        lines = [f"window {self.window}, rank {self.rank}'s gradient, N={n} supervised tokens{under} "
-                 f"(fit residual {self.residual:.2e}, condition {self.condition:.3g})",
-                 f"{'rank':>4} {'mb':>3} {'tokens':>7} {'weight':>12} {expected:>12} {'ratio':>9}"]
-        for b, w in zip(self.blocks, self.weights):
-            shown = "-" if math.isnan(w) else f"{w:.6e}"
-            ratio = "-" if math.isnan(w) else f"{w * z:.6f}"
-            lines.append(f"{b.rank:>4} {b.microbatch:>3} {b.tokens:>7} {shown:>12} {1 / z:>12.6e} {ratio:>9}")
-        return "\n".join(lines)
-
-    def parameter_lines(self) -> str:
-        width = max(len(r.name) for r in self.parameters)
-        shares = any(r.residual_share is not None for r in self.parameters)
-        head = f"{'parameter':<{width}} {'components':>10} {'max abs err':>11} {'over tol':>8} {'ratio':>9}"
-        lines = [head + (f" {'residual':>8}" if shares else "")]
-        for r in self.parameters:
-            share = "" if not shares else f" {'-' if r.residual_share is None else f'{r.residual_share:.1%}':>8}"
-            if r.note:
-                lines.append(f"{r.name:<{width}} {r.components:>10} {r.note}{share}")
-            else:
-                lines.append(f"{r.name:<{width}} {r.components:>10} {r.max_abs_error:>11.3e} {r.over_tolerance:>8} "
-                             f"{r.ratio:>9.5g}{share}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready (a NaN or infinite number becomes None)."""
-        out = _finite(self._fields())
-        assert isinstance(out, dict)
-        return out
-
-    def _fields(self) -> dict[str, object]:
-        n = self.tokens
-        return {
-            "signature": self.signature.name,
-            "sentence": self.signature.sentence,
-            "line": self.line(),
-            "factor": self.signature.factor,
-            "blocks_named": list(self.signature.blocks),
-            "alternatives": list(self.signature.alternatives),
-            "window": self.window,
-            "rank": self.rank,
-            "tokens": n,
-            "residual": self.residual,
-            "condition": self.condition,
-            "thresholds": {"explained_residual": dx.EXPLAINED_RESIDUAL,
-                           "rounding_residual": dx.ROUNDING_RESIDUAL.get(self.precision, dx.FLOAT32_RESIDUAL),
-                           "float32_residual": dx.FLOAT32_RESIDUAL, "match_tolerance": dx.MATCH_TOLERANCE},
-            "weights": [
-                {"rank": b.rank, "microbatch": b.microbatch, "tokens": b.tokens,
-                 "weight": None if math.isnan(w) else w, "expected": 1 / self.z,
-                 "ratio": None if math.isnan(w) else w * self.z}
-                for b, w in zip(self.blocks, self.weights)
-            ],
-            "parameters": [r.__dict__ for r in self.parameters],
-            "location": self.location,
-            "sequence_signature": None if self.sequence_signature is None else self.sequence_signature.name,
-            "sequence_residual": self.sequence_residual,
-            "objective": self.objective,
-            "objective_computed": self.signature.objective,
-            "normalizer": self.z,
-            "auxiliary_weights": list(self.auxiliary_weights),
-        }
-
-
-def _finite(obj: object) -> object:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+from harness.core.parameter_view import ParameterRow, locate, parameter_table, residual_shares
+from harness.core.signatures import Signature, classify, classify_sequences, extra_term_sentence
 
 
 def worst(run: Run) -> tuple[int, int] | None:
@@ -204,7 +76,7 @@ def diagnose(run: Run, window: int | None = None, rank: int | None = None,
         return clipping_diagnosis.reread(run, _diagnose(run, window, rank, per_sequence))
 
 
-def _weights_edited(run: Run, window: int, rank: int) -> dx.Signature | None:
+def _weights_edited(run: Run, window: int, rank: int) -> Signature | None:
     """The recipe changed weights up to this window: its gradient is then not a weighting of the reference's blocks at
     the weights the step started from, whatever the fit reads."""
     assert run.records is not None
@@ -212,7 +84,7 @@ def _weights_edited(run: Run, window: int, rank: int) -> dx.Signature | None:
         if rec.weights_changed:
             when = "during this window" if j == window else f"in window {j}"
             names = ", ".join(rec.weights_changed[:4]) + (" ..." if len(rec.weights_changed) > 4 else "")
-            return dx.Signature("weights_edited", f"the recipe changed the weights itself {when} ({names}, by up to "
+            return Signature("weights_edited", f"the recipe changed the weights itself {when} ({names}, by up to "
                                 f"{rec.weights_touched:.3e}): an in-place weight decay or step inside backward_window; "
                                 "the gradient is not read as a weighting (weights_unchanged names the change)")
     return None
@@ -225,7 +97,7 @@ def _judged_dtype(run: Run) -> torch.dtype:
     return torch.float32 if run.precision == "fp32" or lowered else torch.float64
 
 
-def _live_weights(fit: dx.Fit) -> torch.Tensor:
+def _live_weights(fit: Fit) -> torch.Tensor:
     return torch.nan_to_num(fit.weights, nan=0.0)
 
 
@@ -241,34 +113,34 @@ def _carriers(shares: list[tuple[str, float]], cover: float = 0.9, most: int = 4
     return out
 
 
-def _extra_term(fit: dx.Fit, a: torch.Tensor, g: torch.Tensor, target: torch.Tensor, names: list[str],
-                sizes: list[int], params: list[dx.ParameterRow], precision: str,
-                head: str | None = None) -> tuple[dx.Signature, list[dx.ParameterRow]]:
+def _extra_term(fit: Fit, a: torch.Tensor, g: torch.Tensor, target: torch.Tensor, names: list[str],
+                sizes: list[int], params: list[ParameterRow], precision: str,
+                head: str | None = None) -> tuple[Signature, list[ParameterRow]]:
     """``extra_term``: the residual ``g - G w`` as a share of the error ``|g - ref|`` and the tensors carrying it."""
     resid = g - a @ _live_weights(fit)
     err = float((g - target).norm())
     share = float(resid.norm()) / err if err > 0 else math.inf
-    shares = dx.residual_shares(resid, names, sizes)
+    shares = residual_shares(resid, names, sizes)
     carried = _carriers(shares)
     where = ", ".join(f"{name} ({s:.1%})" for name, s in carried)
     rest = len([s for _, s in shares if s >= 0.01]) - len(carried)
     where += f" and {rest} more over 1%" if rest > 0 else ""
-    base = head or dx.extra_term_sentence(fit.residual, precision)
+    base = head or extra_term_sentence(fit.residual, precision)
     sentence = (f"{base}; the residual |g - G w| is {share:.1%} of the error |g - ref|, carried by {where} (shares "
                 "of its squared norm)")
     by_name = dict(shares)
     rows = [dataclasses.replace(r, residual_share=by_name.get(r.name)) for r in params]
-    return dx.Signature("extra_term", sentence, 1.0, blocks=tuple(n for n, _ in carried)), rows
+    return Signature("extra_term", sentence, 1.0, blocks=tuple(n for n, _ in carried)), rows
 
 
-def _split_extra_term(a: torch.Tensor, g: torch.Tensor, fit: dx.Fit, blocks: list[dx.Block], names: list[str],
+def _split_extra_term(a: torch.Tensor, g: torch.Tensor, fit: Fit, blocks: list[Block], names: list[str],
                       sizes: list[int], run: Run, rank: int,
-                      others: dict[str, int]) -> tuple[dx.Fit, dx.Signature] | None:
+                      others: dict[str, int]) -> tuple[Fit, Signature] | None:
     """A large residual that a few tensors carry, whose own gradient is no re-weighting of the blocks: the weights
     are read from the other tensors (``(fit, signature)``), and those tensors hold an extra term. None: the residual
     is spread, or a carrying tensor is itself re-weighted (a parameter never synchronized: the table names it)."""
     resid = g - a @ _live_weights(fit)
-    carried = _carriers(dx.residual_shares(resid, names, sizes), cover=0.99, most=max(1, len(names) // 2))
+    carried = _carriers(residual_shares(resid, names, sizes), cover=0.99, most=max(1, len(names) // 2))
     if sum(s for _, s in carried) < 0.99:
         return None
     offsets = dict(zip(names, [sum(sizes[:i]) for i in range(len(sizes))]))
@@ -277,26 +149,26 @@ def _split_extra_term(a: torch.Tensor, g: torch.Tensor, fit: dx.Fit, blocks: lis
     for name, _ in carried:
         part = slice(offsets[name], offsets[name] + size_of[name])
         keep[part] = False
-        own = dx.fit_weights(a[part], g[part])
-        if own.residual <= dx.EXPLAINED_RESIDUAL:
+        own = fit_weights(a[part], g[part])
+        if own.residual <= EXPLAINED_RESIDUAL:
             return None
-    clean = dx.fit_weights(a[keep], g[keep])
-    if clean.residual > dx.EXPLAINED_RESIDUAL or not clean.condition <= dx.MAX_CONDITION:
+    clean = fit_weights(a[keep], g[keep])
+    if clean.residual > EXPLAINED_RESIDUAL or not clean.condition <= MAX_CONDITION:
         return None
-    full = dx.Fit(clean.weights, float((a @ _live_weights(clean) - g).norm() / g.norm()), clean.condition)
-    sig = dx.classify(blocks, clean, run.world_size, run.precision, rank=rank, other_counts=others)
+    full = Fit(clean.weights, float((a @ _live_weights(clean) - g).norm() / g.norm()), clean.condition)
+    sig = classify(blocks, clean, run.world_size, run.precision, rank=rank, other_counts=others)
     if sig.name in ("correct", "float32_computation", "extra_term"):
-        words = dx.extra_term_sentence(full.residual, run.precision)
-        return full, dx.Signature("extra_term", words, 1.0, blocks=tuple(n for n, _ in carried))
+        words = extra_term_sentence(full.residual, run.precision)
+        return full, Signature("extra_term", words, 1.0, blocks=tuple(n for n, _ in carried))
     named = ", ".join(n for n, _ in carried)
     return full, dataclasses.replace(sig, sentence=f"{sig.sentence}; beside it, an extra term no re-weighting makes "
                                      f"in {named} ({full.residual:.2e} of the gradient)")
 
 
 def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch.Tensor, expected: torch.Tensor,
-                     fit: dx.Fit, sig: dx.Signature, params: list[dx.ParameterRow], names: list[str],
+                     fit: Fit, sig: Signature, params: list[ParameterRow], names: list[str],
                      sizes: list[int], atol: float, rtol: float,
-                     fixed: bool = True) -> tuple[dx.Signature, list[dx.ParameterRow]]:
+                     fixed: bool = True) -> tuple[Signature, list[ParameterRow]]:
     """The reading held to the verdict's reference and tolerances: never ``correct`` for a gradient parity rejects.
 
     Where the blocks recomputed here (at the rank's starting weights) do not sum to the reference although the rank
@@ -314,7 +186,7 @@ def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch
     extra = sig.name == "extra_term"
     if verdict.passed:
         if sig.name == "extra_term":
-            return dx.Signature("correct", f"the gradient is within the verdict's tolerance of the reference; the fit "
+            return Signature("correct", f"the gradient is within the verdict's tolerance of the reference; the fit "
                                 f"leaves {fit.residual:.1e} unexplained, under those tolerances", 1.0), params
         return sig, params
     apart = same_start and not compare(expected, ref.gradient, atol=atol, rtol=rtol).passed
@@ -323,7 +195,7 @@ def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch
         what = (f"the blocks' gradients recomputed at the weights rank {rank} started from do not sum to the "
                 f"reference ({gap:.2e} apart, beyond the verdict's tolerances)" if apart else
                 "the same microbatch recomputed at the same weights gave another gradient")
-        return dx.Signature("model_not_fixed", f"{what}: the "
+        return Signature("model_not_fixed", f"{what}: the "
                             "model is not a fixed function of its inputs (a forward that reads a buffer it updates, a "
                             "state carried between calls), so no weighting of the losses is read and the recipe is not "
                             "blamed; check such a model in eval mode, or keep the state out of its forward"), params
@@ -337,7 +209,7 @@ def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch
             first = next((j for j in range(window) if j + 1 < len(starts)
                           and not torch.equal(starts[j + 1], records[j + 1].params_before)), None)
             where = "an earlier window" if first is None else f"window {first}"
-            return dx.Signature("started_elsewhere", f"window {window}'s weighting is right at the weights it started "
+            return Signature("started_elsewhere", f"window {window}'s weighting is right at the weights it started "
                                 f"from, but {where}'s step moved them away from the reference's, so parity compares "
                                 f"gradients at other weights: read {where}"), params
     if right or extra:
@@ -347,8 +219,8 @@ def _held_to_verdict(run: Run, window: int, rank: int, g: torch.Tensor, a: torch
     return sig, params
 
 
-def _per_rank_notes(run: Run, window: int, rank: int, rows: list[dx.ParameterRow],
-                    sizes: list[int]) -> list[dx.ParameterRow]:
+def _per_rank_notes(run: Run, window: int, rank: int, rows: list[ParameterRow],
+                    sizes: list[int]) -> list[ParameterRow]:
     """Name the tensors that hold no gradient on some ranks only (a parameter DDP never synchronized, one a branch
     skipped on those ranks): every rank's synchronized gradient of the window is read, not only the fitted one."""
     assert run.records is not None
@@ -394,7 +266,7 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     zero = torch.zeros(sum(sizes), dtype=torch.float64)
     for r, mbs in enumerate(run.windows[window]):
         for m, mb in enumerate(mbs):
-            blocks.append(dx.Block(r, m, mb.supervised, rows=mb.inputs.shape[0]))
+            blocks.append(Block(r, m, mb.supervised, rows=mb.inputs.shape[0]))
             columns.append(_column(run, model, mb) if mb.supervised else zero)
     a = torch.stack(columns, dim=1)
     n = sum(b.tokens for b in blocks)
@@ -412,13 +284,13 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     if first is not None:
         again = _column(run, model, run.windows[window][blocks[first].rank][blocks[first].microbatch])
         fixed = compare(again / n, a[:, first] / n, atol=atol, rtol=rtol).passed
-    params = _per_rank_notes(run, window, rank, dx.parameter_table(g, expected, names, sizes, atol, rtol), sizes)
-    location = dx.locate(params)
+    params = _per_rank_notes(run, window, rank, parameter_table(g, expected, names, sizes, atol, rtol), sizes)
+    location = locate(params)
     common = dict(recipe=run.recipe, scenario=run.scenario, world_size=run.world_size, precision=run.precision,
                   window=window, rank=rank, blocks=tuple(blocks), parameters=tuple(params), location=location,
                   objective=run.objective.name, normalizer=None if run.objective.plain else z)
     aux_fit: torch.Tensor | None = None
-    edited: dx.Signature | None = None
+    edited: Signature | None = None
     nothing = rr.zero_gradient(run, window, rank, g, expected)
     if nothing is not None:  # every fitted weight would be 0, which no signature of the fit names
         zeros = tuple(0.0 if b.tokens else math.nan for b in blocks)
@@ -426,27 +298,27 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                          **common)  # type: ignore[arg-type]
     if not bool(torch.isfinite(g).all()):
         bad = int((~torch.isfinite(g)).sum())
-        sig = dx.Signature("nonfinite", f"rank {rank}'s synchronized gradient holds NaN or inf in {bad} of "
+        sig = Signature("nonfinite", f"rank {rank}'s synchronized gradient holds NaN or inf in {bad} of "
                            f"{g.numel()} components: a division by a zero count (an empty rank or microbatch) reached "
                            "the loss; skip the division when the count is zero, or use a masked sum")
         nan = tuple(math.nan for _ in blocks)
         return Diagnosis(signature=sig, weights=nan, residual=math.nan, condition=math.nan, **common)  # type: ignore[arg-type]
     if aux_cols is None:
-        fit = dx.fit_weights(a, g)
+        fit = fit_weights(a, g)
     else:
-        joint = dx.fit_weights(torch.cat([a, aux_cols], dim=1), g)
+        joint = fit_weights(torch.cat([a, aux_cols], dim=1), g)
         k = a.shape[1]
         # The main blocks' weights come from the joint fit, as if the auxiliary term's part were out of the gradient.
-        fit, aux_fit = dx.Fit(joint.weights[:k], joint.residual, joint.condition), joint.weights[k:]
+        fit, aux_fit = Fit(joint.weights[:k], joint.residual, joint.condition), joint.weights[k:]
     # classify reads ratios w * (its blocks' token count): scaled so that they read w * Z, the declared objective's.
-    read = fit if z == n else dx.Fit(fit.weights * (z / n), fit.residual, fit.condition)
+    read = fit if z == n else Fit(fit.weights * (z / n), fit.residual, fit.condition)
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)
               for j, w in enumerate(run.windows) if j != window}
     if run.batch_format == HF:
         before = sum(int((to_hf(mb)["labels"] != IGNORE_INDEX).sum()) for mbs in run.windows[window] for mb in mbs)
         others["the hf labels counted before the shift (one token more per row without a prompt)"] = before
-    sig = dx.classify(blocks, read, run.world_size, run.precision, rank=rank, other_counts=others)
-    if (sig.name == "unexplained" and fit.residual > dx.EXPLAINED_RESIDUAL and fit.condition <= dx.MAX_CONDITION
+    sig = classify(blocks, read, run.world_size, run.precision, rank=rank, other_counts=others)
+    if (sig.name == "unexplained" and fit.residual > EXPLAINED_RESIDUAL and fit.condition <= MAX_CONDITION
             and aux_cols is None):
         split = _split_extra_term(a, g, fit, blocks, names, sizes, run, rank, others)
         if split is not None:
@@ -465,16 +337,16 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
             for m, mb in enumerate(mbs):
                 for i in range(mb.inputs.shape[0]):
                     row = mb.row(i)
-                    rows.append(dx.Block(r, m, row.supervised, row=i))
+                    rows.append(Block(r, m, row.supervised, row=i))
                     cols.append(_column(run, model, row) if row.supervised else zero)
-        seq_fit = dx.fit_weights(torch.stack(cols, dim=1), g)
+        seq_fit = fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
-        seq_sig = dx.classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit)
+        seq_sig = classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit)
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
     if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term
         # Per-rank readings need weights the microbatch fit explains (a reading of the rows' fit keeps its own).
-        q = [float(w) * z if fit.residual <= dx.explained_residual() else math.nan for w in fit.weights]
+        q = [float(w) * z if fit.residual <= explained_residual() else math.nan for w in fit.weights]
         sig = od.objective_reading(run, window, model, sig, blocks, q, g, atol, rtol)
         if aux_fit is not None and sig.name in ("correct", "extra_term", "float32_computation", "unexplained"):
             sig = od.auxiliary_reading(run, window, aux_fit) or sig
@@ -484,4 +356,4 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                      auxiliary_weights=aux_weights, **common)  # type: ignore[arg-type]
 
 
-__all__ = ["Diagnosis", "diagnose", "worst"]
+__all__ = ["diagnose", "worst"]

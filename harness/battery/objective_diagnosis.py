@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from harness.battery.run import Run
-from harness.core import diagnosis as dx
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad
+from harness.core.fit import MATCH_TOLERANCE, Block, Fit, explained_residual
 from harness.core.microbatch import Microbatch
 from harness.core.row_weights import read_rows
+from harness.core.signatures import Signature
 
 AUX_TOLERANCE = 1e-3
 """Largest relative deviation of an auxiliary term's fitted ratio from a named factor (its columns are fitted beside
@@ -90,7 +91,7 @@ def alternatives(objective: ob.Objective, windows: Sequence[Sequence[Microbatch]
 
 
 def other_objective(run: Run, model: torch.nn.Module, window: int, g: torch.Tensor, atol: float,
-                    rtol: float) -> dx.Signature | None:
+                    rtol: float) -> Signature | None:
     """``other_objective`` when ``g`` is, within the verdict's tolerances, the gradient of another declared objective
     over the same window: "this gradient is the sequence mean"."""
     windows = run.windows[window]
@@ -100,7 +101,7 @@ def other_objective(run: Run, model: torch.nn.Module, window: int, g: torch.Tens
             sentence = (f"this gradient is {alt.describe()}, not {run.objective.describe()}, the declared objective: "
                         f"the recipe normalizes by {ob.QUANTITIES[alt.name]}; judge it with --objective={alt.name}, or "
                         f"normalize by {ob.QUANTITIES[run.objective.name]}")
-            return dx.Signature("other_objective", sentence, 1.0, objective=alt.name)
+            return Signature("other_objective", sentence, 1.0, objective=alt.name)
     return None
 
 
@@ -120,7 +121,7 @@ def _quantities(run: Run, window: int) -> list[tuple[float, str]]:
     return out
 
 
-def wrong_normalizer(run: Run, window: int, c: float) -> dx.Signature | None:
+def wrong_normalizer(run: Run, window: int, c: float) -> Signature | None:
     """``wrong_normalizer`` when a common scale ``c`` on every weight is the declared normalizer over another
     quantity of the window (the recipe divided by that one)."""
     if not math.isfinite(c) or c <= 0:
@@ -129,8 +130,8 @@ def wrong_normalizer(run: Run, window: int, c: float) -> dx.Signature | None:
     used = z / c
     declared = f"{ob.QUANTITIES[run.objective.name]} ({z:g})"
     for value, words in _quantities(run, window):
-        if value > 0 and value != z and abs(used / value - 1) <= dx.MATCH_TOLERANCE:
-            return dx.Signature("wrong_normalizer", f"the window was divided by {words} where {run.objective.name} "
+        if value > 0 and value != z and abs(used / value - 1) <= MATCH_TOLERANCE:
+            return Signature("wrong_normalizer", f"the window was divided by {words} where {run.objective.name} "
                                 f"divides by {declared}: every weight is {c:.4g}x the right one; all-reduce "
                                 f"{ob.QUANTITIES[run.objective.name]} before any backward, not "
                                 f"{words.split(' (')[0]}", c)
@@ -159,7 +160,7 @@ def rank_facts(run: Run, window: int) -> list[tuple[str, dict[int, float], bool]
     return out
 
 
-def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Sequence[float]) -> dx.Signature | None:
+def per_rank_normalizer(run: Run, window: int, blocks: Sequence[Block], q: Sequence[float]) -> Signature | None:
     """Every rank's blocks share one ratio to the right weight and ranks differ: each rank divided by a normalizer
     of its own. Its divisor ``Z / ratio`` is named by the rank's own quantity it is proportional to (its count: a
     mean of local means, ``mean_of_local_means``; its rows or padded length: ``per_rank_normalizer``)."""
@@ -172,10 +173,10 @@ def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Se
     means = {}
     for r, values in by_rank.items():
         top = max(abs(v) for v in values)
-        if top == 0 or max(values) - min(values) > dx.MATCH_TOLERANCE * top:
+        if top == 0 or max(values) - min(values) > MATCH_TOLERANCE * top:
             return None
         means[r] = sum(values) / len(values)
-    if max(means.values()) - min(means.values()) <= dx.MATCH_TOLERANCE * max(abs(v) for v in means.values()):
+    if max(means.values()) - min(means.values()) <= MATCH_TOLERANCE * max(abs(v) for v in means.values()):
         return None
     z = normalizer(run, window)
     divisors = {r: z / v for r, v in means.items()}  # what each rank's tokens were effectively divided by
@@ -185,34 +186,34 @@ def per_rank_normalizer(run: Run, window: int, blocks: Sequence[dx.Block], q: Se
         if len(ratios) != len(divisors) or len({held[r] for r in divisors}) < 2:
             continue
         c = sum(ratios) / len(ratios)
-        if max(abs(x / c - 1) for x in ratios) > dx.MATCH_TOLERANCE:
+        if max(abs(x / c - 1) for x in ratios) > MATCH_TOLERANCE:
             continue
         w = run.world_size
-        if abs(c / w - 1) <= dx.MATCH_TOLERANCE:
+        if abs(c / w - 1) <= MATCH_TOLERANCE:
             how = f"each rank divided its loss by {words}, and DDP averaged over the W={w} ranks"
         else:
             how = f"each rank's tokens were divided by {c:.4g} x {words} (W={w})"
         weigh = f"rank {hi}'s tokens weigh {means[hi] / means[lo]:.2g}x rank {lo}'s"
         if own_share:
-            return dx.Signature("mean_of_local_means", f"each rank's tokens weigh 1/(W * {words.split(' (')[0]}): "
+            return Signature("mean_of_local_means", f"each rank's tokens weigh 1/(W * {words.split(' (')[0]}): "
                                 f"{how}: a mean of local means; {weigh}", c / run.world_size)
-        return dx.Signature("per_rank_normalizer", f"{how}, where {run.objective.name} divides every rank by "
+        return Signature("per_rank_normalizer", f"{how}, where {run.objective.name} divides every rank by "
                             f"{ob.QUANTITIES[run.objective.name]} ({z:g}): {weigh}",
                             blocks=tuple(f"rank {r}" for r in sorted(means)))
     parts = "; ".join(f"rank {r} weighs {v:.4g}x the right weight (divided by {z / v:.4g})"
                       for r, v in sorted(means.items())[:4])
-    return dx.Signature("per_rank_normalizer", f"each rank's tokens weigh their own factor: {parts}, where "
+    return Signature("per_rank_normalizer", f"each rank's tokens weigh their own factor: {parts}, where "
                         f"{run.objective.name} divides every rank by {ob.QUANTITIES[run.objective.name]} ({z:g}): "
                         "each rank divided by a normalizer of its own that no count, row count or padded length of "
                         "its batch is proportional to", blocks=tuple(f"rank {r}" for r in sorted(means)))
 
 
-def row_reading(run: Run, window: int, rows: Sequence[dx.Block], fit: dx.Fit) -> dx.Signature | None:
+def row_reading(run: Run, window: int, rows: Sequence[Block], fit: Fit) -> Signature | None:
     """What the per-sequence view's fitted weights compute, under the declared objective: each row's weight turned
     into its tokens' weight (times ``1/n_s`` where the objective's term of a row is its sequence's mean), read as a
     mean over a group of tokens (:func:`harness.core.row_weights.read_rows`). None where that view leaves a
     residual."""
-    if fit.residual > dx.explained_residual():
+    if fit.residual > explained_residual():
         return None
     per_token = [float(u) / (b.tokens if run.objective.name == ob.SEQUENCE_MEAN and b.tokens else 1)
                  for b, u in zip(rows, fit.weights)]
@@ -221,7 +222,7 @@ def row_reading(run: Run, window: int, rows: Sequence[dx.Block], fit: dx.Fit) ->
     return read_rows(rows, per_token, run.world_size, max(ks), fit.residual, declared)
 
 
-def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | None:
+def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> Signature | None:
     """The auxiliary term's fitted weights ``u`` (one per microbatch) read against its unit's ``1/D``: None when
     right, else the signature of the mistake (scaled by the main loss's token normalization, divided by the
     microbatch count twice, summed over ranks, or another factor, named)."""
@@ -241,7 +242,7 @@ def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | 
     head = f"the main loss's weights are right; the auxiliary term (unit {unit}, right weight 1/{d:g}) weighs {c:.4g}x"
     if spread > AUX_TOLERANCE:
         listed = ", ".join(f"{v:.3g}x" for v in ratios[:6])
-        return dx.Signature("auxiliary_misweighted", f"the main loss's weights are right; the auxiliary term's "
+        return Signature("auxiliary_misweighted", f"the main loss's weights are right; the auxiliary term's "
                             f"microbatches weigh {listed} the right weight: not one factor (a term added on some "
                             "microbatches only, or scaled by each microbatch's own count)", c)
     named: list[tuple[float, str, str]] = []
@@ -259,9 +260,9 @@ def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> dx.Signature | 
                       "normalizer)"))
     for value, name, words in named:
         if abs(c / value - 1) <= AUX_TOLERANCE:
-            return dx.Signature(name, f"{head}: {words}", c)
+            return Signature(name, f"{head}: {words}", c)
     factor = _aux_factor(c, w, next(iter(ks)) if len(ks) == 1 else 1)
-    return dx.Signature("auxiliary_misweighted", f"{head} the right weight: {factor}", c)
+    return Signature("auxiliary_misweighted", f"{head} the right weight: {factor}", c)
 
 
 def _aux_factor(c: float, w: int, k: int) -> str:
@@ -284,8 +285,8 @@ def _aux_factor(c: float, w: int, k: int) -> str:
     return f"a factor {shown} = {c:.4g} (W={w}, k={k}){words}"
 
 
-def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: dx.Signature, blocks: Sequence[dx.Block],
-                      q: Sequence[float], g: torch.Tensor, atol: float, rtol: float) -> dx.Signature:
+def objective_reading(run: Run, window: int, model: torch.nn.Module, sig: Signature, blocks: Sequence[Block],
+                      q: Sequence[float], g: torch.Tensor, atol: float, rtol: float) -> Signature:
     """The reading once the declared objective is taken into account: another declared objective the gradient is
     exactly (it leads: "this gradient is the sequence mean"), the quantity a scaled window was divided by, or a
     normalizer per rank. ``q``: each block's fitted weight over the right one, ``1/Z``."""

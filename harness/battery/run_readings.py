@@ -15,14 +15,15 @@ from collections.abc import Sequence
 import torch
 
 from harness.battery.run import Run
-from harness.core import diagnosis as dx
+from harness.core.fit import FLOAT32_RESIDUAL
+from harness.core.signatures import Signature
 
 
 def _strategy(run: Run) -> str:
     return run.run_spec.strategy if run.run_spec is not None else "ddp"
 
 
-def zero_gradient(run: Run, window: int, rank: int, g: torch.Tensor, expected: torch.Tensor) -> dx.Signature | None:
+def zero_gradient(run: Run, window: int, rank: int, g: torch.Tensor, expected: torch.Tensor) -> Signature | None:
     """``not_synchronized`` when rank ``rank``'s gradient is zero, the reference's is not, and the window ran no
     synchronization (FSDP2 with the sync never re-enabled keeps its gradients unsharded and leaves every ``.grad``
     None); ``dropped`` when it synchronized a zero gradient (no backward reached the model). None otherwise."""
@@ -40,9 +41,9 @@ def zero_gradient(run: Run, window: int, rank: int, g: torch.Tensor, expected: t
         else:
             how = ("the window ran no synchronization and rank {rank}'s gradient is zero: every backward ran inside "
                    "no_sync(), and the gradients were then cleared")
-        return dx.Signature("not_synchronized", how.format(rank=rank) + "; re-enable the synchronization for the "
+        return Signature("not_synchronized", how.format(rank=rank) + "; re-enable the synchronization for the "
                             "last microbatch's backward", 0.0, blocks=blocks)
-    return dx.Signature("dropped", f"rank {rank}'s gradient is zero although the window synchronized: every "
+    return Signature("dropped", f"rank {rank}'s gradient is zero although the window synchronized: every "
                         "microbatch contributed nothing (no backward reached the model's parameters, or the gradients "
                         "were zeroed after it)", 0.0, blocks=blocks)
 
@@ -61,7 +62,7 @@ def rounding_only(ratios: Sequence[float], residual: float, unit: float = BF16_U
     one inside the rows (tokens off by a few percent) leaves a residual larger than a rounding: neither is
     rounding."""
     live = [q for q in ratios if math.isfinite(q)]
-    return bool(live) and dx.FLOAT32_RESIDUAL < residual <= unit and all(abs(q - 1) <= unit for q in live)
+    return bool(live) and FLOAT32_RESIDUAL < residual <= unit and all(abs(q - 1) <= unit for q in live)
 
 
 __all__ = ["BF16_UNIT", "rounding_only", "zero_gradient"]

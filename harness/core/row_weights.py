@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from harness.core.diagnosis import Block, Signature
+from harness.core.fit import Block
+from harness.core.signatures import Signature
 
 ROW_TOLERANCE = 1e-3
 """Largest relative deviation of the rows' token weights from a grouping's pattern. A row's weight is fitted from

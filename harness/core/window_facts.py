@@ -13,7 +13,7 @@ microbatch's count), both expressions match with the same value: :func:`describe
 silently. The rule for which leads: fewer factors, then the vocabulary's order (N's own variants, then a rank's, a
 microbatch's, a block's counts, then counts from elsewhere).
 
-This module knows blocks and counts only: :mod:`harness.core.diagnosis` calls it for a common scale, and the
+This module knows blocks and counts only: :mod:`harness.core.factor_names` calls it for a common scale, and the
 battery's diagnosis adds the facts it alone knows (the objective's quantities, another window's count).
 """
 
@@ -37,7 +37,7 @@ several expressions by chance, and is named by the catalog's few factors alone."
 
 
 class Counted(Protocol):
-    """A block of the fit (:class:`harness.core.diagnosis.Block`): one rank's microbatch and its counts."""
+    """A block of the fit (:class:`harness.core.fit.Block`): one rank's microbatch and its counts."""
 
     @property
     def rank(self) -> int: ...
@@ -165,7 +165,7 @@ def window_facts(blocks: Sequence[Counted], world_size: int,
     """The counts of this window a recipe may have divided by instead of N, the commoner first: N one token per row
     off and N rounded to a low precision, each rank's own count and rows, each microbatch index's count (k times it
     is a window count estimated from one microbatch), W times the largest rank's count, each block's own count, then
-    ``other_counts`` (``{"window 0's global count": 800}``). ``blocks`` are :class:`harness.core.diagnosis.Block`:
+    ``other_counts`` (``{"window 0's global count": 800}``). ``blocks`` are :class:`harness.core.fit.Block`:
     every microbatch of every rank, with its supervised ``tokens`` and ``rows``."""
     n = sum(b.tokens for b in blocks)
     rows = sum(b.rows for b in blocks)

@@ -81,7 +81,7 @@ def in_strategy_form(text: str, strategy: str) -> str:
 def right_in_objective_words(found: object, objective: str) -> str:
     """The reading of a right weighting in the declared objective's own words (the catalog's sentence speaks of the
     token mean: "every token weighs 1/N")."""
-    from harness.battery.diagnose import Diagnosis
+    from harness.battery.diagnosis_result import Diagnosis
     from harness.core.objectives import DESCRIPTIONS, QUANTITIES
 
     assert isinstance(found, Diagnosis)
@@ -101,7 +101,7 @@ def write_weight_figure(path: Path, diagnosis: object) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from harness.battery.diagnose import Diagnosis
+    from harness.battery.diagnosis_result import Diagnosis
 
     assert isinstance(diagnosis, Diagnosis)
     ranks = 1 + max(b.rank for b in diagnosis.blocks)
@@ -178,7 +178,7 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     from harness.battery.options import RunSpec
     from harness.battery.registry import REGISTRY
     from harness.battery.verdict import FAIL
-    from harness.core.diagnosis import accuracy
+    from harness.core.fit import accuracy
 
     lane = f"{strategy}, {precision}"
     start = time.monotonic()

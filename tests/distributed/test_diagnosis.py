@@ -18,7 +18,7 @@ from harness.battery import checks, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.table import format_table, report_json
 from harness.battery.verdict import Verdict
-from harness.core.diagnosis import SIGNATURES
+from harness.core.signatures import SIGNATURES
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
 

@@ -8,13 +8,15 @@ import torch
 
 from harness.battery.objective_diagnosis import _aux_factor
 from harness.battery.run_readings import BF16_UNIT, rounding_only
-from harness.core import diagnosis as dx
 from harness.core import window_facts as wf
+from harness.core.factor_names import name_factor
+from harness.core.fit import Block, Fit, match_tolerance
 from harness.core.row_weights import read_rows
+from harness.core.signatures import scale_tolerance
 
 
-def _blocks(counts: list[list[int]], rows: int = 2) -> list[dx.Block]:
-    return [dx.Block(r, m, t, rows=rows) for r, rank in enumerate(counts) for m, t in enumerate(rank)]
+def _blocks(counts: list[list[int]], rows: int = 2) -> list[Block]:
+    return [Block(r, m, t, rows=rows) for r, rank in enumerate(counts) for m, t in enumerate(rank)]
 
 
 def _bf16(x: float) -> float:
@@ -26,8 +28,8 @@ WINDOW = _blocks([[131, 178], [402, 446]], rows=3)
 N = 1157
 
 
-def _read(c: float, blocks: list[dx.Block] = WINDOW, world: int = 2, tolerance: float = 1e-6) -> str:
-    return dx.name_factor(c, blocks, world, tolerance=tolerance)
+def _read(c: float, blocks: list[Block] = WINDOW, world: int = 2, tolerance: float = 1e-6) -> str:
+    return name_factor(c, blocks, world, tolerance=tolerance)
 
 
 def test_a_count_rounded_to_bf16_is_named_as_that_rounding() -> None:
@@ -85,12 +87,12 @@ def test_the_search_tolerance_comes_from_the_fit() -> None:
     """A scale 2e-5 off N/(N+1) is named when the ratios scatter by 1e-5 (a noisy fit), not when they sit within
     1e-8 (a precise one)."""
     c = N / (N + 1) * (1 + 2e-5)
-    fit = dx.Fit(torch.zeros(4, dtype=torch.float64), 1e-9, 1.0)
-    noisy = dx.scale_tolerance([c * (1 + 1e-5), c * (1 - 1e-5), c, c], c, fit, "fp64")
-    precise = dx.scale_tolerance([c * (1 + 1e-8), c, c, c], c, fit, "fp64")
+    fit = Fit(torch.zeros(4, dtype=torch.float64), 1e-9, 1.0)
+    noisy = scale_tolerance([c * (1 + 1e-5), c * (1 - 1e-5), c, c], c, fit, "fp64")
+    precise = scale_tolerance([c * (1 + 1e-8), c, c, c], c, fit, "fp64")
     assert "N plus one" in _read(c, tolerance=noisy)
     assert "no token count of this window" in _read(c, tolerance=precise)
-    assert dx.match_tolerance() >= noisy > precise
+    assert match_tolerance() >= noisy > precise
 
 
 def test_the_search_does_not_run_at_the_bf16_lanes_accuracy() -> None:
@@ -106,8 +108,8 @@ def test_the_facts_come_from_the_blocks() -> None:
     assert N not in facts.values()
 
 
-def _rows(counts: list[list[list[int]]]) -> list[dx.Block]:
-    return [dx.Block(r, m, t, row=i) for r, rank in enumerate(counts) for m, mb in enumerate(rank)
+def _rows(counts: list[list[list[int]]]) -> list[Block]:
+    return [Block(r, m, t, row=i) for r, rank in enumerate(counts) for m, mb in enumerate(rank)
             for i, t in enumerate(mb)]
 
 

@@ -1,28 +1,33 @@
-"""Why a data-parallel gradient is wrong: the effective token weights a step optimized, and the mistake they name.
+"""The catalog of signatures and the classification of fitted weights: which mistake a gradient's weights name.
 
-A synchronized gradient is linear in the per-token losses, so every normalization mistake is a *re-weighting*: the
-recipe's gradient ``g`` is ``sum over blocks b of w[b] * G[b]``, where a block is one rank's microbatch (or one
-sequence of it) and ``G[b]`` the single-device gradient of that block's loss *sum*. The global token mean has every
-``w[b] = 1/N``. :func:`fit_weights` solves for ``w`` by least squares (a few dozen unknowns against every gradient
-component), and :func:`classify` reads the weights, as ratios ``q = w * N`` to the right ones, against a catalog of
-signatures (:data:`SIGNATURES`) whose expected weights come from the window's own counts, never from constants.
-
-When the fit leaves a large residual the mistake is not a re-weighting; :func:`parameter_table` then says which
-parameter tensors carry the error and by what ratio. ``tests/unit/test_diagnosis.py`` recovers drawn weight
-patterns through the fit; ``tests/distributed/test_diagnosis.py`` diagnoses every negative control.
+:func:`classify` reads the weights of a microbatch-level fit (:func:`harness.core.fit.fit_weights`), as ratios
+``q = w * N`` to the right ones, against a catalog of signatures (:data:`SIGNATURES`) whose expected weights come from
+the window's own counts (:func:`patterns`), never from constants; a common scale on every weight is named from the
+same counts (:mod:`harness.core.factor_names`). :func:`classify_sequences` reads a fit of one weight per row.
+``tests/unit/test_diagnosis.py`` names each catalog signature from real counts; ``tests/distributed/test_diagnosis.py``
+diagnoses every negative control.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-import torch
-
 from harness.core import window_facts as wf
+from harness.core.factor_names import MAX_CONSTANT, close, factor_readings, microbatches_per_rank, name_factor
+from harness.core.fit import (
+    EXACT_TOLERANCE,
+    FLOAT32_RESIDUAL,
+    FLOAT64_RESIDUAL,
+    MAX_CONDITION,
+    Block,
+    Fit,
+    exact_tolerance,
+    explained_residual,
+    match_tolerance,
+    rounding_residual,
+)
 
 SIGNATURES: dict[str, str] = {
     "correct": "every token weighs 1/N: the global token mean",
@@ -75,192 +80,6 @@ SIGNATURES: dict[str, str] = {
 }
 """The catalog: each signature's name and what its weights look like (``ratio = weight / (1/N)``)."""
 
-MATCH_TOLERANCE = 1e-4
-"""Largest relative deviation between fitted ratios and a signature's pattern (or a named factor) for it to match.
-Fitted from float32 gradients, the right recipe's ratios sit within 3e-7 of 1 (``max_ratio_error`` in
-``benchmarks/results/diagnosis.json``); distinct signatures on real counts differ by percents, but a count can come
-within a tenth of a percent of a named factor by chance (N / (W * max count) = 0.4996 on one battery window), so
-the bound stays near the fit's accuracy, not near the signatures' spacing."""
-
-EXACT_TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9}
-"""Largest ``|ratio - 1|`` still called right, by the precision of the gradient that was fitted."""
-
-EXPLAINED_RESIDUAL = 1e-4
-"""Largest relative residual ``|G w - g| / |g|`` of a fit that explains ``g`` as a re-weighting."""
-
-MAX_CONDITION = 1e6
-"""Largest condition number of the block gradients for which the fitted weights are read at all: past it, float32
-rounding of ``g`` alone moves the weights by more than :data:`MATCH_TOLERANCE`."""
-
-FLOAT64_RESIDUAL = 1e-10
-"""A float64 gradient's residual above this, with the right weights, is no longer float64 rounding (the right float64
-recipe leaves about 1e-15)."""
-
-FLOAT32_RESIDUAL = 1e-6
-"""Largest fit residual read as float32 rounding (a float32 run's gradient, or float32 arithmetic in a float64 run).
-Measured: the ``float32_loss`` control on its target (``uneven``, fp64) leaves 1.5e-8 at W=2 and 1.7e-8 at W=3, and the
-right recipe's float32 gradients stay under 1e-6 (``test_the_right_weights_are_recovered_within_1e_5...``); the bound
-sits about 60x above the float32 rounding measured, and 20x below an auxiliary term's 2e-5 that must not be called
-rounding. Above it, right weights with a residual are an extra term (:data:`SIGNATURES` ``extra_term``)."""
-
-ROUNDING_RESIDUAL = {"fp32": FLOAT32_RESIDUAL, "fp64": FLOAT64_RESIDUAL}
-"""The residual a gradient of each precision may carry from rounding alone, the rest being explained."""
-
-_ACCURACY: contextvars.ContextVar[float | None] = contextvars.ContextVar("diagnosis_accuracy", default=None)
-
-
-@contextlib.contextmanager
-def accuracy(relative: float) -> Iterator[None]:
-    """Read gradients whose own error is up to ``relative`` (a relative L2): the bf16 lane's bound. Inside, every
-    match, exactness and residual threshold is at least ``relative``: the weights are read to that accuracy, and
-    signatures closer than it are not told apart."""
-    token = _ACCURACY.set(relative)
-    try:
-        yield
-    finally:
-        _ACCURACY.reset(token)
-
-
-def _floor(value: float) -> float:
-    stated = _ACCURACY.get()
-    return value if stated is None else max(value, stated)
-
-
-def match_tolerance() -> float:
-    """:data:`MATCH_TOLERANCE`, or the stated accuracy inside :func:`accuracy`."""
-    return _floor(MATCH_TOLERANCE)
-
-
-def explained_residual() -> float:
-    """:data:`EXPLAINED_RESIDUAL`, or the stated accuracy inside :func:`accuracy`."""
-    return _floor(EXPLAINED_RESIDUAL)
-
-
-def exact_tolerance(precision: str) -> float:
-    return _floor(EXACT_TOLERANCE.get(precision, EXACT_TOLERANCE["fp32"]))
-
-
-def rounding_residual(precision: str) -> float:
-    return _floor(ROUNDING_RESIDUAL.get(precision, FLOAT32_RESIDUAL))
-
-
-
-@dataclass(frozen=True)
-class Block:
-    """One unknown of the fit: rank ``rank``'s microbatch ``microbatch`` (its row ``row`` when fitting sequences)."""
-
-    rank: int
-    microbatch: int
-    tokens: int
-    row: int | None = None
-    rows: int = 0
-    """The block's rows (sequences): a count one token per row off is named as such (0: unknown)."""
-
-    def label(self) -> str:
-        where = f"rank {self.rank}'s microbatch {self.microbatch}"
-        return where if self.row is None else f"{where}, row {self.row}"
-
-
-@dataclass(frozen=True)
-class Fit:
-    weights: torch.Tensor
-    """One weight per block (float64); NaN where the block holds no token (its gradient is zero: no information)."""
-    residual: float
-    """``|G w - g| / |g|``: 0 when ``g`` is exactly a re-weighting of the blocks."""
-    condition: float
-    """Condition number of the column-normalized block gradients (how well the blocks are told apart)."""
-
-
-def fit_weights(columns: torch.Tensor, g: torch.Tensor) -> Fit:
-    """Least-squares weights ``w`` with ``columns @ w ~ g``; ``columns`` is ``[components, blocks]``.
-
-    Columns are normalized before solving (block gradients differ in scale by their token counts) and all-zero
-    columns (blocks without a token) are left out with a NaN weight.
-    """
-    if columns.dim() != 2 or g.dim() != 1 or columns.shape[0] != g.shape[0]:
-        msg = f"columns {tuple(columns.shape)} and g {tuple(g.shape)} must be [D, K] and [D]"
-        raise ValueError(msg)
-    a, b = columns.double(), g.double()
-    norms = a.norm(dim=0)
-    live = norms > 0
-    weights = torch.full((a.shape[1],), math.nan, dtype=torch.float64)
-    gnorm = float(b.norm())
-    if not bool(live.any()):
-        return Fit(weights, 1.0 if gnorm > 0 else 0.0, math.inf)
-    scaled = a[:, live] / norms[live]
-    solution = torch.linalg.lstsq(scaled, b.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    weights[live] = solution / norms[live]
-    resid = float((scaled @ solution - b).norm())
-    singular = torch.linalg.svdvals(scaled)
-    condition = float(singular[0] / singular[-1]) if float(singular[-1]) > 0 else math.inf
-    return Fit(weights, resid / gnorm if gnorm > 0 else resid, condition)
-
-
-@dataclass(frozen=True)
-class ParameterRow:
-    name: str
-    components: int
-    max_abs_error: float
-    over_tolerance: int
-    ratio: float
-    """``<g_p, e_p> / <e_p, e_p>``: the scale of this tensor's gradient against the expected one (1 when right)."""
-    note: str = ""
-    """``"no gradient"`` (zero where the reference's is not), ``"no gradient (none expected)"`` (both zero)."""
-    residual_share: float | None = None
-    """This tensor's share of the fit residual's squared norm (where an extra term lives), when computed."""
-
-    def shown(self) -> str:
-        """The row's reading in words: its note, else its ratio."""
-        return self.note or f"ratio {self.ratio:.4g}"
-
-
-def parameter_table(got: torch.Tensor, expected: torch.Tensor, names: Sequence[str], sizes: Sequence[int],
-                    atol: float, rtol: float) -> list[ParameterRow]:
-    """Per parameter tensor (model order, ``got`` and ``expected`` flat): its error, components over tolerance and
-    its ratio to the expected gradient."""
-    rows, offset = [], 0
-    for name, n in zip(names, sizes):
-        a, e = got[offset : offset + n].double(), expected[offset : offset + n].double()
-        offset += n
-        diff = (a - e).abs()
-        denom = float(e.dot(e))
-        got_zero = not n or float(a.abs().max()) == 0
-        ratio = float(a.dot(e)) / denom if denom > 0 else (1.0 if got_zero else math.inf)
-        note = ("no gradient (none expected)" if denom == 0 else "no gradient") if got_zero else ""
-        rows.append(ParameterRow(name, n, float(diff.max()) if n else 0.0,
-                                 int((~(diff <= atol + rtol * e.abs())).sum()), ratio, note))
-    return rows
-
-
-def residual_shares(residual: torch.Tensor, names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, float]]:
-    """Each tensor's share of ``|residual|^2`` (model order)."""
-    total = float(residual.double().pow(2).sum())
-    out, offset = [], 0
-    for name, n in zip(names, sizes):
-        part = float(residual[offset : offset + n].double().pow(2).sum())
-        offset += n
-        out.append((name, part / total if total > 0 else 0.0))
-    return out
-
-
-def locate(rows: Sequence[ParameterRow]) -> str:
-    """One sentence on where a non-re-weighting error lives, from :func:`parameter_table`."""
-    bad = [r for r in rows if r.over_tolerance]
-    if not bad:
-        return "every parameter tensor is within tolerance"
-    live = [r for r in rows if r.note != "no gradient (none expected)"]
-    if live and all(abs(r.ratio - 1) <= match_tolerance() for r in live):
-        return (f"{len(bad)} of {len(rows)} parameter tensors are over tolerance, every one at ratio 1 (within "
-                f"{match_tolerance():g}): noise spread over every component, not a scale: a lower precision somewhere")
-    if len(bad) == len(rows):
-        ratios = [r.ratio for r in bad]
-        if max(ratios) - min(ratios) <= match_tolerance() * max(abs(x) for x in ratios):
-            return f"every parameter tensor is off by the same ratio {ratios[0]:.4g}: a scale on the whole gradient"
-    worst = sorted(bad, key=lambda r: -r.max_abs_error)
-    listed = ", ".join(f"{r.name} ({r.shown()}, {r.over_tolerance} of {r.components} over)" for r in worst[:4])
-    more = f" and {len(worst) - 4} more" if len(worst) > 4 else ""
-    return f"{len(bad)} of {len(rows)} parameter tensors are off: {listed}{more}"
-
 
 @dataclass(frozen=True)
 class Signature:
@@ -287,17 +106,10 @@ def _rank_counts(blocks: Sequence[Block]) -> dict[int, int]:
     return out
 
 
-def _k(blocks: Sequence[Block]) -> dict[int, int]:
-    out: dict[int, set[int]] = {}
-    for b in blocks:
-        out.setdefault(b.rank, set()).add(b.microbatch)
-    return {r: len(m) for r, m in out.items()}
-
-
 def patterns(blocks: Sequence[Block], world_size: int) -> dict[str, list[float]]:
     """Each re-weighting signature's expected ratio per block, from the blocks' real counts."""
     n = sum(b.tokens for b in blocks)
-    per_rank, k = _rank_counts(blocks), _k(blocks)
+    per_rank, k = _rank_counts(blocks), microbatches_per_rank(blocks)
     per_mb: dict[tuple[int, int], int] = {}
     for b in blocks:
         per_mb[(b.rank, b.microbatch)] = per_mb.get((b.rank, b.microbatch), 0) + b.tokens
@@ -324,85 +136,11 @@ def _scale_fit(q: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
     return c, max(abs(a - c * b) for a, b in pairs) / top
 
 
-MAX_CONSTANT = 64
-"""Largest fixed accumulation constant ``K`` named (``every weight 1/K``, ``k/K``)."""
-
-
 def _window_counts(blocks: Sequence[Block], world_size: int,
                    other_counts: Mapping[str, int] | None) -> list[tuple[float, str]]:
-    """The token counts of this window a recipe may have divided by instead of ``N`` (:func:`window_facts`)."""
+    """The token counts of this window a recipe may have divided by instead of ``N``
+    (:func:`harness.core.window_facts.window_facts`)."""
     return [(f.value, f.words) for f in wf.window_facts(blocks, world_size, other_counts) if f.cost == 1]
-
-
-def _close(c: float, value: float, tolerance: float | None = None) -> bool:
-    return value != 0 and abs(c / value - 1) <= (match_tolerance() if tolerance is None else tolerance)
-
-
-def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
-                    other_counts: Mapping[str, int] | None = None, tolerance: float | None = None) -> list[str]:
-    """Every named cause of a common scale ``c`` on every weight, the commoner in real code first (empty: none):
-    the catalog's factors, then every expression in the window's facts (:func:`harness.core.window_facts.search`)
-    within ``tolerance`` (default :func:`match_tolerance`; :func:`scale_tolerance` derives it from a fit)."""
-    tol = match_tolerance() if tolerance is None else tolerance
-    ks = set(_k(blocks).values())
-    n = sum(b.tokens for b in blocks)
-    w = world_size
-    named: list[tuple[float, str]] = []
-    if w > 1:
-        named += [
-            (1 / w, f"the world-size factor is missing (every weight is 1/W of what it should be, W={w})"),
-            (float(w), f"the world-size factor is applied twice (every weight is W={w} times too large: a summing "
-                       "reduction, or a loss already multiplied by W)"),
-        ]
-    k = next(iter(ks)) if len(ks) == 1 else None
-    if k is not None and k > 1:
-        named += [
-            (1 / k, f"an extra division by the microbatch count k={k}"),
-            (float(k), f"the division by the microbatch count k={k} is missing (every weight is k times too large)"),
-        ]
-    named.append((2.0, "every weight is twice the right one (each microbatch backpropagated twice)"))
-    if w > 1:
-        named += [
-            (1 / w**2, f"the loss divided by W twice (every weight is 1/W^2 of what it should be, W={w})"),
-            (float(w**2), f"the loss multiplied by W twice (every weight is W^2={w**2} times too large)"),
-        ]
-        if k is not None and k > 1:
-            named.append((1 / (k * w), f"an extra division by the microbatch count k={k} and the world-size factor "
-                                       f"missing (W={w})"))
-    if w != 2:
-        named.append((2 / w, f"a world-size factor written for W=2 (every weight is 2/W, here W={w})"))
-        named.append((w / 2, f"a count averaged over the ranks (divided by W) and multiplied by a factor 2 written for "
-                             f"W=2 (every weight is W/2, here W={w})"))
-    # A constant K in place of k: the right loss divided by K (1/c = K), or, where every microbatch holds the same
-    # count (a mean per microbatch is then a common scale), each microbatch's mean divided by K (k/c = K).
-    equal = len({b.tokens for b in blocks if b.tokens}) == 1
-    constants = {v for v in (1 / c, (k or 0) / c if equal else 0.0) if math.isfinite(v)}
-    for value in sorted(constants):
-        big_k = round(value)
-        if (2 <= big_k <= MAX_CONSTANT and big_k != k and big_k not in (w, w * w, w * (k or 1))
-                and _close(value, big_k, tol)):
-            where = f" where the window has k={k} microbatches" if k is not None else ""
-            named.append((c, f"each microbatch divided by a fixed accumulation constant K={big_k}{where}"))
-    out: list[str] = []
-    for value, words in named:
-        if value != 1 and _close(c, value, tol) and words not in out:
-            out.append(words)
-    # Else the window's facts: a count in place of N, an unnormalized sum, a product of W and k the catalog lacks.
-    return out or wf.describe(wf.search(c, blocks, w, tol, other_counts), n)
-
-
-def name_factor(c: float, blocks: Sequence[Block], world_size: int,
-                other_counts: Mapping[str, int] | None = None, tolerance: float | None = None) -> str:
-    """What a common scale ``c`` on every weight means, in words, from the window's counts; ``other_counts`` names
-    token counts the recipe may have divided by instead (``{"window 0's global count": 800}``). Where the counts
-    cannot tell causes apart, the commoner one leads and the others follow as a list."""
-    matches = factor_readings(c, blocks, world_size, other_counts, tolerance)
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        return f"{matches[0]}; the same factor {c:.4g} also reads: " + "; or ".join(matches[1:])
-    return (f"every weight is {c:.6g} times the right one: a scale on the loss or the gradient that is no token count "
-            "of this window (a loss scale not undone, clipping, a hand-set constant)")
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -438,7 +176,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
 
     ``blocks`` must hold every microbatch of every rank (empty ones with ``tokens=0``) so that microbatch counts
     ``k`` are the window's; ``rank`` is the rank whose gradient was fitted (to recognize a gradient that holds only
-    that rank's own blocks); ``other_counts`` as in :func:`name_factor`.
+    that rank's own blocks); ``other_counts`` as in :func:`harness.core.factor_names.name_factor`.
     """
     n = sum(b.tokens for b in blocks)
     q = [float(w) * n for w in fit.weights]
@@ -525,7 +263,8 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
 def scale_tolerance(q: Sequence[float], c: float, fit: Fit, precision: str) -> float:
     """How closely a common scale ``c`` read off the ratios ``q`` is known, and so how close a fact of the window
     must come to name it: four times the ratios' own spread around ``c`` or the fit's residual, at least a tenth of
-    the precision's exactness bound (one block alone has no spread), at most :func:`match_tolerance`."""
+    the precision's exactness bound (one block alone has no spread), at most
+    :func:`harness.core.fit.match_tolerance`."""
     live = _finite(q)
     spread = max((abs(v - c) for v in live), default=0.0) / abs(c) if live and c else math.inf
     return min(match_tolerance(), max(exact_tolerance(precision) / 10, 4 * spread, 4 * fit.residual))
@@ -543,13 +282,13 @@ def extra_term_sentence(residual: float, precision: str, worst: float | None = N
 def _fixed_constant(c: float, blocks: Sequence[Block]) -> tuple[int, int] | None:
     """``(k, K)`` when a per-microbatch mean's scale ``c`` is ``k/K`` for an integer ``K != k`` (each microbatch's
     mean divided by a constant ``K`` instead of the window's ``k``)."""
-    ks = set(_k(blocks).values())
+    ks = set(microbatches_per_rank(blocks).values())
     if len(ks) != 1 or not math.isfinite(c) or c <= 0:
         return None
     (k,) = ks
     value = k / c
     big_k = round(value)
-    if 2 <= big_k <= MAX_CONSTANT and big_k != k and _close(value, big_k):
+    if 2 <= big_k <= MAX_CONSTANT and big_k != k and close(value, big_k):
         return k, big_k
     return None
 
@@ -570,7 +309,7 @@ def _blocks_scaled(blocks: Sequence[Block], q: Sequence[float], world_size: int,
     counts = _window_counts(blocks, world_size, other_counts)
     parts = []
     for b, v in off:
-        words = [w for x, w in counts if _close(v, n / x)]
+        words = [w for x, w in counts if close(v, n / x)]
         named = f" (normalized by {words[0]} where the window holds N={n})" if words else ""
         parts.append(f"{b.label()} weighs {v:.4g}x the right weight{named}")
     return Signature("block_scaled", f"{'; '.join(parts)}, every other block right: a count taken for that "
@@ -685,30 +424,11 @@ def _describe(name: str, blocks: Sequence[Block], q: Sequence[float], world_size
 
 
 __all__ = [
-    "EXPLAINED_RESIDUAL",
-    "FLOAT32_RESIDUAL",
-    "FLOAT64_RESIDUAL",
-    "MATCH_TOLERANCE",
-    "ROUNDING_RESIDUAL",
     "SIGNATURES",
-    "Block",
-    "Fit",
-    "ParameterRow",
     "Signature",
-    "accuracy",
     "classify",
     "classify_sequences",
-    "exact_tolerance",
-    "explained_residual",
     "extra_term_sentence",
-    "factor_readings",
-    "fit_weights",
-    "locate",
-    "match_tolerance",
-    "name_factor",
-    "parameter_table",
     "patterns",
-    "residual_shares",
-    "rounding_residual",
     "scale_tolerance",
 ]
