@@ -221,3 +221,61 @@ def test_the_support_checks_reject_a_moved_module_and_a_harness_file_importing_s
         "distributed/probes.py:3: from support import ports",
         "distributed/probes.py:4: RECIPE = 'support.symmetry:join_token_mean'",
     ] == support_references(fake)
+
+
+# --- one idea per module ---------------------------------------------------------------------------------------------
+
+MAX_LINES = 450
+"""A module past this many lines holds several ideas unless ``docs/layout.md`` says why splitting it would obscure
+its one idea."""
+
+LAYOUT_DOC = Path(__file__).parents[2] / "docs" / "layout.md"
+
+_LONG_ROW = re.compile(r"^\|\s*`(harness/[\w/]+\.py)`\s*\|(.+)\|\s*$")
+
+
+def long_modules_explained(doc: Path = LAYOUT_DOC) -> dict[str, str]:
+    """The modules ``doc``'s "Long modules" section names (``| `harness/x.py` | why |`` rows), with their reasons."""
+    text = doc.read_text()
+    section = text.split("## Long modules", 1)[1].split("\n## ", 1)[0] if "## Long modules" in text else ""
+    rows = (_LONG_ROW.match(line.strip()) for line in section.splitlines())
+    return {m.group(1): m.group(2).strip() for m in rows if m and len(m.group(2).strip(" |")) > 20}
+
+
+def too_long(root: Path = HARNESS, explained: dict[str, str] | None = None) -> list[str]:
+    """``path (N lines)`` for each module over :data:`MAX_LINES` without a reason in ``docs/layout.md``, and
+    ``path: named but N lines`` for a reason left behind by a module that is no longer long (or no longer exists)."""
+    explained = long_modules_explained() if explained is None else explained
+    out = []
+    lengths = {f"harness/{p.relative_to(root).as_posix()}": len(p.read_text().splitlines())
+               for p in sorted(root.rglob("*.py"))}
+    for path, n in lengths.items():
+        if n > MAX_LINES and path not in explained:
+            out.append(f"{path} ({n} lines)")
+    for path in explained:
+        if lengths.get(path, 0) <= MAX_LINES:
+            out.append(f"{path}: named but {lengths.get(path, 0)} lines")
+    return out
+
+
+def test_no_module_passes_the_line_limit_without_a_reason() -> None:
+    """Every module of the package stays within 450 lines, or docs/layout.md says why it holds one idea."""
+    assert [] == too_long()
+
+
+def test_the_line_limit_check_rejects_a_long_module_and_a_stale_reason(tmp_path: Path) -> None:
+    """Its negative control: a 451-line module nobody explained is reported, the same module with a reason is not,
+    and a reason for a module that shrank (or a one-word reason) does not count."""
+    fake = tmp_path / "harness"
+    (fake / "battery").mkdir(parents=True)
+    (fake / "battery" / "runner.py").write_text("x = 1\n" * 451)
+    (fake / "battery" / "plan.py").write_text("x = 1\n" * 10)
+    assert ["harness/battery/runner.py (451 lines)"] == too_long(fake, {})
+    doc = tmp_path / "layout.md"
+    doc.write_text("# Layout\n\n## Long modules\n\n| module | why |\n| --- | --- |\n"
+                   "| `harness/battery/runner.py` | one table of signatures read top to bottom |\n"
+                   "| `harness/battery/plan.py` | the plan, which is one idea in a single list |\n"
+                   "| `harness/battery/table.py` | short |\n\n## Configuration\n")
+    explained = long_modules_explained(doc)
+    assert {"harness/battery/runner.py", "harness/battery/plan.py"} == set(explained)
+    assert ["harness/battery/plan.py: named but 10 lines"] == too_long(fake, explained)
