@@ -29,7 +29,7 @@ from _common import RESULTS, command, machine, now, write_result
 def _ratios(run: object) -> dict[str, float]:
     import torch
 
-    r = run  # a harness.battery.runner.Run
+    r = run  # a harness.battery.run.Run
     model = r.model()  # type: ignore[attr-defined]
     got, ref = r.records[0][0].grad.double(), r.references[0].gradient.double()  # type: ignore[attr-defined]
     out, offset = {}, 0
