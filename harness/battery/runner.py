@@ -80,7 +80,9 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     ready = prepare(spec, windows, share_chain=share_chain)
     if ready.chain.model_error is not None:
         return ready.run(None, model_error=ready.chain.model_error)
-    preload = tuple(m for m in (recipe_module(spec.recipe), *model_modules(spec.model)) if m)
+    # The forkserver imports the rank program, the recipe's module and the model's once, rather than every rank of
+    # every launch as it unpickles its function.
+    preload = tuple(m for m in (rank_body.__module__, recipe_module(spec.recipe), *model_modules(spec.model)) if m)
     try:
         records = launch(rank_body, spec.mesh.world_size, spec, ready.windows, ready.digest, ready.wrap,
                          ready.chain.max_norm, None if ready.start is None else ready.start.numpy(),
