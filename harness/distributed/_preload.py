@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-ENV = "HARNESS_LAUNCH_PRELOAD"
+from harness.distributed.forkserver import PRELOAD_ENV as ENV
 
 
 def _load() -> None:

@@ -18,7 +18,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from harness.distributed import _preload
+PRELOADER = "harness.distributed._preload"
+"""The module the server imports last, which imports the caller's modules (named in :data:`PRELOAD_ENV`). Named, not
+imported here: importing it runs it, and it must run after :data:`PRELOAD`, once the launcher it may lead back to (the
+battery's rank program imports it) is whole."""
+
+PRELOAD_ENV = "HARNESS_LAUNCH_PRELOAD"
+"""The server's environment variable that names the caller's modules and ``sys.path`` (JSON)."""
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "harness",
            "harness.distributed.launcher", "harness.distributed.rank")
@@ -44,7 +50,7 @@ def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([*PRELOAD, _preload.__name__])
+        ctx.set_forkserver_preload([*PRELOAD, PRELOADER])
         _CONTEXT = ctx
     return _CONTEXT
 
@@ -76,13 +82,13 @@ def running(preload: tuple[str, ...]) -> Iterator[Any]:
             _server_modules = (*_server_modules, *missing)
         # (Re)start it if it is not running, naming the caller's modules to the server's harness.distributed._preload.
         path = [p for p in sys.path if isinstance(p, str)]
-        os.environ[_preload.ENV] = json.dumps({"modules": list(_server_modules), "sys_path": path})
+        os.environ[PRELOAD_ENV] = json.dumps({"modules": list(_server_modules), "sys_path": path})
         try:
             if not _alive(server):
                 _starts[0] += 1
             server.ensure_running()
         finally:
-            os.environ.pop(_preload.ENV, None)
+            os.environ.pop(PRELOAD_ENV, None)
         _server_started = True
         _active_launches += 1
     try:

@@ -413,6 +413,17 @@ def test_a_preloaded_module_is_imported_by_the_forkserver_before_it_forks(tmp_pa
     assert results[0]["imported_in"] == launch(importlib.import_module(preloaded).where, 2)[0]["imported_in"]
 
 
+def test_a_module_that_imports_the_launcher_is_preloaded_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that imports the launcher at its top (as the battery's rank program does) is imported by the
+    forkserver before it forks, not by each rank: the server imports the caller's modules once the launcher is
+    whole."""
+    name = f"imports_launcher_{os.getpid()}_{time.monotonic_ns()}"
+    (tmp_path / f"{name}.py").write_text("from harness.distributed.launcher import LaunchError, launch\n" + _RECORDER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for r in launch(importlib.import_module(name).where, 2, preload=(name,)):
+        assert r["imported_in"] == r["parent"] != r["pid"]
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
