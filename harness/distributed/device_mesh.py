@@ -1,0 +1,55 @@
+"""A run's layout (:class:`harness.core.mesh.Mesh`) as torch's ``DeviceMesh`` on the ranks, and the process group a
+reduction over some of its dimensions spans.
+
+Called on every rank after the process group is up. ``DeviceMesh`` numbers ranks as :mod:`harness.core.mesh` does
+(``tests/distributed/test_device_mesh.py`` compares the groups torch builds with the ones the parent computes). Several
+dimensions reduce over one flattened group (``DeviceMesh._flatten``, the way torchtitan builds ``dp_shard_cp``); the
+flattened mesh is kept on the :class:`RankMesh`, since slicing a flattened dimension back out of the root mesh is
+deprecated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from harness.core.mesh import Mesh
+
+
+class RankMesh:
+    """One rank's view of the run's mesh: the ``DeviceMesh`` and the groups of its dimensions."""
+
+    def __init__(self, mesh: Mesh, device_type: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dist.get_world_size() != mesh.world_size:
+            msg = (f"mesh {mesh.label} has {mesh.world_size} ranks but the process group has "
+                   f"{dist.get_world_size()}")
+            raise ValueError(msg)
+        self.mesh = mesh
+        self.device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
+        self._flat: dict[tuple[str, ...], Any] = {}
+
+    def submesh(self, dims: Sequence[str]) -> Any:
+        """The ``DeviceMesh`` over ``dims`` (in mesh order; several: flattened into one dimension named by joining
+        them with ``_``, as torchtitan names ``dp_shard_cp``)."""
+        names = tuple(n for n in self.mesh.names if n in dims)
+        unknown = [d for d in dims if d not in self.mesh.names]
+        if unknown or not names:
+            msg = f"dims={tuple(dims)!r} must name dimensions of mesh {self.mesh.label}"
+            raise ValueError(msg)
+        if len(names) == 1:
+            return self.device_mesh[names[0]]
+        if names not in self._flat:
+            self._flat[names] = self.device_mesh[names]._flatten("_".join(names))
+        return self._flat[names]
+
+    def group(self, dims: Sequence[str]) -> dist.ProcessGroup:
+        """The process group a reduction over ``dims`` spans from this rank."""
+        return self.submesh(dims).get_group()
+
+    def ranks(self, dims: Sequence[str]) -> tuple[int, ...]:
+        """The global ranks of :meth:`group`, sorted."""
+        return tuple(sorted(dist.get_process_group_ranks(self.group(dims))))
