@@ -185,7 +185,7 @@ def one_sync(run: Run) -> Verdict:
     for rank, records in enumerate(run.records):
         for k, rec in enumerate(records):
             if rec.syncs != 1:
-                n = len(run.windows[k][rank])
+                n = len(run.windows[k][run.mesh.data_rank(rank)])
                 return failed("one_sync", run, f"rank {rank} synchronized gradients {rec.syncs} times in a window "
                               f"of {n} microbatches; expected 1 (forward and backward of all but the last microbatch "
                               f"inside {SKIP_SYNC.get(strategy(run), 'model.no_sync()')})", k)

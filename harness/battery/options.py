@@ -16,7 +16,7 @@ from typing import Any
 
 # --objective: what the recipe's gradient must be the gradient of (the names, pure Python; the formulas are in
 # harness.core.objectives).
-from harness.core.mesh import Mesh
+from harness.core.mesh import CHUNKINGS, TOKEN_DIMS, Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
 
 DEADLINE = 30.0
@@ -152,6 +152,23 @@ def _deadline(value: object, option: str = "--battery-deadline") -> float:
     return float(value)
 
 
+def check_layout(layout: object, world_size: int, argument: str = "layout") -> Mesh:
+    """``layout`` if it is a mesh the battery runs over ``world_size`` ranks; ValueError naming it otherwise."""
+    if not isinstance(layout, Mesh):
+        msg = f"{argument}={layout!r} must be a harness.core.mesh.Mesh, e.g. Mesh.parse('dp=2,cp=2')"
+        raise ValueError(msg)
+    if layout.world_size != world_size:
+        msg = (f"{argument}={layout.label} has {layout.world_size} ranks but world_size={world_size}: the sizes' "
+               "product is the world size")
+        raise ValueError(msg)
+    other = [n for n in layout.names if n not in TOKEN_DIMS]
+    if other:
+        msg = (f"{argument}={layout.label}: the battery runs meshes of data-parallel and cp dimensions "
+               f"({', '.join(TOKEN_DIMS)}); {', '.join(other)} is not run yet")
+        raise ValueError(msg)
+    return layout
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One battery run: ``recipe`` (``"pkg.mod:attr"``) on ``scenario`` at ``world_size`` in ``precision``, on
@@ -178,6 +195,11 @@ class RunSpec:
     deadline: float = DEADLINE
     nodes: int = 1
     objective: str = "token_mean"
+    layout: Mesh | None = None
+    """The ranks' mesh (:class:`harness.core.mesh.Mesh`, e.g. ``Mesh.parse("dp=2,cp=2")``); None: ``dp=W``. Read it as
+    :attr:`mesh`."""
+    chunking: str = "contiguous"
+    """How the cp ranks split a sequence's positions (:mod:`harness.data.context_parallel`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or ":" not in self.recipe:
@@ -194,6 +216,11 @@ class RunSpec:
         check_objective(self.objective, "objective")
         check_find_unused(self.find_unused, "find_unused")
         _deadline(self.deadline, "deadline")
+        if self.layout is not None:
+            check_layout(self.layout, self.world_size)
+        if self.chunking not in CHUNKINGS:
+            msg = f"chunking={self.chunking!r} must be one of {', '.join(CHUNKINGS)}"
+            raise ValueError(msg)
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
                 or self.world_size % self.nodes:
             msg = (f"nodes={self.nodes!r} must be a positive number of nodes that divides world_size={self.world_size} "
@@ -203,8 +230,9 @@ class RunSpec:
     @property
     def mesh(self) -> Mesh:
         """The layout of the run's ranks (:mod:`harness.core.mesh`): which of them share a window, which group a count
-        is reduced over. Every stage reads it here; a run is one-dimensional data parallelism over its world size."""
-        return Mesh.data_parallel(self.world_size)
+        is reduced over. Every stage reads it here; without a ``layout``, one-dimensional data parallelism over the
+        world size."""
+        return self.layout if self.layout is not None else Mesh.data_parallel(self.world_size)
 
     def at(self, scenario: str, world_size: int, precision: str) -> RunSpec:
         """The same run on another case."""

@@ -22,6 +22,7 @@ from harness.battery.run import WindowRecord
 from harness.battery.spec import ModelSpec
 from harness.battery.start import load as load_start
 from harness.battery.window_report import Passes, window_note
+from harness.data.context_parallel import supervise_chunk
 from harness.distributed import launcher, strategies
 from harness.distributed.strategies.fsdp2 import local
 from harness.recipes import load_recipe
@@ -38,6 +39,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     from (:mod:`harness.battery.start`, computed once by the parent, as a numpy array: a tensor argument would travel
     through a shared-memory file per rank and launch; None: the initial weights)."""
     rank = dist.get_rank()
+    cp_rank, cp = run.mesh.coords(rank).get("cp", 0), run.mesh.size("cp")  # the positions this rank is supervised on
     dev = torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" else torch.device("cpu")
     recipe = load_recipe(run.recipe)
     spec = ModelSpec.of(run, digest)
@@ -68,7 +70,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         setup()
     records = []
     for k, window in enumerate(windows):
-        mine = [spec.batch(mb.to(dev)) for mb in window[run.mesh.data_rank(rank)]]
+        mine = [spec.batch(supervise_chunk(mb, cp_rank, cp, run.chunking).to(dev))
+                for mb in window[run.mesh.data_rank(rank)]]
         for p in model.parameters():
             p.grad = None
         before = wrapped.full_params()

@@ -23,6 +23,9 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp")
 DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
 """The dimensions whose ranks receive distinct windows: the data-parallel ones."""
 
+CHUNKINGS = ("contiguous", "load_balanced")
+"""How the cp ranks of one data coordinate split its positions (:mod:`harness.data.context_parallel`)."""
+
 TOKEN_DIMS = (*DATA_DIMS, "cp")
 """The dimensions a token count is reduced over: each supervised token lies in exactly one coordinate of these (the
 cp ranks of one data coordinate split its positions; tp and pp ranks hold the same tokens)."""

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.core.mesh import CHUNKINGS
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-
-CHUNKINGS = ("contiguous", "load_balanced")
 
 
 def check_chunking(chunking: str, argument: str = "chunking") -> str:

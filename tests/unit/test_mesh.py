@@ -4,12 +4,14 @@ partition of the ranks, its data dimensions the ones that receive distinct windo
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness.battery.options import RunSpec
 from harness.core.mesh import DIMS, Mesh
 from harness.testing.hypothesis_profiles import load_profile
 
@@ -125,3 +127,23 @@ def test_a_bad_mesh_is_refused_naming_the_argument_and_the_fix(text: str, says: 
     with pytest.raises(ValueError, match=f"--mesh={text!r}") as info:
         Mesh.parse(text)
     assert says in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"world_size": 2, "layout": Mesh.parse("dp=2,cp=2")}, "layout=dp=2,cp=2 has 4 ranks but world_size=2"),
+    ({"world_size": 4, "layout": Mesh.parse("dp=2,tp=2")}, "tp is not run yet"),
+    ({"world_size": 4, "layout": "dp=2,cp=2"}, "must be a harness.core.mesh.Mesh"),
+    ({"world_size": 4, "layout": Mesh.parse("dp=2,cp=2"), "chunking": "striped"}, "chunking='striped' must be one of"),
+])
+def test_a_run_over_a_mesh_it_cannot_run_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
+    """RunSpec refuses a layout of another world size, a dimension the battery does not run yet, a layout given as
+    text and an unknown chunking, each naming the field."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        RunSpec("harness.recipes:global_token_mean", "uneven", **fields)  # type: ignore[arg-type]
+
+
+def test_a_run_without_a_layout_is_data_parallel_over_its_world() -> None:
+    """``RunSpec.mesh`` is ``dp=W`` unless a layout is given."""
+    assert "dp=3" == RunSpec("harness.recipes:global_token_mean", "uneven", 3).mesh.label
+    assert "dp=2,cp=2" == RunSpec("harness.recipes:global_token_mean", "uneven", 4,
+                                  layout=Mesh.parse("cp=2,dp=2")).mesh.label

@@ -1,0 +1,35 @@
+"""Battery runs over a dp x cp mesh: each cp rank supervised on its chunk of its data coordinate's positions, the
+gradient reduced over every rank, the reference the single-device gradient over every data coordinate's window."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.battery import checks, runner
+from harness.battery.options import RunSpec
+from harness.core.mesh import Mesh
+
+CORRECT = "harness.recipes:global_token_mean"
+DP_ONLY = "support.mesh_recipes:CountOverDataParallelOnly"
+
+
+def mesh_run(recipe: str, shape: str = "dp=2,cp=2", chunking: str = "contiguous") -> runner.Run:
+    mesh = Mesh.parse(shape)
+    return runner.run(RunSpec(recipe, "uneven", mesh.world_size, "fp32", layout=mesh, chunking=chunking))
+
+
+@pytest.mark.parametrize("chunking", ["contiguous", "load_balanced"])
+def test_the_correct_recipe_passes_every_check_over_dp_and_cp(chunking: str) -> None:
+    """Parity, one synchronization, ranks agreeing and the logged loss all hold at dp=2,cp=2, either chunking."""
+    run = mesh_run(CORRECT, chunking=chunking)
+    for check in (checks.parity, checks.one_sync, checks.ranks_agree, checks.logged_loss):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+
+
+def test_a_count_over_the_data_parallel_group_only_fails_parity() -> None:
+    """verl #5983: the count all-reduced over dp alone misses the other cp chunks' tokens, so every chunk's loss is
+    scaled by the total over its own count (about the cp size); parity fails on the numbers."""
+    verdict = checks.parity(mesh_run(DP_ONLY))
+    assert not verdict.passed
+    assert "numbers" == verdict.cause
