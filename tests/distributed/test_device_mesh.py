@@ -32,7 +32,8 @@ def disagreements(mesh: Mesh, seen: list[dict[str, object]]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("shape", ["dp=2,cp=2", "dp=2,tp=2", "dp_replicate=2,dp_shard=2"])
+@pytest.mark.parametrize("shape", ["dp=2,cp=2", pytest.param("dp=2,tp=2", marks=pytest.mark.slow),
+                                   pytest.param("dp_replicate=2,dp_shard=2", marks=pytest.mark.slow)])
 def test_device_mesh_forms_the_groups_the_layout_computes(shape: str) -> None:
     """At W=4, every dimension's group and every flattened pair's, on every rank, are the layout's."""
     assert [] == disagreements(Mesh.parse(shape), groups_on_ranks(shape))

@@ -18,7 +18,7 @@ def mesh_run(recipe: str, shape: str = "dp=2,cp=2", chunking: str = "contiguous"
     return runner.run(RunSpec(recipe, "uneven", mesh.world_size, "fp32", layout=mesh, chunking=chunking))
 
 
-@pytest.mark.parametrize("chunking", ["contiguous", "load_balanced"])
+@pytest.mark.parametrize("chunking", ["contiguous", pytest.param("load_balanced", marks=pytest.mark.slow)])
 def test_the_correct_recipe_passes_every_check_over_dp_and_cp(chunking: str) -> None:
     """Parity, one synchronization, ranks agreeing and the logged loss all hold at dp=2,cp=2, either chunking."""
     run = mesh_run(CORRECT, chunking=chunking)
