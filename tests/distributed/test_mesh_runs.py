@@ -33,3 +33,14 @@ def test_a_count_over_the_data_parallel_group_only_fails_parity() -> None:
     verdict = checks.parity(mesh_run(DP_ONLY))
     assert not verdict.passed
     assert "numbers" == verdict.cause
+
+
+def test_a_mesh_run_and_a_data_parallel_run_of_one_world_size_keep_their_own_references() -> None:
+    """dp=2,cp=2 and dp=4 both run 4 ranks, over two and four data coordinates' windows: in one process, each is
+    judged against the reference of its own windows (a cache keyed by the world size alone gave the second the
+    first's)."""
+    mesh = mesh_run(CORRECT)
+    flat = runner.run(CORRECT, "uneven", 4)
+    assert (2, 4) == (len(mesh.windows[0]), len(flat.windows[0]))
+    verdict = checks.parity(flat)
+    assert verdict.passed, verdict.message
