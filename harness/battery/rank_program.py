@@ -24,9 +24,10 @@ from harness.battery.start import load as load_start
 from harness.battery.window_report import Passes, window_note
 from harness.data.context_parallel import supervise_chunk
 from harness.distributed import launcher, strategies
+from harness.distributed.device_mesh import RankMesh
 from harness.distributed.strategies.fsdp2 import local
 from harness.recipes import load_recipe
-from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation
+from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation, setup_takes_mesh, takes_mesh
 
 
 def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
@@ -65,9 +66,20 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     passes = Passes()  # what the window's note reports: a rank that skipped its backward is named by it
     passes.attach(model)
     ddp.train()
+    # The recipe's keywords: what a clipping recipe clips to, and the ranks' DeviceMesh for one that takes it (built
+    # on every rank of a run over a mesh, and for such a recipe on a dp=W run too).
+    mesh = RankMesh(run.mesh, dev.type) if run.layout is not None or takes_mesh(recipe) else None
+    keywords: dict[str, object] = {}
+    if max_norm is not None:
+        keywords["max_norm"] = max_norm
+    if mesh is not None and takes_mesh(recipe):
+        keywords["mesh"] = mesh.device_mesh
     setup = getattr(recipe, "setup", None)
     if setup is not None:
-        setup()
+        if mesh is not None and setup_takes_mesh(recipe):
+            setup(mesh=mesh.device_mesh)
+        else:
+            setup()
     records = []
     for k, window in enumerate(windows):
         mine = [spec.batch(supervise_chunk(mb, cp_rank, cp, run.chunking).to(dev))
@@ -85,10 +97,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         norm = None
         try:
             with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
-                if max_norm is None:
-                    out = recipe.backward_window(ddp, mine)  # type: ignore[arg-type]
-                else:
-                    out = recipe.backward_window(ddp, mine, max_norm=max_norm)  # type: ignore[call-arg,arg-type]
+                out = recipe.backward_window(ddp, mine, **keywords)  # type: ignore[arg-type]
                 if isinstance(out, tuple) and len(out) == 2:
                     out, norm = out[0], None if out[1] is None else watch.as_float(out[1])
             logged = None if out is None else float(out)

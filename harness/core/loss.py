@@ -46,11 +46,13 @@ def count_device() -> torch.device:
     return torch.device("cpu")
 
 
-def global_count(local_count: int, device: torch.device | str | None = None) -> int:
+def global_count(local_count: int, device: torch.device | str | None = None, group: Any = None) -> int:
     """All-reduce (SUM) this rank's supervised count; every rank gets the same total.
 
     Every rank must call it, in the same order relative to other collectives, even with a count of 0.
     Without an initialized process group it returns ``local_count`` (a single process is the whole world).
+    ``group``: the process group to sum over (None: every rank); on a mesh, the one
+    :func:`harness.recipes.helpers.token_group` names.
     """
     if isinstance(local_count, bool) or not isinstance(local_count, numbers.Integral) or local_count < 0:
         msg = f"local_count={local_count!r} must be a non-negative integer (a number of supervised tokens)"
@@ -58,7 +60,7 @@ def global_count(local_count: int, device: torch.device | str | None = None) -> 
     if not (dist.is_available() and dist.is_initialized()):
         return int(local_count)
     count = torch.tensor(int(local_count), dtype=torch.int64, device=device or count_device())
-    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return int(count)
 
 

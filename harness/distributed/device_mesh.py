@@ -17,6 +17,27 @@ import torch.distributed as dist
 
 from harness.core.mesh import Mesh
 
+_FLAT: dict[int, tuple[Any, dict[tuple[str, ...], Any]]] = {}
+"""Flattened meshes by the id of the root mesh they came from (the root kept alive beside them, so the id stays its
+own): flattening the same dimensions again would create a new process group, a collective, in every window."""
+
+
+def flattened(device_mesh: Any, dims: Sequence[str]) -> Any:
+    """The ``DeviceMesh`` over ``dims`` of ``device_mesh`` (names it has, in its order): the dimension itself when one,
+    else the dimensions flattened into one named by joining them with ``_``, as torchtitan names ``dp_shard_cp``; made
+    once per root mesh and set of dimensions."""
+    names = tuple(n for n in device_mesh.mesh_dim_names if n in dims)
+    unknown = [d for d in dims if d not in device_mesh.mesh_dim_names]
+    if unknown or not names:
+        msg = f"dims={tuple(dims)!r} must name dimensions of the mesh {tuple(device_mesh.mesh_dim_names)}"
+        raise ValueError(msg)
+    if len(names) == 1:
+        return device_mesh[names[0]]
+    root, flat = _FLAT.setdefault(id(device_mesh), (device_mesh, {}))
+    if names not in flat:
+        flat[names] = root[names]._flatten("_".join(names))
+    return flat[names]
+
 
 class RankMesh:
     """One rank's view of the run's mesh: the ``DeviceMesh`` and the groups of its dimensions."""
@@ -30,21 +51,11 @@ class RankMesh:
             raise ValueError(msg)
         self.mesh = mesh
         self.device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
-        self._flat: dict[tuple[str, ...], Any] = {}
 
     def submesh(self, dims: Sequence[str]) -> Any:
         """The ``DeviceMesh`` over ``dims`` (in mesh order; several: flattened into one dimension named by joining
         them with ``_``, as torchtitan names ``dp_shard_cp``)."""
-        names = tuple(n for n in self.mesh.names if n in dims)
-        unknown = [d for d in dims if d not in self.mesh.names]
-        if unknown or not names:
-            msg = f"dims={tuple(dims)!r} must name dimensions of mesh {self.mesh.label}"
-            raise ValueError(msg)
-        if len(names) == 1:
-            return self.device_mesh[names[0]]
-        if names not in self._flat:
-            self._flat[names] = self.device_mesh[names]._flatten("_".join(names))
-        return self._flat[names]
+        return flattened(self.device_mesh, dims)
 
     def group(self, dims: Sequence[str]) -> dist.ProcessGroup:
         """The process group a reduction over ``dims`` spans from this rank."""

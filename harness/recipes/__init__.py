@@ -21,16 +21,26 @@ from harness.recipes.correct import (
     ClippedGlobalTokenMean,
     GlobalTokenMean,
     HfGlobalTokenMean,
+    MeshTokenMean,
     SummedGlobalTokenMean,
     accumulate,
     clipped_global_token_mean,
     global_sum,
     global_token_mean,
     hf_global_token_mean,
+    mesh_token_mean,
     summed_global_token_mean,
     window_count,
 )
-from harness.recipes.helpers import clip_grad_norm, global_count, require_tokens, supervised_tokens, sync_context
+from harness.recipes.helpers import (
+    clip_grad_norm,
+    global_count,
+    require_tokens,
+    supervised_tokens,
+    sync_context,
+    token_group,
+    token_group_size,
+)
 
 
 def __getattr__(name: str) -> type:
@@ -51,6 +61,7 @@ __all__ = [
     "SCENARIO_CONTROLS",
     "GlobalTokenMean",
     "HfGlobalTokenMean",
+    "MeshTokenMean",
     "ClippedGlobalTokenMean",
     "SummedGlobalTokenMean",
     "Recipe",
@@ -63,6 +74,7 @@ __all__ = [
     "global_sum",
     "global_token_mean",
     "hf_global_token_mean",
+    "mesh_token_mean",
     "clipped_global_token_mean",
     "summed_global_token_mean",
     "load_recipe",
@@ -71,6 +83,8 @@ __all__ = [
     "split_recipe_path",
     "supervised_tokens",
     "sync_context",
+    "token_group",
+    "token_group_size",
     "window_count",
     *CONTROLS,
 ]

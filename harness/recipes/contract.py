@@ -88,7 +88,8 @@ def load_recipe(spec: object = None) -> Recipe:
         raise RecipeError(msg)
     setup = getattr(obj, "setup", None)
     if setup is not None and not callable(setup):
-        msg = f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument, or absent"
+        msg = (f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument (or only a mesh "
+               "keyword), or absent")
         raise RecipeError(msg)
     return obj  # type: ignore[return-value]
 
@@ -97,13 +98,28 @@ def clips(recipe: object) -> bool:
     """Whether ``recipe`` clips gradients: its ``backward_window`` takes a ``max_norm`` keyword. The harness then
     passes one, and the recipe clips the synchronized gradient to it (``torch.nn.utils.clip_grad_norm_`` over every
     parameter) and returns ``(loss, total_norm)``: the loss as always (or None), and the norm before clipping."""
+    return _takes(getattr(recipe, "backward_window", None), "max_norm")
+
+
+def takes_mesh(recipe: object) -> bool:
+    """Whether ``recipe``'s ``backward_window`` takes a ``mesh`` keyword: the harness then passes the ranks' torch
+    ``DeviceMesh`` (named by ``--mesh``; ``dp=W`` without it), from which the recipe takes its groups
+    (:func:`harness.recipes.helpers.token_group`). Its ``setup`` receives it too when it takes ``mesh``."""
+    return _takes(getattr(recipe, "backward_window", None), "mesh")
+
+
+def setup_takes_mesh(recipe: object) -> bool:
+    """Whether ``recipe``'s ``setup`` takes a ``mesh`` keyword (see :func:`takes_mesh`)."""
+    return _takes(getattr(recipe, "setup", None), "mesh")
+
+
+def _takes(fn: object, keyword: str) -> bool:
     import inspect
 
     try:
-        params = inspect.signature(recipe.backward_window).parameters  # type: ignore[attr-defined]
+        return keyword in inspect.signature(fn).parameters  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return False
-    return "max_norm" in params
 
 
 def recipe_module(spec: object) -> str | None:

@@ -19,7 +19,14 @@ from torch import nn
 from harness.core.formats import hf_forward, logits_of, shifted_loss_sum, supervised_tokens
 from harness.core.loss import count_device, global_token_loss, loss_sum
 from harness.core.microbatch import IGNORE_INDEX
-from harness.recipes.helpers import clip_grad_norm, global_count, require_tokens, sync_context
+from harness.recipes.helpers import (
+    clip_grad_norm,
+    global_count,
+    require_tokens,
+    sync_context,
+    token_group,
+    token_group_size,
+)
 
 Batch = Any
 """One microbatch in either format: a :class:`Microbatch`, or the ``hf`` dict."""
@@ -70,12 +77,13 @@ def accumulate(
     return local
 
 
-def global_sum(value: float) -> float:
-    """All-reduce (SUM) a float in float64 on the count device; the identity outside a process group."""
+def global_sum(value: float, group: Any = None) -> float:
+    """All-reduce (SUM) a float in float64 on the count device, over ``group`` (None: every rank); the identity outside
+    a process group."""
     if not dist.is_initialized():
         return value
     t = torch.tensor(value, dtype=torch.float64, device=count_device())
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return float(t)
 
 
@@ -92,6 +100,24 @@ class GlobalTokenMean:
 
 
 global_token_mean = GlobalTokenMean()
+
+
+class MeshTokenMean:
+    """The correct recipe on a device mesh: the count all-reduced over the token group (the data-parallel and cp
+    dimensions, never tp), and each rank's loss sum scaled by that group's size over the count, which the ranks'
+    gradient average over the same group undoes. On ``dp=W`` it is :class:`GlobalTokenMean`."""
+
+    name = "mesh_token_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch], mesh: Any = None) -> float | None:
+        group = token_group(mesh)
+        total = require_tokens(global_count(sum(supervised_tokens(mb) for mb in window), group=group))
+        size = token_group_size(mesh)
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        return global_sum(local, group) / total
+
+
+mesh_token_mean = MeshTokenMean()
 
 
 class HfGlobalTokenMean:

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import check_global_count, global_count
+from harness.core.mesh import TOKEN_DIMS
+from harness.distributed.device_mesh import flattened
 
 
 def sync_context(model: nn.Module, i: int, n: int) -> contextlib.AbstractContextManager[object]:
@@ -81,3 +85,30 @@ def require_tokens(global_count: int) -> int:
 
 
 __all__ = ["clip_grad_norm", "global_count", "require_tokens", "supervised_tokens", "sync_context"]
+
+
+def token_group(mesh: Any) -> Any:
+    """The process group a window's supervised count must be all-reduced over on ``mesh`` (the torch ``DeviceMesh``
+    the harness passes a recipe that takes ``mesh``): its data-parallel and cp dimensions, flattened where several.
+    Each supervised token lies in exactly one of their coordinates; tp and pp ranks hold the same tokens, so a count
+    over them counts a token once per replica. None (no mesh): None, every rank."""
+    if mesh is None:
+        return None
+    return flattened(mesh, _token_dims(mesh)).get_group()
+
+
+def token_group_size(mesh: Any) -> int:
+    """How many ranks :func:`token_group` spans: the factor that undoes the gradient's average over that group (the
+    ``world_size`` of :func:`harness.global_token_loss` on a mesh). No mesh: the world size."""
+    if mesh is None:
+        return dist.get_world_size() if dist.is_initialized() else 1
+    return int(flattened(mesh, _token_dims(mesh)).size())
+
+
+def _token_dims(mesh: Any) -> tuple[str, ...]:
+    dims = tuple(n for n in mesh.mesh_dim_names if n in TOKEN_DIMS)
+    if not dims:
+        msg = (f"mesh={tuple(mesh.mesh_dim_names)!r} has no data-parallel or cp dimension "
+               f"({', '.join(TOKEN_DIMS)}): a count has no group to be reduced over")
+        raise ValueError(msg)
+    return dims

@@ -11,6 +11,7 @@ from harness.core.mesh import Mesh
 
 CORRECT = "harness.recipes:global_token_mean"
 DP_ONLY = "support.mesh_recipes:CountOverDataParallelOnly"
+MESH = "harness.recipes:mesh_token_mean"
 
 
 def mesh_run(recipe: str, shape: str = "dp=2,cp=2", chunking: str = "contiguous") -> runner.Run:
@@ -28,11 +29,27 @@ def test_the_correct_recipe_passes_every_check_over_dp_and_cp(chunking: str) -> 
 
 
 def test_a_count_over_the_data_parallel_group_only_fails_parity() -> None:
-    """verl #5983: the count all-reduced over dp alone misses the other cp chunks' tokens, so every chunk's loss is
-    scaled by the total over its own count (about the cp size); parity fails on the numbers."""
+    """verl #5983: the count all-reduced over ``mesh["dp"]`` alone misses the other cp chunks' tokens, so every chunk's
+    loss is scaled by the total over its own count (about the cp size); parity fails on the numbers."""
     verdict = checks.parity(mesh_run(DP_ONLY))
     assert not verdict.passed
     assert "numbers" == verdict.cause
+
+
+def test_the_same_count_is_right_without_a_cp_dimension() -> None:
+    """Its control: on dp=2 the dp group is every rank, so the same recipe passes (every cp bug vanishes at cp=1)."""
+    verdict = checks.parity(mesh_run(DP_ONLY, "dp=2"))
+    assert verdict.passed, verdict.message
+
+
+@pytest.mark.parametrize("shape", ["dp=2,cp=2", "dp=3"])
+def test_the_mesh_recipe_takes_its_groups_from_the_mesh_and_passes(shape: str) -> None:
+    """``harness.recipes:mesh_token_mean`` (the count over ``token_group(mesh)``, the loss scaled by its size) passes
+    parity and the logged loss over dp x cp, and on a one-dimensional mesh."""
+    run = mesh_run(MESH, shape)
+    for check in (checks.parity, checks.logged_loss, checks.one_sync):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
 
 
 def test_a_mesh_run_and_a_data_parallel_run_of_one_world_size_keep_their_own_references() -> None:

@@ -1,10 +1,11 @@
-"""Recipes for a dp x cp mesh written as a user of one writes them (test-only): the count reduced over the data-parallel
-group alone, the bug of verl #5983, and its fix. Both build their groups from a cp size they are configured with, as a
-training script reads it from its config."""
+"""Recipes for a device mesh written as users of one write them (test-only), each taking the ``mesh`` the harness
+passes: the count all-reduced over the data-parallel dimension alone, the bug of verl #5983 (and, with each shard's
+own count, Megatron-LM #7513)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,26 +14,23 @@ from torch import nn
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.recipes.correct import accumulate
 
-CP = 2
-"""The cp size these recipes are written for (ranks r*CP .. r*CP+CP-1 share a data coordinate)."""
+
+def _local_count(window: Sequence[Microbatch]) -> torch.Tensor:
+    return torch.tensor(float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in window)), dtype=torch.float64)
 
 
 class CountOverDataParallelOnly:
-    """Counts its window's tokens over the dp group only: under cp each rank holds a chunk of the positions, so the
-    count misses the other chunks' tokens and the loss is about CP times too large (exactly CP when the chunks hold
-    equal counts)."""
+    """Counts its window's tokens over ``mesh["dp"]`` only: under cp each rank holds a chunk of the positions, so the
+    count misses the other chunks' tokens and the loss is about cp times too large (exactly cp when the chunks hold
+    equal counts). Right on a mesh without cp, where dp is every rank."""
 
     name = "count_over_dp_only"
 
-    def setup(self) -> None:
-        world = dist.get_world_size()
-        self.groups = [dist.new_group([d * CP + c for d in range(world // CP)]) for c in range(CP)]
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        count = torch.tensor(float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in window)), dtype=torch.float64)
-        dist.all_reduce(count, group=self.groups[dist.get_rank() % CP])
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        count = _local_count(window)
+        dist.all_reduce(count, group=mesh["dp"].get_group())
         if count == 0:
             raise ValueError("no supervised token in the window")
-        world = dist.get_world_size()
-        accumulate(model, window, lambda s: s * world / float(count))
+        size = dist.get_world_size()
+        accumulate(model, window, lambda s: s * size / float(count))
         return None
