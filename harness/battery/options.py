@@ -61,6 +61,11 @@ REDUCTIONS = ("mean", "sum")
 
 
 
+MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of dp, or dp_replicate and dp_shard, "
+             "and cp: their product is the world size; repeatable; default: dp=W at each world size); each cp rank "
+             "is supervised on its chunk of its data coordinate's positions")
+"""``--mesh``'s help, the same on the command line and in pytest."""
+
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
     "--strategy": {"default": "ddp", "choices": tuple(STRATEGY_CHOICES),
                    "help": "the data-parallel strategy the ranks run under: ddp (DistributedDataParallel, default), "
@@ -110,6 +115,25 @@ def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world
                "e.g. 1,2,3,4")
         raise ValueError(msg)
     return tuple(dict.fromkeys(world_sizes))
+
+
+def parse_meshes(value: str | Sequence[str] | None, option: str = "--mesh") -> tuple[Mesh, ...]:
+    """``--mesh`` as meshes: None or nothing -> none (``dp=W``); each shape ``"dp=2,cp=2"`` (the option repeated, or
+    shapes separated by spaces or ``;``), validated as the battery runs it; ValueError naming the option otherwise."""
+    if value is None:
+        return ()
+    texts = [value] if isinstance(value, str) else list(value)
+    shapes = [s for t in texts for s in str(t).replace(";", " ").split()]
+    out = []
+    for shape in shapes:
+        mesh = Mesh.parse(shape, option)
+        check_layout(mesh, mesh.world_size, option)
+        if mesh.world_size > MAX_WORLD_SIZE or mesh.data_ranks > MAX_SCENARIO_WORLD_SIZE:
+            msg = (f"{option}={shape!r} has {mesh.world_size} ranks: at most {MAX_WORLD_SIZE} run in one process "
+                   f"(and {MAX_SCENARIO_WORLD_SIZE} data-parallel ranks)")
+            raise ValueError(msg)
+        out.append(mesh)
+    return tuple(dict.fromkeys(out))
 
 
 def precisions(choice: str, option: str = "--precision") -> tuple[str, ...]:
@@ -255,12 +279,16 @@ class BatteryOptions:
     find_unused: str = "auto"
     report: str | None = None
     objective: str = "token_mean"
+    meshes: tuple[Mesh, ...] = ()
+    """``--mesh``: the shapes the plan's cases run over instead of ``dp=W`` at each world size (the world sizes still
+    choose the drawn layouts' and the controls'); empty: ``dp=W``."""
 
     @classmethod
     def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
               precision: str = "both", world_sizes: str | Sequence[int] = WORLD_SIZES,
               examples: int | None = DEFAULT_EXAMPLES, deadline: float | None = None, find_unused: str = "auto",
-              report: str | None = None, objective: str = "token_mean") -> BatteryOptions:
+              report: str | None = None, objective: str = "token_mean",
+              mesh: str | Sequence[str] | None = None) -> BatteryOptions:
         """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
         precisions(precision)
         strategies(strategy)
@@ -274,7 +302,8 @@ class BatteryOptions:
                    strategy=strategy, precision=precision,
                    world_sizes=parse_world_sizes(world_sizes), examples=examples,
                    deadline=DEADLINE if deadline is None else _deadline(deadline),
-                   find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective))
+                   find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective),
+                   meshes=parse_meshes(mesh))
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -286,19 +315,20 @@ class BatteryOptions:
 
     def spec(self, recipe: str, scenario: str, world_size: int, precision: str, *,
              batch_format: str | None = None, strategy: str | None = None,
-             objective: str | None = None) -> RunSpec:
+             objective: str | None = None, mesh: Mesh | None = None) -> RunSpec:
         """The run of ``recipe`` on one case under these options (``batch_format``, ``objective``: a control written
         for another format or objective than the session's; ``strategy``: one of the session's strategy lanes, the
         first by default)."""
         return RunSpec(recipe, scenario, world_size, precision, model=self.model,
                        batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
-                       find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective)
+                       find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective,
+                       layout=mesh)
 
 
 PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": "strategy", "precision": "precision",
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
                   "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report",
-                  "objective": "objective"}
+                  "objective": "objective", "mesh": "mesh"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
 
 _CACHED = "_harness_battery_options"

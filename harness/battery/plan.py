@@ -22,6 +22,7 @@ from harness.battery.options import (
     strategies,
 )
 from harness.battery.registry import REGISTRY
+from harness.core.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,14 @@ class Case:
     world_size: int
     precision: str
     strategy: str = "ddp"
+    mesh: Mesh | None = None
+    """The mesh the case runs over (``--mesh``); None: ``dp=world_size``."""
 
     @property
     def id(self) -> str:
         return f"{self.scenario}-world{self.world_size}-{self.precision}" + (
-            "" if self.strategy == "ddp" else f"-{self.strategy}")
+            "" if self.strategy == "ddp" else f"-{self.strategy}") + (
+            "" if self.mesh is None else "-" + self.mesh.label.replace("=", "").replace(",", "x"))
 
     @property
     def run_key(self) -> str:
@@ -44,7 +48,7 @@ class Case:
 
 
 def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
-          checks: Sequence[str] | None = None, strategy: str = "ddp") -> list[Case]:
+          checks: Sequence[str] | None = None, strategy: str = "ddp", meshes: Sequence[Mesh] = ()) -> list[Case]:
     """Every case of the battery, in a stable order: by check (:data:`harness.battery.registry.REGISTRY`'s order, each
     check where and in the precisions it registered for), then scenario, world size, strategy and precision."""
     lanes = precisions(precision)
@@ -57,17 +61,19 @@ def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
         for scenario in scenarios.BATTERY_SCENARIOS:
             if not info.runs_on(scenario):
                 continue
-            for world in worlds:
-                if scenario in scenarios.MULTI_RANK_ONLY and world == 1:
+            layouts: list[tuple[int, Mesh | None]] = (
+                [(m.world_size, m) for m in meshes] if meshes else [(w, None) for w in worlds])
+            for world, mesh in layouts:
+                if scenario in scenarios.MULTI_RANK_ONLY and (mesh.data_ranks if mesh else world) == 1:
                     continue  # one rank of one is every rank: that is the all_empty scenario
-                out += [Case(info.name, scenario, world, p, s) for s in ways
+                out += [Case(info.name, scenario, world, p, s, mesh) for s in ways
                         for p in (lanes if info.per_precision else lanes[:1])]
     return out
 
 
 def session_cases(options: BatteryOptions, checks: Sequence[str] | None = None) -> list[Case]:
     """The cases a battery session runs under ``options`` (its world sizes and precision lanes)."""
-    return cases(options.world_sizes, options.precision, checks, options.strategy)
+    return cases(options.world_sizes, options.precision, checks, options.strategy, options.meshes)
 
 
 FIRST_LAYOUTS = 2

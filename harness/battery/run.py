@@ -104,7 +104,8 @@ class Run:
         where = f", window {window}" if window is not None else ""
         extra = (f", model {self.model_path}" if self.model_path else "") + (
             f", {self.batch_format} batches" if self.batch_format != HARNESS else "") + (
-            f", {self.run_spec.strategy}" if self.run_spec is not None and self.run_spec.strategy != "ddp" else "")
+            f", {self.run_spec.strategy}" if self.run_spec is not None and self.run_spec.strategy != "ddp" else "") + (
+            f", mesh {self.run_spec.layout.label}" if self.run_spec is not None and self.run_spec.layout else "")
         return (f"recipe {self.recipe}, world {self.world_size}{where}, {self.precision}, scenario {self.scenario}"
                 f"{extra}")
 

@@ -36,7 +36,7 @@ def run_cases(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions |
             progress(f"{recipe.split(':')[-1]}: {case.check} ({case.id})")
         try:
             run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision,
-                                          strategy=case.strategy))
+                                          strategy=case.strategy, mesh=case.mesh))
             verdicts.append(registry.CHECKS[case.check](run))
         except Exception as exc:
             verdicts.append(error_verdict(recipe, case, exc))
@@ -133,7 +133,8 @@ def _cell(v: Verdict) -> str:
 def row_label(v: Verdict) -> str:
     """A verdict's row in the table: its ``label`` (the drawn lane's one row per run), else its case."""
     way = "" if v.strategy == "ddp" else f", {v.strategy}"
-    return v.label or f"{v.check} ({v.scenario}, W={v.world_size}, {v.precision}{way})"
+    where = f"W={v.world_size}" if v.mesh is None else f"W={v.world_size} {v.mesh}"
+    return v.label or f"{v.check} ({v.scenario}, {where}, {v.precision}{way})"
 
 
 def recipe_names(recipes: Sequence[str]) -> dict[str, str]:

@@ -52,7 +52,7 @@ def judge(recipe_path: str, battery_options: BatteryOptions, battery_check: Chec
 
     def apply(case: plan.Case) -> None:
         run = runner.run(battery_options.spec(recipe_path, case.scenario, case.world_size, case.precision,
-                                              strategy=case.strategy))
+                                              strategy=case.strategy, mesh=case.mesh))
         battery_check(registry.CHECKS[case.check](run))
 
     return apply

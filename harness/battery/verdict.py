@@ -44,6 +44,8 @@ class Verdict:
     lane's ``"drawn (12 layouts, W in 1,2,3,4, fp32)"`` (its ``world_size`` is 0: several). None: the case's row."""
     strategy: str = "ddp"
     """The data-parallel strategy the ranks ran under (``"ddp"``, ``"fsdp2"``)."""
+    mesh: str | None = None
+    """The mesh the ranks ran over (``"dp=2,cp=2"``, ``--mesh``); None: ``dp=W``."""
 
     @property
     def passed(self) -> bool:
@@ -61,6 +63,7 @@ def make_verdict(check: str, run: Run, status: str, detail: str, window: int | N
     if status == FAIL and "cause" not in fields:
         fields["cause"] = "numbers"
     fields.setdefault("strategy", strategy(run))
+    fields.setdefault("mesh", run.run_spec.layout.label if run.run_spec is not None and run.run_spec.layout else None)
     return Verdict(check, run.recipe, run.scenario, run.world_size, run.precision, status, message, window=window,
                    **fields)  # type: ignore[arg-type]
 

@@ -48,7 +48,7 @@ def battery_options(args: argparse.Namespace) -> BatteryOptions:
             strategy=getattr(args, "strategy", "ddp"), precision=args.precision, world_sizes=args.world_sizes,
             examples=args.examples, deadline=args.deadline,
             find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json,
-            objective=getattr(args, "objective", "token_mean"))
+            objective=getattr(args, "objective", "token_mean"), mesh=getattr(args, "mesh", None))
     except ValueError as exc:
         raise BadInput(str(exc)) from None
 
@@ -114,8 +114,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
     unrejected = [c for c in results if not c.rejected]
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed or unrejected else 0
+    meshes = f", the cases over mesh {' and '.join(m.label for m in options.meshes)}" if options.meshes else ""
     print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
-          f"{list(worlds)}, precision {options.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
+          f"{list(worlds)}{meshes}, precision {options.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
     for path in filter(None, (options.report,)):
         from harness.battery.table import write_report
 
@@ -139,7 +140,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     elif failed:
         first = failed[0]
         err(f"FAILED: {len(failed)} check(s) failed; first: {first.check} of {first.recipe} ({first.scenario}, "
-             f"W={first.world_size}, {first.precision})")
+             f"W={first.world_size}{f' {first.mesh}' if first.mesh else ''}, {first.precision})")
     elif unrejected:
         err(f"FAILED: negative control(s) not rejected by their targeted check: "
              f"{sorted({c.control for c in unrejected})}")

@@ -8,6 +8,7 @@ import pytest
 from harness.battery import checks, runner
 from harness.battery.options import RunSpec
 from harness.core.mesh import Mesh
+from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"
 DP_ONLY = "support.mesh_recipes:CountOverDataParallelOnly"
@@ -61,3 +62,15 @@ def test_a_mesh_run_and_a_data_parallel_run_of_one_world_size_keep_their_own_ref
     assert (2, 4) == (len(mesh.windows[0]), len(flat.windows[0]))
     verdict = checks.parity(flat)
     assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+def test_the_command_line_judges_recipes_over_a_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m harness battery --mesh dp=2,cp=2``: the count over dp only fails (exit 1) and the mesh recipe
+    passes, on the same cases, and the table's rows name the mesh."""
+    common = ["battery", "--mesh", "dp=2,cp=2", "--battery-examples", "0", "--precision", "fp32"]
+    assert 1 == main([*common, "--recipe", DP_ONLY])
+    out = capsys.readouterr()
+    assert "parity (uneven, W=4 dp=2,cp=2, fp32)" in out.out
+    assert "first: parity of support.mesh_recipes:CountOverDataParallelOnly (uneven, W=4 dp=2,cp=2, fp32)" in out.err
+    assert 0 == main([*common, "--recipe", MESH])

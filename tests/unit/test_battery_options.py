@@ -9,6 +9,7 @@ import pytest
 
 from harness.battery import plan
 from harness.battery.options import DEADLINE, BatteryOptions, RunSpec
+from harness.core.mesh import Mesh
 from harness.testing.plugin import options_from
 from harness.workflow.checks import battery_options
 from harness.workflow.cli import build_parser
@@ -16,7 +17,7 @@ from harness.workflow.outputs import BadInput
 
 FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
-         "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean"}
+         "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean", "--mesh": "dp=2,cp=2"}
 
 
 class _Config:
@@ -26,7 +27,7 @@ class _Config:
         self.values: dict[str, object] = {
             "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
             "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
-            "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean"}
+            "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean", "mesh": None}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -45,7 +46,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     cli, pytest_side = _cli(FLAGS), options_from(_Config(FLAGS))  # type: ignore[arg-type]
     assert cli == pytest_side
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
-                                 find_unused="off", report="out.json", strategy="both", objective="sequence_mean")
+                                 find_unused="off", report="out.json", strategy="both", objective="sequence_mean",
+                                 meshes=(Mesh.parse("dp=2,cp=2"),))
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
@@ -58,6 +60,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
     ("--objective", "mean", "--objective='mean' must be one of token_mean, sequence_mean, weighted_token_mean, "
                             "fixed_normalizer"),
+    ("--mesh", "dp=2,tp=2", "--mesh=dp=2,tp=2: the battery runs meshes of data-parallel and cp dimensions"),
 ])
 def test_a_bad_value_gets_one_message_on_both_surfaces(flag: str, value: str, says: str) -> None:
     """The command line's bad input (exit 2) and pytest's usage error carry the same words, naming the shared

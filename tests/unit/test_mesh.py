@@ -147,3 +147,31 @@ def test_a_run_without_a_layout_is_data_parallel_over_its_world() -> None:
     assert "dp=3" == RunSpec("harness.recipes:global_token_mean", "uneven", 3).mesh.label
     assert "dp=2,cp=2" == RunSpec("harness.recipes:global_token_mean", "uneven", 4,
                                   layout=Mesh.parse("cp=2,dp=2")).mesh.label
+
+
+def test_mesh_options_give_the_cases_their_shapes() -> None:
+    """``--mesh dp=2,cp=2 --mesh cp=2``: every case runs at one of the shapes (W=4 and W=2), its id names the mesh,
+    and one_empty (a data coordinate without tokens) is left out where the mesh has a single data coordinate."""
+    from harness.battery import plan
+    from harness.battery.options import BatteryOptions
+
+    options = BatteryOptions.parse(mesh=["dp=2,cp=2", "cp=2"], precision="fp32")
+    cases = plan.session_cases(options, checks=["parity"])
+    assert {("dp=2,cp=2", 4), ("cp=2", 2)} == {(c.mesh.label, c.world_size) for c in cases if c.mesh}
+    assert all(c.mesh is not None for c in cases)
+    assert "uneven-world4-fp32-dp2xcp2" in {c.id for c in cases}
+    assert ("one_empty", "cp=2") not in {(c.scenario, c.mesh.label) for c in cases if c.mesh}
+    assert ("one_empty", "dp=2,cp=2") in {(c.scenario, c.mesh.label) for c in cases if c.mesh}
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("dp=2,tp=2", "--mesh=dp=2,tp=2: the battery runs meshes of data-parallel and cp dimensions"),
+    ("dp=4,cp=4", "--mesh='dp=4,cp=4' has 16 ranks: at most 8 run in one process"),
+    ("dp=2 cp", "--mesh='cp': 'cp' is not NAME=SIZE"),
+])
+def test_a_mesh_option_the_battery_cannot_run_is_refused_naming_it(value: str, says: str) -> None:
+    """Each refusal names ``--mesh``, the shape and why."""
+    from harness.battery.options import BatteryOptions
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        BatteryOptions.parse(mesh=value)
