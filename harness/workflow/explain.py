@@ -32,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="the effective token weights of a recipe's gradient and the mistake they name")
     p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe to explain")
     p.add_argument("--scenario", default="uneven", help="battery scenario (default: uneven)")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: 2, or the mesh's)")
+    p.add_argument("--mesh", metavar="DIM=N,...", help="run over this mesh instead of dp=W, e.g. dp=2,cp=2 (the sizes' "
+                   "product is the world size; the battery's --mesh, one shape)")
     add_lane_options(p, precision="fp32")  # the battery's --strategy, --precision, --objective
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
@@ -48,13 +50,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_explain)
 
 
-def _stem(recipe: str, scenario: str, world: int, precision: str, strategy: str = "ddp") -> str:
+def _stem(recipe: str, scenario: str, world: int, precision: str, strategy: str = "ddp",
+          mesh: str | None = None) -> str:
     """The output files' name: the recipe's module and attribute (two modules' ``:recipe`` must not overwrite each
-    other), the scenario, world size, precision and strategy (DDP's unnamed):
-    ``explain-pkg.mod-recipe-uneven-W2-fp32``, ``...-W2-bf16-fsdp2``."""
+    other), the scenario, world size, precision, strategy (DDP's unnamed) and mesh (``dp=W``'s unnamed):
+    ``explain-pkg.mod-recipe-uneven-W2-fp32``, ``...-W2-bf16-fsdp2``, ``...-W4-fp32-dp2xcp2``."""
     module, _, attr = recipe.partition(":")
     name = "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", part) for part in (module, attr) if part)
-    return f"explain-{name}-{scenario}-W{world}-{precision}" + ("" if strategy == "ddp" else f"-{strategy}")
+    return f"explain-{name}-{scenario}-W{world}-{precision}" + ("" if strategy == "ddp" else f"-{strategy}") + (
+        "" if mesh is None else "-" + mesh.replace("=", "").replace(",", "x"))
 
 
 def in_strategy_form(text: str, strategy: str) -> str:
@@ -134,12 +138,21 @@ def write_weight_figure(path: Path, diagnosis: object) -> Path:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from harness.battery import scenarios
-    from harness.battery.options import BatteryOptions
+    from harness.battery.options import BatteryOptions, parse_meshes
     from harness.recipes import RecipeError, load_recipe
     from harness.workflow.checks import check_model_option
 
     if args.scenario not in scenarios.SCENARIOS:
         raise BadInput(f"--scenario={args.scenario!r} is not one of {', '.join(scenarios.SCENARIOS)}")
+    try:
+        meshes = parse_meshes(args.mesh)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    args.layout = meshes[0] if meshes else None
+    if args.layout is not None and args.world_size not in (None, args.layout.world_size):
+        raise BadInput(f"--world-size={args.world_size} but --mesh={args.mesh} has {args.layout.world_size} ranks: "
+                       "give one of them")
+    args.world_size = args.layout.world_size if args.layout is not None else args.world_size or 2
     if not 1 <= args.world_size <= scenarios.MAX_WORLD_SIZE:
         raise BadInput(f"--world-size={args.world_size} must be between 1 and {scenarios.MAX_WORLD_SIZE}")
     try:  # the battery's own validation, so a bad value gets the battery's message
@@ -183,7 +196,8 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     lane = f"{strategy}, {precision}"
     start = time.monotonic()
     spec = RunSpec(args.recipe, args.scenario, args.world_size, precision, model=model,
-                   batch_format=args.batch_format, strategy=strategy, deadline=args.deadline, objective=args.objective)
+                   batch_format=args.batch_format, strategy=strategy, deadline=args.deadline, objective=args.objective,
+                   layout=getattr(args, "layout", None))
     run = runner.run(spec)
     ran = time.monotonic() - start
     if run.failure is not None:
@@ -212,7 +226,8 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
             print(f"  the battery: {in_strategy_form(v.message.splitlines()[0], strategy)}")
         print(f"FAILED: explain: no gradient on {args.scenario} ({lane})")
         return 1
-    print(f"{args.recipe} on scenario {args.scenario}, W={args.world_size}, {precision}, {strategy}, objective "
+    where = f"W={args.world_size}" + (f" {args.layout.label}" if getattr(args, "layout", None) else "")
+    print(f"{args.recipe} on scenario {args.scenario}, {where}, {precision}, {strategy}, objective "
           f"{args.objective} (run {ran:.2f} s, diagnosis {took:.2f} s)\n")
     print(found.weight_table())
     line = right_in_objective_words(found, args.objective) if found.right else found.line()
@@ -228,8 +243,10 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
         for v in failed:
             print("  " + in_strategy_form(v.message.splitlines()[0], strategy))
     out = Path(args.outputs)
-    stem = _stem(args.recipe, args.scenario, args.world_size, precision, strategy)
+    layout = getattr(args, "layout", None)
+    stem = _stem(args.recipe, args.scenario, args.world_size, precision, strategy, layout.label if layout else None)
     payload = {"schema": SCHEMA, "recipe": args.recipe, "scenario": args.scenario, "world_size": args.world_size,
+               "mesh": layout.label if layout else None,
                "precision": precision, "strategy": strategy, "objective": args.objective, "model": model,
                "batch_format": args.batch_format, "run_seconds": ran, "diagnosis_seconds": took,
                "failed_checks": [v.check for v in failed], **found.to_dict()}

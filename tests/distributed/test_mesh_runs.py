@@ -3,6 +3,8 @@ gradient reduced over every rank, the reference the single-device gradient over 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness.battery import checks, runner
@@ -74,3 +76,21 @@ def test_the_command_line_judges_recipes_over_a_mesh(capsys: pytest.CaptureFixtu
     assert "parity (uneven, W=4 dp=2,cp=2, fp32)" in out.out
     assert "first: parity of support.mesh_recipes:CountOverDataParallelOnly (uneven, W=4 dp=2,cp=2, fp32)" in out.err
     assert 0 == main([*common, "--recipe", MESH])
+
+
+def test_explain_reads_a_run_over_a_mesh(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``explain --mesh dp=2,cp=2`` on the count over dp only: the run is named with its mesh, the battery's checks
+    reject it (exit 1), and every fitted weight stands near 2x the right one (the cp size)."""
+    assert 1 == main(["explain", "--recipe", DP_ONLY, "--mesh", "dp=2,cp=2", "--outputs", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"{DP_ONLY} on scenario uneven, W=4 dp=2,cp=2, fp32" in out
+    ratios = [float(line.split()[-1]) for line in out.splitlines() if line.strip()[:1].isdigit() and
+              len(line.split()) == 6 and line.split()[0] in ("0", "1")]
+    assert ratios and all(1.8 < r < 2.2 for r in ratios), out
+    assert (tmp_path / "explain-support.mesh_recipes-CountOverDataParallelOnly-uneven-W4-fp32-dp2xcp2.json").is_file()
+
+
+def test_explain_refuses_a_world_size_the_mesh_contradicts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--world-size 2 --mesh dp=2,cp=2`` is a usage error (exit 2) naming both."""
+    assert 2 == main(["explain", "--recipe", MESH, "--world-size", "2", "--mesh", "dp=2,cp=2"])
+    assert "--world-size=2 but --mesh=dp=2,cp=2 has 4 ranks" in capsys.readouterr().err
