@@ -39,7 +39,7 @@ class Case:
     def id(self) -> str:
         return f"{self.scenario}-world{self.world_size}-{self.precision}" + (
             "" if self.strategy == "ddp" else f"-{self.strategy}") + (
-            "" if self.mesh is None else "-" + self.mesh.label.replace("=", "").replace(",", "x"))
+            "" if self.mesh is None else "-" + self.mesh.stem)
 
     @property
     def run_key(self) -> str:

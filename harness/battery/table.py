@@ -105,10 +105,11 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
         # Several controls are right at W=1 (no rank to average over): they target W >= 2.
         for world in target.judged_at(options.world_sizes):
             if progress:
-                progress(f"{name}: {target.check} ({target.scenario}, W={world}, {target.precision})")
+                where = f"W={world}" if target.mesh is None else f"W={world} {target.mesh}"
+                progress(f"{name}: {target.check} ({target.scenario}, {where}, {target.precision})")
             spec = options.spec(f"harness.recipes:{name}", target.scenario, world, target.precision,
                                 batch_format=target.batch_format, strategy=target.strategy,
-                                objective=target.objective)
+                                objective=target.objective, mesh=target.layout)
             run = runner.run(spec)
             verdict = registry.CHECKS[target.check](run)
             found = verdict.diagnosis

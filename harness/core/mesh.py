@@ -88,6 +88,11 @@ class Mesh:
         return ",".join(f"{name}={size}" for name, size in self.dims)
 
     @property
+    def stem(self) -> str:
+        """``"dp2xcp2"``: the label as it goes into a test id or a file name."""
+        return "x".join(f"{name}{size}" for name, size in self.dims)
+
+    @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.dims)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from harness.core.formats import HARNESS
+from harness.core.mesh import Mesh
 
 IN_PROCESS = "in-process"
 TORCHRUN_NODES = "torchrun-nodes"
@@ -41,6 +42,10 @@ class Target:
     objective: str = "token_mean"
     """The declared objective it is judged under (``--objective``): a recipe right for one objective is the control
     of another."""
+    mesh: str | None = None
+    """The device mesh its mistake shows on (``"dp=2,cp=2"``, :meth:`harness.core.mesh.Mesh.parse`): a count reduced
+    over the wrong group of a mesh is right while the world is one data-parallel group. Its world size is the mesh's;
+    None: ``dp=W``."""
     launch: str = IN_PROCESS
     """How its ranks must be launched for the mistake to show: ``"in-process"`` (the battery's launcher, every rank
     on this machine and on one node), or ``"torchrun-nodes"``: ranks on more than one node (a count reduced over
@@ -56,9 +61,22 @@ class Target:
                    "shows), or () for every one")
             raise ValueError(msg)
 
+        if self.mesh is not None:
+            layout = Mesh.parse(self.mesh, "Target(mesh=...)")
+            if self.world_sizes not in ((), (layout.world_size,)):
+                msg = (f"Target(mesh={self.mesh!r}, world_sizes={self.world_sizes!r}): the mesh has "
+                       f"{layout.world_size} ranks; leave world_sizes out, the mesh sets it")
+                raise ValueError(msg)
+            object.__setattr__(self, "world_sizes", (layout.world_size,))
+
+    @property
+    def layout(self) -> Mesh | None:
+        """Its mesh, parsed (None: ``dp=W``)."""
+        return None if self.mesh is None else Mesh.parse(self.mesh, "Target(mesh=...)")
+
     def judged_at(self, world_sizes: tuple[int, ...]) -> tuple[int, ...]:
         """The world sizes it is judged at, of ``world_sizes`` offered: its declared ones whatever is offered (a
-        mistake right at the offered W proves nothing there), else the offered ones from 2 on."""
+        mistake right at the offered W proves nothing there; a mesh's own), else the offered ones from 2 on."""
         return self.world_sizes or tuple(w for w in world_sizes if w >= 2)
 
 

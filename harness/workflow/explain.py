@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from harness.battery.options import add_lane_options
+from harness.core.mesh import Mesh
 from harness.workflow.outputs import BadInput, write_bytes, write_json
 
 SCHEMA = "harness.explain/1"
@@ -58,7 +59,7 @@ def _stem(recipe: str, scenario: str, world: int, precision: str, strategy: str 
     module, _, attr = recipe.partition(":")
     name = "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", part) for part in (module, attr) if part)
     return f"explain-{name}-{scenario}-W{world}-{precision}" + ("" if strategy == "ddp" else f"-{strategy}") + (
-        "" if mesh is None else "-" + mesh.replace("=", "").replace(",", "x"))
+        "" if mesh is None else "-" + Mesh.parse(mesh).stem)
 
 
 def in_strategy_form(text: str, strategy: str) -> str:

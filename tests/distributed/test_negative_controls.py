@@ -22,6 +22,7 @@ from harness.battery.failed_runs import crash_summary
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.run import Run
 from harness.battery.table import run_controls
+from harness.core.mesh import Mesh
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS, control_class
 from harness.recipes.catalog import IN_PROCESS
 
@@ -50,12 +51,13 @@ def control_cases() -> list[object]:
         seen.add(family)
         for w in t.world_sizes or (2, 3):
             marks = [pytest.mark.xdist_group(control_group(n, w))]
+            where = f"world{w}" if t.mesh is None else Mesh.parse(t.mesh).stem
             if (not t.world_sizes and w == 3) or not representative:
                 marks.append(pytest.mark.slow)
             if t.launch != IN_PROCESS:
                 marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on more than one "
                                                      "node, where the in-process launcher has one"))
-            out.append(pytest.param(n, w, id=f"{n}-world{w}", marks=marks))
+            out.append(pytest.param(n, w, id=f"{n}-{where}", marks=marks))
     return out
 
 
@@ -73,8 +75,9 @@ def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name
     # One truth, on the same cached run: a parity verdict that fails never reads "correct" (a control whose own check
     # is another reads "correct" only where parity passes).
     target = CONTROLS[name]
-    run = runner.run(control(name), target.scenario, world_size, target.precision, batch_format=target.batch_format,
-                     objective=target.objective)
+    run = runner.run(BatteryOptions(world_sizes=(world_size,)).spec(
+        control(name), target.scenario, world_size, target.precision, batch_format=target.batch_format,
+        strategy=target.strategy, objective=target.objective, mesh=target.layout))
     if run.failure is None and worst(run) is not None:
         parity = checks.parity(run)
         if not parity.passed and parity.diagnosis is not None:

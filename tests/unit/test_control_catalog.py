@@ -96,10 +96,20 @@ def test_a_target_says_where_a_world_size_mistake_is_judged() -> None:
     assert {"in-process"} == {t.launch for n, t in CONTROLS.items() if n != "count_over_local_ranks"}
 
 
+def test_a_target_on_a_mesh_is_judged_at_the_mesh_world_size() -> None:
+    """A mistake of a mesh's groups is judged on its mesh: the mesh sets the world size, whatever is offered."""
+    t = Target("parity", "uneven", mesh="dp=2,cp=2")
+    assert (4,) == t.world_sizes == t.judged_at((2, 3))
+    assert t.layout is not None and ("dp", "cp") == t.layout.names
+    assert Target("parity", "uneven").layout is None
+
+
 @pytest.mark.parametrize(("fields", "says"), [
     ({"world_sizes": (1,)}, "Target(world_sizes=(1,)) must be a tuple of world sizes >= 2"),
     ({"world_sizes": [4]}, "Target(world_sizes=[4]) must be a tuple"),
     ({"launch": "ssh"}, "Target(launch='ssh') must be one of 'in-process', 'torchrun-nodes'"),
+    ({"mesh": "dp=2,cp"}, "Target(mesh=...)='dp=2,cp': 'cp' is not NAME=SIZE"),
+    ({"mesh": "dp=2,cp=2", "world_sizes": (2,)}, "the mesh has 4 ranks; leave world_sizes out"),
 ])
 def test_a_bad_target_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
     with pytest.raises(ValueError, match=re.escape(says)):
