@@ -55,10 +55,14 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     # The bf16 lane: FSDP2 computes in bf16 through its own policy (reducing in float32); DDP has none, so the
     # recipe runs under autocast, as a bf16 DDP training loop does.
     low = run.precision == "bf16"
+    # The ranks' DeviceMesh: built on every rank of a run over a mesh (the strategy reduces over its token group),
+    # and for a recipe that takes it on a dp=W run too.
+    mesh = RankMesh(run.mesh, dev.type) if run.layout is not None or takes_mesh(recipe) else None
     wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
                                                 reduction=declared_reduction(recipe, run.reduction),
                                                 on_comm_hook=refuse_comm_hook,
-                                                mixed_precision=torch.bfloat16 if low else None)
+                                                mixed_precision=torch.bfloat16 if low else None,
+                                                mesh=None if run.layout is None else mesh_of_reduction(mesh))
     autocast_bf16 = low and run.strategy != "fsdp2"
     ddp = wrapped.module
     autocast = watch.AutocastSeen(dev.type)
@@ -66,9 +70,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     passes = Passes()  # what the window's note reports: a rank that skipped its backward is named by it
     passes.attach(model)
     ddp.train()
-    # The recipe's keywords: what a clipping recipe clips to, and the ranks' DeviceMesh for one that takes it (built
-    # on every rank of a run over a mesh, and for such a recipe on a dp=W run too).
-    mesh = RankMesh(run.mesh, dev.type) if run.layout is not None or takes_mesh(recipe) else None
+    # The recipe's keywords: what a clipping recipe clips to, and the ranks' DeviceMesh for one that takes it.
     keywords: dict[str, object] = {}
     if max_norm is not None:
         keywords["max_norm"] = max_norm
@@ -132,6 +134,13 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             break  # the window was refused; DDP may hold a half-prepared reduction, so stop here
     del ddp, wrapped  # before the process group goes away (a DDP module alive then can keep the rank from exiting)
     return records
+
+
+def mesh_of_reduction(mesh: RankMesh | None) -> object:
+    """The ``DeviceMesh`` the strategy reduces gradients over: the token group's dimensions flattened into one
+    (dp x cp, as torchtitan's ``dp_shard_cp``); tp and pp ranks hold the same tokens and are not in it."""
+    assert mesh is not None
+    return mesh.submesh(mesh.mesh.token_dims)
 
 
 def declared_reduction(recipe: object, chosen: str | None = None) -> str:

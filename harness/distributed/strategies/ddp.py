@@ -10,6 +10,7 @@ but the last.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,10 +25,11 @@ class DDPWrapped:
     """One rank's model wrapped in DDP."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, find_unused: bool, reduction: str,
-                 count_syncs: bool, on_comm_hook: Callable[[], None] | None) -> None:
+                 count_syncs: bool, on_comm_hook: Callable[[], None] | None, mesh: Any = None) -> None:
         self.local: nn.Module = model
         self.module: DDP = DDP(model, device_ids=[device] if device.type == "cuda" else None,
-                          find_unused_parameters=find_unused)
+                               find_unused_parameters=find_unused,
+                               process_group=None if mesh is None else mesh.get_group())
         self._counter: SyncCounter | None = attach(self.module, reduction) if count_syncs else None
         self.no_sync: str = "model.no_sync()"
         if on_comm_hook is not None:
@@ -59,9 +61,9 @@ class DDPStrategy:
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
              count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
-             mixed_precision: torch.dtype | None = None) -> DDPWrapped:
+             mixed_precision: torch.dtype | None = None, mesh: Any = None) -> DDPWrapped:
         return DDPWrapped(model, device, find_unused=find_unused, reduction=reduction, count_syncs=count_syncs,
-                          on_comm_hook=on_comm_hook)
+                          on_comm_hook=on_comm_hook, mesh=mesh)
 
 
 register(DDPStrategy())

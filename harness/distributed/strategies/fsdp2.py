@@ -98,7 +98,7 @@ class FSDP2Wrapped:
     """One rank's model sharded with ``fully_shard``."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, reduction: str, count_syncs: bool,
-                 mixed_precision: torch.dtype | None, find_unused: bool = False) -> None:
+                 mixed_precision: torch.dtype | None, find_unused: bool = False, mesh: Any = None) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         # FSDP2 warns of every module whose forward returns a view (an in-place op on it would skip the pre-backward
@@ -111,7 +111,7 @@ class FSDP2Wrapped:
         # where parameters may miss a gradient, the whole model is one group, gathered at every forward.
         self.sharded: list[nn.Module] = [model] if find_unused else groups(model)
         for m in self.sharded:
-            fully_shard(m, mp_policy=policy)
+            fully_shard(m, mp_policy=policy, mesh=mesh)
         self.local: nn.Module = model
         self.module: nn.Module = model
         self.no_sync: str = NO_SYNC
@@ -191,7 +191,7 @@ class FSDP2Strategy:
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
              count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
-             mixed_precision: torch.dtype | None = None) -> FSDP2Wrapped:
+             mixed_precision: torch.dtype | None = None, mesh: Any = None) -> FSDP2Wrapped:
         # find_unused: parameters may miss a gradient; FSDP2 reduce-scatters the gradients that exist, but a group no
         # forward reaches cannot be accumulated, so the model is sharded as one group then (FSDP2Wrapped).
         # on_comm_hook: FSDP2 has no DDP communication hook to take.
@@ -199,7 +199,7 @@ class FSDP2Strategy:
             msg = f"reduction={reduction!r} must be 'mean' or 'sum'"
             raise ValueError(msg)
         return FSDP2Wrapped(model, device, reduction=reduction, count_syncs=count_syncs,
-                            mixed_precision=mixed_precision, find_unused=find_unused)
+                            mixed_precision=mixed_precision, find_unused=find_unused, mesh=mesh)
 
 
 register(FSDP2Strategy())
