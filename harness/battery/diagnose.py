@@ -21,11 +21,14 @@ from harness.battery import run_readings as rr
 from harness.battery.diagnosis_result import Diagnosis
 from harness.battery.run import Run
 from harness.core.compare import compare, flat_grad, tolerances
+from harness.core.count_groups import count_group, mesh_factor
 from harness.core.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
 from harness.core.formats import HF, to_hf
+from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.core.parameter_view import ParameterRow, locate, parameter_table, residual_shares
 from harness.core.signatures import Signature, classify, classify_sequences, extra_term_sentence
+from harness.data.context_parallel import supervise_chunk
 
 
 def worst(run: Run) -> tuple[int, int] | None:
@@ -156,7 +159,8 @@ def _split_extra_term(a: torch.Tensor, g: torch.Tensor, fit: Fit, blocks: list[B
     if clean.residual > EXPLAINED_RESIDUAL or not clean.condition <= MAX_CONDITION:
         return None
     full = Fit(clean.weights, float((a @ _live_weights(clean) - g).norm() / g.norm()), clean.condition)
-    sig = classify(blocks, clean, run.world_size, run.precision, rank=rank, other_counts=others)
+    sig = classify(blocks, clean, run.mesh.token_ranks, run.precision, rank=run.mesh.token_rank(rank),
+                   other_counts=others)
     if sig.name in ("correct", "float32_computation", "extra_term"):
         words = extra_term_sentence(full.residual, run.precision)
         return full, Signature("extra_term", words, 1.0, blocks=tuple(n for n, _ in carried))
@@ -250,6 +254,46 @@ def clip_factor(run: Run, window: int) -> float:
     return min(1.0, run.max_norm / (norm + 1e-6))
 
 
+def token_blocks(run: Run, window: int) -> list[tuple[Block, Microbatch]]:
+    """The fit's blocks of ``window`` and the microbatch each stands for: every microbatch of every data rank, and on
+    a mesh with cp, each cp rank's chunk of it apart (a count reduced over the wrong group weighs the chunks of one
+    microbatch apart). A block's ``rank`` is its token rank (:meth:`harness.core.mesh.Mesh.token_rank`)."""
+    mesh = run.mesh
+    cp = mesh.size("cp")
+    chunking = run.run_spec.chunking if run.run_spec is not None else "contiguous"
+    out = []
+    for d, mbs in enumerate(run.windows[window]):
+        for c in range(cp):
+            t = d * cp + c
+            holder = None
+            if len(mesh.names) > 1:
+                at = mesh.holder(t)
+                holder = f"rank {at} ({', '.join(f'{k} {v}' for k, v in mesh.coords(at).items() if mesh.size(k) > 1)})"
+            for m, mb in enumerate(mbs):
+                part = supervise_chunk(mb, c, cp, chunking)
+                out.append((Block(t, m, part.supervised, rows=mb.inputs.shape[0], holder=holder), part))
+    return out
+
+
+def _on_the_mesh(sig: Signature, blocks: list[Block], fit: Fit, mesh: Mesh) -> Signature:
+    """On a mesh of more than one dimension: a reading of the weights that a count reduced over a group of the mesh
+    explains is named by that group (``count_group``), and a common scale that is one mesh size over another by
+    those sizes."""
+    if len(mesh.names) < 2 or sig.name in ("correct", "float32_computation", "extra_term", "not_synchronized"):
+        return sig
+    n = sum(b.tokens for b in blocks)
+    q = [float(w) * n for w in fit.weights]
+    if fit.residual <= explained_residual():
+        found = count_group(blocks, q, mesh)
+        if found is not None:
+            return found
+    if sig.name == "global_scale" and sig.factor is not None:
+        words = mesh_factor(sig.factor, mesh)
+        if words is not None:
+            return dataclasses.replace(sig, sentence=f"{words}; {sig.sentence}")
+    return sig
+
+
 def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis | None:
     assert run.records is not None
     rec = run.records[rank][window]
@@ -262,12 +306,12 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     model.train()
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
-    blocks, columns = [], []
+    columns = []
     zero = torch.zeros(sum(sizes), dtype=torch.float64)
-    for r, mbs in enumerate(run.windows[window]):
-        for m, mb in enumerate(mbs):
-            blocks.append(Block(r, m, mb.supervised, rows=mb.inputs.shape[0]))
-            columns.append(_column(run, model, mb) if mb.supervised else zero)
+    held = token_blocks(run, window)
+    blocks = [b for b, _ in held]
+    for _, mb in held:
+        columns.append(_column(run, model, mb) if mb.supervised else zero)
     a = torch.stack(columns, dim=1)
     n = sum(b.tokens for b in blocks)
     # The right weight of every block is 1/Z, the declared objective's normalizer (N under the token mean); an
@@ -282,7 +326,7 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     first = next((i for i, b in enumerate(blocks) if b.tokens), None)
     fixed = True
     if first is not None:
-        again = _column(run, model, run.windows[window][blocks[first].rank][blocks[first].microbatch])
+        again = _column(run, model, held[first][1])
         fixed = compare(again / n, a[:, first] / n, atol=atol, rtol=rtol).passed
     params = _per_rank_notes(run, window, rank, parameter_table(g, expected, names, sizes, atol, rtol), sizes)
     location = locate(params)
@@ -317,7 +361,10 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     if run.batch_format == HF:
         before = sum(int((to_hf(mb)["labels"] != IGNORE_INDEX).sum()) for mbs in run.windows[window] for mb in mbs)
         others["the hf labels counted before the shift (one token more per row without a prompt)"] = before
-    sig = classify(blocks, read, run.world_size, run.precision, rank=rank, other_counts=others)
+    mesh = run.mesh
+    token_world, token_rank = mesh.token_ranks, mesh.token_rank(rank)
+    sig = classify(blocks, read, token_world, run.precision, rank=token_rank, other_counts=others)
+    sig = _on_the_mesh(sig, blocks, read, mesh)
     if (sig.name == "unexplained" and fit.residual > EXPLAINED_RESIDUAL and fit.condition <= MAX_CONDITION
             and aux_cols is None):
         split = _split_extra_term(a, g, fit, blocks, names, sizes, run, rank, others)
@@ -333,12 +380,11 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     seq_sig, seq_resid = None, None
     if per_sequence or sig.name == "unexplained":
         rows, cols = [], []
-        for r, mbs in enumerate(run.windows[window]):
-            for m, mb in enumerate(mbs):
-                for i in range(mb.inputs.shape[0]):
-                    row = mb.row(i)
-                    rows.append(Block(r, m, row.supervised, row=i))
-                    cols.append(_column(run, model, row) if row.supervised else zero)
+        for b, mb in held:
+            for i in range(mb.inputs.shape[0]):
+                row = mb.row(i)
+                rows.append(dataclasses.replace(b, tokens=row.supervised, row=i, rows=0))
+                cols.append(_column(run, model, row) if row.supervised else zero)
         seq_fit = fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
         seq_sig = classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit)

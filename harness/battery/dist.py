@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from harness.battery import plan, registry, scenarios
+from harness.battery import mesh_scenarios, plan, registry, scenarios
 from harness.battery.objective import windows_for
 from harness.battery.options import BatteryOptions, RunSpec
 from harness.battery.prepare import Prepared, prepare
@@ -68,8 +68,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"))
     p.add_argument("--objective", default="token_mean", metavar="NAME", help="the declared objective (token_mean)")
     p.add_argument("--precision", default="both", metavar="LANES", help="fp32, fp64, bf16, both, or fp32,bf16 ...")
-    p.add_argument("--scenarios", default=",".join(scenarios.BATTERY_SCENARIOS), metavar="NAME,...",
-                   help=f"scenarios to run (default: all of {', '.join(scenarios.BATTERY_SCENARIOS)})")
+    p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), metavar="NAME,...",
+                   help=f"scenarios to run (default: all of {', '.join(ALL_SCENARIOS)}; the mesh scenarios on the "
+                        "meshes they are written for)")
     p.add_argument("--battery-report", dest="report", default=None, metavar="PATH", help="the JSON report (rank 0)")
     p.add_argument("--battery-junit", dest="junit", default=None, metavar="PATH", help="JUnit XML (rank 0)")
     p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
@@ -80,6 +81,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+ALL_SCENARIOS = (*scenarios.BATTERY_SCENARIOS, *mesh_scenarios.MESH_SCENARIOS)
+"""The scenarios ``--scenarios`` may name: the battery's and the mesh scenarios."""
+
+
 def _say(rank: int, text: str, *, everyone: bool = False) -> None:
     if everyone or rank == 0:
         prefix = "" if rank == 0 else f"[rank {rank}] "
@@ -88,9 +93,9 @@ def _say(rank: int, text: str, *, everyone: bool = False) -> None:
 
 def _scenarios(text: str, world_size: int) -> list[str]:
     names = [s for s in text.split(",") if s]
-    unknown = [s for s in names if s not in scenarios.BATTERY_SCENARIOS]
+    unknown = [s for s in names if s not in ALL_SCENARIOS]
     if unknown or not names:
-        msg = f"--scenarios={text!r}: {', '.join(unknown) or 'none given'}; choose from {scenarios.BATTERY_SCENARIOS}"
+        msg = f"--scenarios={text!r}: {', '.join(unknown) or 'none given'}; choose from {ALL_SCENARIOS}"
         raise ValueError(msg)
     return [s for s in names if not (world_size == 1 and s in scenarios.MULTI_RANK_ONLY)]
 
@@ -237,7 +242,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         spec = replace(options.spec(recipe, scenario, world, precision, strategy=strategy), device=device,
                        backend=backend)
         # The objective's drawn factors (weights, advantages): the same draw on every worker, as in prepare().
-        specs.append((spec, windows_for(spec, scenarios.build(scenario, spec.mesh.data_ranks))))
+        specs.append((spec, windows_for(spec, mesh_scenarios.build(scenario, spec.mesh, spec.chunking))))
     mine = _prepare_share(store, rank, world, specs)
     judged: dict[int, Run] = {}
     stopped: str | None = None

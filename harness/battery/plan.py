@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-from harness.battery import scenarios
+from harness.battery import mesh_scenarios, scenarios
 from harness.battery.options import (
     MAX_SCENARIO_WORLD_SIZE,
     PRECISION_CHOICES,
@@ -58,12 +58,14 @@ def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
     for info in REGISTRY.values():  # the checks' order: the order they are defined in
         if checks is not None and info.name not in checks:
             continue
-        for scenario in scenarios.BATTERY_SCENARIOS:
+        layouts: list[tuple[int, Mesh | None]] = (
+            [(m.world_size, m) for m in meshes] if meshes else [(w, None) for w in worlds])
+        for scenario in (*scenarios.BATTERY_SCENARIOS, *mesh_scenarios.MESH_SCENARIOS):
             if not info.runs_on(scenario):
                 continue
-            layouts: list[tuple[int, Mesh | None]] = (
-                [(m.world_size, m) for m in meshes] if meshes else [(w, None) for w in worlds])
             for world, mesh in layouts:
+                if scenario in mesh_scenarios.MESH_SCENARIOS and scenario not in mesh_scenarios.for_mesh(mesh):
+                    continue  # a mesh scenario runs on the meshes it is written for
                 if scenario in scenarios.MULTI_RANK_ONLY and (mesh.data_ranks if mesh else world) == 1:
                     continue  # one rank of one is every rank: that is the all_empty scenario
                 out += [Case(info.name, scenario, world, p, s, mesh) for s in ways

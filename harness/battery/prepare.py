@@ -107,8 +107,9 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     clip = clips(load_recipe(spec.recipe))
     # The bf16 lane is judged against float64: its chain is the float64 one, and its bound comes from the noise.
     truth = replace(model, precision="fp64") if spec.precision == "bf16" else model
-    # By the mesh, not the world size: a dp=2,cp=2 run's windows are two data coordinates', a dp=4 run's four.
-    key = (spec.scenario, spec.mesh, truth, objective, clip, spec.precision)  # bf16 starts at float32's weights
+    # By the mesh, not the world size: a dp=2,cp=2 run's windows are two data coordinates', a dp=4 run's four; by the
+    # chunking too (a mesh scenario masks the positions of a chunk). bf16 starts at float32's weights.
+    key = (spec.scenario, spec.mesh, spec.chunking, truth, objective, clip, spec.precision)
     chain = _CHAINS.get(key) if share_chain else None
     if chain is None:
         chain = compute_chain(windows, truth.precision, spec.init_seed, truth, objective, clip=clip, start=start)
@@ -116,7 +117,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
             _CHAINS[key] = chain
     noise = None
     if spec.precision == "bf16" and chain.model_error is None:
-        noise_key = (spec.scenario, spec.mesh, model, objective, spec.strategy)
+        noise_key = (spec.scenario, spec.mesh, spec.chunking, model, objective, spec.strategy)
         noise = _NOISE.get(noise_key) if share_chain else None
         if noise is None:
             noise = bf16.measure_noise(model, windows, spec.strategy,

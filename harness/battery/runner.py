@@ -19,7 +19,7 @@ as one :class:`~harness.battery.spec.ModelSpec`, and the reference is computed w
 
 from __future__ import annotations
 
-from harness.battery import scenarios
+from harness.battery import mesh_scenarios, scenarios
 from harness.battery.options import RunSpec
 from harness.battery.prepare import prepare
 from harness.battery.rank_program import rank_body
@@ -49,7 +49,7 @@ def run(recipe: str | RunSpec, scenario: str | None = None, world_size: int | No
             raise TypeError(msg)
         spec = RunSpec(recipe, scenario, world_size, precision, **options)  # type: ignore[arg-type]
     if spec not in _CACHE:
-        _CACHE[spec] = launch_run(spec, scenarios.build(spec.scenario, spec.mesh.data_ranks), share_chain=True)
+        _CACHE[spec] = launch_run(spec, mesh_scenarios.build(spec.scenario, spec.mesh, spec.chunking), share_chain=True)
     return _CACHE[spec]
 
 

@@ -102,9 +102,12 @@ class Block:
     row: int | None = None
     rows: int = 0
     """The block's rows (sequences): a count one token per row off is named as such (0: unknown)."""
+    holder: str | None = None
+    """Who holds the block where ``rank`` alone would not say it (on a mesh: ``"rank 1 (dp 0, cp 1)"``); ``rank`` is
+    then its index among the mesh's token ranks (:meth:`harness.core.mesh.Mesh.token_rank`)."""
 
     def label(self) -> str:
-        where = f"rank {self.rank}'s microbatch {self.microbatch}"
+        where = f"{self.holder or f'rank {self.rank}'}'s microbatch {self.microbatch}"
         return where if self.row is None else f"{where}, row {self.row}"
 
 

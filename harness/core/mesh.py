@@ -143,6 +143,24 @@ class Mesh:
             index = index * self.size(name) + c.get(name, 0)
         return index
 
+    @property
+    def token_ranks(self) -> int:
+        """How many ranks hold distinct supervised tokens: the product of the :attr:`token_dims` sizes (dp x cp)."""
+        return math.prod(self.size(d) for d in TOKEN_DIMS)
+
+    def token_rank(self, rank: int) -> int:
+        """Which of the :attr:`token_ranks` ``rank``'s tokens are (row-major over the token dimensions: its data
+        rank, then its cp coordinate); the tp and pp ranks of one coordinate share it."""
+        return self.data_rank(rank) * self.size("cp") + self.coords(rank).get("cp", 0)
+
+    def holder(self, token_rank: int) -> int:
+        """The first rank (tp and pp coordinate 0) that holds the tokens of ``token_rank``."""
+        data, cp = divmod(token_rank, self.size("cp"))
+        coords: dict[str, int] = {"cp": cp}
+        for name in reversed(DATA_DIMS):
+            data, coords[name] = divmod(data, self.size(name))
+        return self.rank_at(coords)
+
     def group(self, rank: int, dims: Sequence[str]) -> tuple[int, ...]:
         """The ranks a reduction over ``dims`` spans from ``rank``: those that differ from it on ``dims`` only
         (a dimension the mesh lacks spans one rank)."""

@@ -75,6 +75,9 @@ SIGNATURES: dict[str, str] = {
                                    "instead of averaged (the world-size factor of the main loss applied to it)",
     "auxiliary_misweighted": "the main loss's weights are right; the auxiliary term weighs another factor than its "
                              "unit's (named in the sentence)",
+    "count_group": "on a device mesh, each token rank's tokens weigh N/N_S, its group's count: the count was "
+                   "all-reduced over a group S of the mesh's dimensions other than the token group (dp x cp): over dp "
+                   "alone under cp, each shard's own, across tp ranks that hold the same tokens",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }

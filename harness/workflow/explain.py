@@ -138,13 +138,14 @@ def write_weight_figure(path: Path, diagnosis: object) -> Path:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from harness.battery import scenarios
+    from harness.battery import mesh_scenarios, scenarios
     from harness.battery.options import BatteryOptions, parse_meshes
     from harness.recipes import RecipeError, load_recipe
     from harness.workflow.checks import check_model_option
 
-    if args.scenario not in scenarios.SCENARIOS:
-        raise BadInput(f"--scenario={args.scenario!r} is not one of {', '.join(scenarios.SCENARIOS)}")
+    known = (*scenarios.SCENARIOS, *mesh_scenarios.MESH_SCENARIOS)
+    if args.scenario not in known:
+        raise BadInput(f"--scenario={args.scenario!r} is not one of {', '.join(known)}")
     try:
         meshes = parse_meshes(args.mesh)
     except ValueError as exc:

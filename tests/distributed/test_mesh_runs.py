@@ -13,13 +13,14 @@ from harness.core.mesh import Mesh
 from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"
-DP_ONLY = "support.mesh_recipes:CountOverDataParallelOnly"
+DP_ONLY = "harness.recipes:count_over_dp_only"
 MESH = "harness.recipes:mesh_token_mean"
 
 
-def mesh_run(recipe: str, shape: str = "dp=2,cp=2", chunking: str = "contiguous") -> runner.Run:
+def mesh_run(recipe: str, shape: str = "dp=2,cp=2", chunking: str = "contiguous",
+             scenario: str = "uneven") -> runner.Run:
     mesh = Mesh.parse(shape)
-    return runner.run(RunSpec(recipe, "uneven", mesh.world_size, "fp32", layout=mesh, chunking=chunking))
+    return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", layout=mesh, chunking=chunking))
 
 
 @pytest.mark.parametrize("chunking", ["contiguous", pytest.param("load_balanced", marks=pytest.mark.slow)])
@@ -74,20 +75,46 @@ def test_the_command_line_judges_recipes_over_a_mesh(capsys: pytest.CaptureFixtu
     assert 1 == main([*common, "--recipe", DP_ONLY])
     out = capsys.readouterr()
     assert "parity (uneven, W=4 dp=2,cp=2, fp32)" in out.out
-    assert "first: parity of support.mesh_recipes:CountOverDataParallelOnly (uneven, W=4 dp=2,cp=2, fp32)" in out.err
+    assert "first: parity of harness.recipes:count_over_dp_only (uneven, W=4 dp=2,cp=2, fp32)" in out.err
     assert 0 == main([*common, "--recipe", MESH])
 
 
 def test_explain_reads_a_run_over_a_mesh(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``explain --mesh dp=2,cp=2`` on the count over dp only: the run is named with its mesh, the battery's checks
-    reject it (exit 1), and every fitted weight stands near 2x the right one (the cp size)."""
+    reject it (exit 1), and the reading names the group: each cp chunk's tokens weigh N over its dp group's count
+    (1.79x and 2.26x on uneven, whose chunks hold unequal counts)."""
     assert 1 == main(["explain", "--recipe", DP_ONLY, "--mesh", "dp=2,cp=2", "--outputs", str(tmp_path)])
     out = capsys.readouterr().out
     assert f"{DP_ONLY} on scenario uneven, W=4 dp=2,cp=2, fp32" in out
-    ratios = [float(line.split()[-1]) for line in out.splitlines() if line.strip()[:1].isdigit() and
-              len(line.split()) == 6 and line.split()[0] in ("0", "1")]
-    assert ratios and all(1.8 < r < 2.2 for r in ratios), out
-    assert (tmp_path / "explain-support.mesh_recipes-CountOverDataParallelOnly-uneven-W4-fp32-dp2xcp2.json").is_file()
+    assert ("diagnosis (count_group): the count was reduced over dp (2 ranks); this window's tokens are spread over "
+            "dp x cp (4 ranks): the tokens of ranks 0 and 2 (cp 0) (their group's count 442 of N=793) weigh "
+            "1.79x") in out, out
+    assert (tmp_path / "explain-harness.recipes-count_over_dp_only-uneven-W4-fp32-dp2xcp2.json").is_file()
+
+
+@pytest.mark.parametrize("scenario", ["empty_shard", pytest.param("one_token", marks=pytest.mark.slow),
+                                      pytest.param("cp_balanced", marks=pytest.mark.slow)])
+def test_the_mesh_recipe_passes_every_mesh_scenario(scenario: str) -> None:
+    """An empty cp shard, one supervised token in all, and shards of equal counts: the count over the token group
+    is right on each, and no rank is left in a collective."""
+    run = mesh_run(MESH, scenario=scenario, chunking="load_balanced")
+    for check in (checks.parity, checks.logged_loss, checks.one_sync, checks.ranks_agree):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+def test_on_balanced_shards_a_count_over_dp_is_an_exact_factor_and_dp_s_factor_cancels_it() -> None:
+    """cp_balanced: the count over dp reads every weight exactly 2.00x (the cp size), both groups of that share
+    named; the count and the factor both from dp cancel there and pass (its target, uneven, rejects it)."""
+    from harness.battery.diagnose import diagnose
+
+    wrong = mesh_run(DP_ONLY, scenario="cp_balanced")
+    read = diagnose(wrong)
+    assert read is not None and "count_group" == read.signature.name
+    assert "reduced over dp (2 ranks) or cp (2 ranks)" in read.signature.sentence
+    assert "every weight is 2.00x" in read.signature.sentence
+    assert checks.parity(mesh_run("harness.recipes:count_and_size_from_dp", scenario="cp_balanced")).passed
 
 
 def test_explain_refuses_a_world_size_the_mesh_contradicts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -97,6 +97,19 @@ def test_ranks_share_a_window_exactly_when_they_share_a_data_coordinate(mesh: Me
         assert 1 == len({mesh.data_rank(r) for r in group})
 
 
+@given(meshes())
+def test_ranks_share_tokens_exactly_when_they_differ_on_tp_or_pp_only(mesh: Mesh) -> None:
+    """``token_rank`` takes each of ``token_ranks`` values; two ranks share one exactly when they differ outside the
+    token dimensions only; ``holder`` is the first rank of each (its token rank read back)."""
+    assert set(range(mesh.token_ranks)) == {mesh.token_rank(r) for r in range(mesh.world_size)}
+    for group in mesh.groups([n for n in mesh.names if n not in mesh.token_dims]):
+        assert 1 == len({mesh.token_rank(r) for r in group})
+    for t in range(mesh.token_ranks):
+        holder = mesh.holder(t)
+        assert t == mesh.token_rank(holder)
+        assert holder == min(r for r in range(mesh.world_size) if mesh.token_rank(r) == t)
+
+
 def test_the_default_layout_is_every_rank_its_own_data() -> None:
     """``dp=W``: W windows, rank r trains on the r-th, and a count spans the world."""
     mesh = Mesh.data_parallel(4)

@@ -5,8 +5,8 @@ synchronize, windows without tokens, what a step must leave alone (hygiene), the
 depend on the world size (world: right at the W their author tested, declared where they show), recipes right
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
 normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
-FSDP2's knobs, one strategy's no-sync under the other), and clipping at the wrong moment or over the wrong gradient
-(clipping). A control is one
+FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong moment or over the wrong gradient
+(clipping), and counts reduced over the wrong group of a dp x cp mesh (context_parallel). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -24,6 +24,7 @@ from harness.recipes.catalog import REGISTRY, Target, diagnoses, scenario_contro
 from harness.recipes.controls import (
     accumulation,
     clipping,
+    context_parallel,
     empty,
     hf,
     hygiene,
@@ -34,7 +35,8 @@ from harness.recipes.controls import (
     world,
 )
 
-FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping)
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping,
+            context_parallel)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()

@@ -1,0 +1,116 @@
+"""The scenarios of a run over a device mesh: the battery's own, built for the mesh's data ranks, and those only a mesh
+has, where the cp shards of one data coordinate (:mod:`harness.data.context_parallel`) hold chosen counts.
+
+- ``cp_balanced``: every token rank (each dp coordinate's each cp shard) holds the same count, so a count reduced over
+  a wrong group shows as an exact factor: the group's share of the window;
+- ``one_token``: one supervised token in the whole window, on the last token rank (a shard's own count is then the
+  window's on one rank and nothing on the others);
+- ``empty_shard``: the last cp shard of data rank 0 holds no token, every other shard as in ``uneven`` (a shard that
+  divides by its own count divides by zero);
+
+and the base scenario ``uneven`` already gives cp shards unequal counts (its prompts sit in the first chunk, its
+padding in the last), ``one_empty`` an empty dp coordinate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from harness.battery import scenarios
+from harness.battery.scenarios import Windows
+from harness.core.mesh import Mesh
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.data.context_parallel import positions
+
+
+def _held(mb: Microbatch, cp_rank: int, cp: int, chunking: str) -> torch.Tensor:
+    """Where cp rank ``cp_rank`` holds a supervised label of ``mb``: a bool mask of its labels' shape."""
+    where = positions(mb.labels.shape[1], cp_rank, cp, chunking)
+    return (mb.labels != IGNORE_INDEX) & where.unsqueeze(0)
+
+
+def _masked(mb: Microbatch, drop: torch.Tensor) -> Microbatch:
+    labels = torch.where(drop, torch.full_like(mb.labels, IGNORE_INDEX), mb.labels)
+    return Microbatch(mb.inputs, labels, None if mb.weights is None else torch.where(drop, 0.0, mb.weights))
+
+
+def cp_balanced(mesh: Mesh, chunking: str) -> Windows:
+    """The balanced window (every data rank the same rows' shapes), with each microbatch's cp shards cut down to the
+    smallest one's count: the last supervised positions of a larger shard are masked. Every token rank then holds
+    one count, microbatch by microbatch."""
+    cp = mesh.size("cp")
+    window = scenarios.balanced(mesh.data_ranks)[0]
+    out = []
+    for rank in window:
+        mine = []
+        for mb in rank:
+            held = [_held(mb, c, cp, chunking) for c in range(cp)]
+            least = min(int(h.sum()) for h in held)
+            drop = torch.zeros_like(mb.labels, dtype=torch.bool)
+            for h in held:
+                extra = int(h.sum()) - least
+                if extra:
+                    flat = h.flatten().nonzero().flatten()[-extra:]
+                    drop.view(-1)[flat] = True
+            mine.append(_masked(mb, drop))
+        out.append(mine)
+    if any(m.supervised == 0 for rank in out for m in rank):
+        msg = f"mesh {mesh.label}: a balanced window leaves a microbatch without tokens; use a smaller cp"
+        raise ValueError(msg)
+    return [out]
+
+
+def one_token(mesh: Mesh, chunking: str) -> Windows:
+    """The uneven window with a single supervised token: the last one of the last data rank's last microbatch, in
+    its last cp shard (every other label masked)."""
+    window = scenarios.uneven(mesh.data_ranks)[0]
+    cp = mesh.size("cp")
+    last = window[-1][-1]
+    held = _held(last, cp - 1, cp, chunking)
+    keep = torch.zeros_like(held)
+    keep.view(-1)[held.flatten().nonzero().flatten()[-1]] = True
+    window = [[scenarios.unsupervised(mb) for mb in rank] for rank in window]
+    window[-1][-1] = _masked(last, ~keep)
+    return [window]
+
+
+def empty_shard(mesh: Mesh, chunking: str) -> Windows:
+    """The uneven window with data rank 0's last cp shard holding no token (its positions masked in every
+    microbatch); every other shard keeps its tokens."""
+    cp = mesh.size("cp")
+    window = scenarios.uneven(mesh.data_ranks)[0]
+    window[0] = [_masked(mb, _held(mb, cp - 1, cp, chunking)) for mb in window[0]]
+    return [window]
+
+
+MESH_SCENARIOS: dict[str, tuple[Callable[[Mesh, str], Windows], Callable[[Mesh], bool]]] = {
+    "cp_balanced": (cp_balanced, lambda m: m.size("cp") > 1),
+    "one_token": (one_token, lambda m: len(m.names) > 1),
+    "empty_shard": (empty_shard, lambda m: m.size("cp") > 1),
+}
+"""Each mesh scenario's builder and the meshes it is offered on."""
+
+
+def for_mesh(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh scenarios a run over ``mesh`` goes through (none without a mesh)."""
+    if mesh is None:
+        return ()
+    return tuple(name for name, (_, offered) in MESH_SCENARIOS.items() if offered(mesh))
+
+
+def build(name: str, mesh: Mesh, chunking: str = "contiguous") -> Windows:
+    """The windows of scenario ``name`` for ``mesh``: a battery scenario for its data ranks, or a mesh scenario
+    (ValueError where the mesh has no use for it)."""
+    if name not in MESH_SCENARIOS:
+        return scenarios.build(name, mesh.data_ranks)
+    fn, offered = MESH_SCENARIOS[name]
+    if not offered(mesh):
+        msg = (f"scenario={name!r} needs a mesh with {'cp > 1' if name != 'one_token' else 'two dimensions or more'} "
+               f"(got {mesh.label}); give --mesh, e.g. dp=2,cp=2")
+        raise ValueError(msg)
+    return fn(mesh, chunking)
+
+
+__all__ = ["MESH_SCENARIOS", "build", "cp_balanced", "empty_shard", "for_mesh", "one_token"]

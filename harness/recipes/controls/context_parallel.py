@@ -1,0 +1,99 @@
+"""Negative controls, context-parallel family. Counts reduced over the wrong group of a dp x cp mesh, as the public
+record has them: the count all-reduced over dp alone while DDP averages over dp x cp (verl #5983, #6049), each cp
+shard dividing by its own count (Megatron-LM #7513, #673), the count and the data-parallel size both taken from dp
+(right while the shards hold equal counts), and a rank that skips its backward when its own shard holds no token.
+
+Every one is right on ``dp=W`` (the world is one data-parallel group there); each declares the mesh its mistake shows
+on (``Target(mesh=...)``) and what the diagnosis reads in its gradient (``@control``, :mod:`harness.recipes.catalog`);
+``harness.recipes:<name>`` names it, and ``mesh_token_mean`` is the recipe each is the wrong twin of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.core.formats import supervised_tokens
+from harness.core.loss import count_device, global_token_loss
+from harness.core.microbatch import Microbatch
+from harness.recipes.catalog import Target, control
+from harness.recipes.correct import accumulate
+from harness.recipes.helpers import require_tokens, token_group, token_group_size
+
+MESH = "dp=2,cp=2"
+
+
+def _count_over(window: Sequence[Microbatch], group: Any) -> int:
+    count = torch.tensor(sum(supervised_tokens(mb) for mb in window), dtype=torch.int64, device=count_device())
+    dist.all_reduce(count, group=group)
+    return int(count)
+
+
+def _dp_group(mesh: Any) -> Any:
+    """The data-parallel dimension's group alone (``mesh["dp"]``), as a recipe written before cp existed reaches it."""
+    return mesh["dp"].get_group()
+
+
+@control(Target("parity", "uneven", mesh=MESH), "count_group")
+class CountOverDataParallelOnly:
+    """Counts the window's tokens over ``mesh["dp"]`` only, and scales by the token group's size as it should (verl
+    #5983): under cp each rank holds a chunk of the positions, so the count misses the other chunks' tokens, and
+    each chunk's tokens weigh ``N / N_dp(chunk)``, about cp times too much (exactly cp where the chunks hold equal
+    counts). Right on a mesh without cp."""
+
+    name = "count_over_dp_only"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        total = require_tokens(_count_over(window, _dp_group(mesh)))
+        size = token_group_size(mesh)
+        accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        return None
+
+
+@control(Target("parity", "uneven", mesh=MESH), "count_group")
+class OwnShardCount:
+    """Each cp shard divides its loss sum by its own supervised count, never reduced (Megatron-LM #7513): the
+    gradients' average over dp x cp then makes a mean of the shards' local means. Invisible where the shards hold
+    equal counts; a shard without tokens divides 0 by 0."""
+
+    name = "own_shard_count"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        own = sum(supervised_tokens(mb) for mb in window)
+        accumulate(model, window, lambda s: s / own if own else s * float("nan"))
+        return None
+
+
+@control(Target("parity", "uneven", mesh=MESH), "count_group")
+class CountAndSizeFromDataParallel:
+    """Takes the count and the factor both from ``mesh["dp"]``: ``loss_sum * dp / N_dp``. On balanced shards the two
+    mistakes cancel (``N_dp = N / cp`` and ``dp = T / cp``); where the chunks' counts differ, each chunk's tokens weigh
+    ``N / (cp * N_dp(chunk))``."""
+
+    name = "count_and_size_from_dp"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        total = require_tokens(_count_over(window, _dp_group(mesh)))
+        size = int(mesh["dp"].size())
+        accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        return None
+
+
+@control(Target("parity", "empty_shard", mesh=MESH, shows_as="desync"), None)
+class SkipBackwardOnEmptyShard:
+    """Counts right, but a rank whose own cp shard holds no supervised token returns before its backward, as a guard
+    written for a data-parallel rank with no tokens does: its dp x cp peers wait in the gradient's all-reduce."""
+
+    name = "skip_backward_on_empty_shard"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        total = require_tokens(_count_over(window, token_group(mesh)))
+        if sum(supervised_tokens(mb) for mb in window) == 0:
+            return None
+        size = token_group_size(mesh)
+        accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        return None
