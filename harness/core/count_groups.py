@@ -110,9 +110,12 @@ def count_group(blocks: Sequence[Block], q: Sequence[float], mesh: Mesh) -> Sign
         distinct = {over[b.rank] for b, _ in live}
         (shaped if len(distinct) > 1 else flat).append((dims, c, over))
     if shaped:
-        shaped.sort(key=lambda t: not _close(t[1], 1.0))
+        # A group of the mesh first, each rank's own count last: where an empty coordinate makes a group's count one
+        # rank's, both read alike, and every group these counts cannot tell apart is named.
+        shaped.sort(key=lambda t: (not _close(t[1], 1.0), not t[0]))
         dims, c, over = shaped[0]
-        return Signature("count_group", _sentence(mesh, dims, c, over, n, live, [dims]), c)
+        alike = [d for d, oc, o in shaped if _close(oc, c) and all(o[b.rank] == over[b.rank] for b, _ in live)]
+        return Signature("count_group", _sentence(mesh, dims, c, over, n, live, alike), c)
     exact = [t for t in flat if _close(t[1], 1.0)]
     if exact:
         dims, c, over = exact[0]
@@ -124,7 +127,9 @@ def _sentence(mesh: Mesh, dims: tuple[str, ...], c: float, over: dict[int, int],
               live: Sequence[tuple[Block, float]], alike: Sequence[tuple[str, ...]]) -> str:
     right = dims_words(mesh, mesh.token_dims)
     named = " or ".join(f"{dims_words(mesh, d)} ({math.prod(mesh.size(x) for x in d)} rank"
-                        f"{'s' if math.prod(mesh.size(x) for x in d) > 1 else ''})" for d in alike)
+                        f"{'s' if math.prod(mesh.size(x) for x in d) > 1 else ''})" if d else
+                        "no group at all (each rank's own count: these counts cannot tell the two apart)"
+                        for d in alike)
     local_means = not dims and _close(c, 1 / mesh.token_ranks)
     if local_means:
         head = (f"each rank divided its loss sum by its own count (its cp shard's), never reduced, and the gradients' "

@@ -96,3 +96,14 @@ def test_a_common_scale_is_named_as_one_mesh_size_over_the_token_group_s() -> No
     assert mesh_factor(1.0, mesh) is None and mesh_factor(3.0, mesh) is None
     assert "the loss was not scaled by the token group's size (dp x cp: 4)" == \
         mesh_factor(0.25, Mesh.parse("dp=2,cp=2"))
+
+
+def test_where_an_empty_coordinate_makes_a_group_s_count_one_rank_s_both_are_named() -> None:
+    """one_empty: data rank 0 holds no token, so over dp each shard's group count is its own; the reading names dp
+    first and says the counts cannot tell it from no reduction at all."""
+    mesh = Mesh.parse("dp=2,cp=2")
+    counts = {0: (0, 0), 1: (0, 0), 2: (189, 73), 3: (169, 72)}
+    sig = count_group(blocks(counts), ratios(mesh, ("dp",), counts=counts), mesh)
+    assert sig is not None
+    assert sig.sentence.startswith("the count was reduced over dp (2 ranks) or no group at all (each rank's own count: "
+                                   "these counts cannot tell the two apart)"), sig.sentence
