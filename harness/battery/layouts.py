@@ -21,6 +21,7 @@ from harness.battery.facts import ModelFacts
 from harness.battery.options import WORLD_SIZES, BatteryOptions, RunSpec
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
 from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
 from harness.data.corpus import Row
@@ -239,11 +240,12 @@ def informative_layouts(world_sizes: Sequence[int] | None = None, facts: ModelFa
 
 
 def judge_layout(recipe: str, layout: Layout, options: BatteryOptions, precision: str = "fp32",
-                 strategy: str | None = None) -> list[Verdict]:
+                 strategy: str | None = None, mesh: Mesh | None = None) -> list[Verdict]:
     """Every drawn check's verdict (:data:`DRAWN_CHECKS`) for ``recipe`` on ``layout`` in ``precision`` under
     ``strategy`` (default: the session's first), under ``options`` (the model, batch format, find_unused policy,
-    objective and each launch's deadline)."""
-    spec = replace(options.spec(recipe, "drawn", layout.world_size, precision, strategy=strategy),
+    objective and each launch's deadline); over ``mesh``, the layout's ranks are its data ranks."""
+    world = layout.world_size if mesh is None else mesh.world_size
+    spec = replace(options.spec(recipe, "drawn", world, precision, strategy=strategy, mesh=mesh),
                    init_seed=layout.init_seed)
     run = runner.launch_run(spec, layout.windows_for(spec))
     return [registry.CHECKS[c](run) for c in DRAWN_CHECKS]
@@ -260,9 +262,11 @@ class _LayoutFailed(AssertionError):
         super().__init__("\n".join(v.message for v in verdicts))
 
 
-def lane_label(examples: int, world_sizes: Sequence[int], precision: str, strategy: str) -> str:
-    """The drawn lane's row in the table: its budget, world sizes, precision lane and strategy."""
-    return f"drawn ({examples} layouts, W in {','.join(map(str, sorted(world_sizes)))}, {precision}, {strategy})"
+def lane_label(examples: int, world_sizes: Sequence[int], precision: str, strategy: str,
+               mesh: Mesh | None = None) -> str:
+    """The drawn lane's row in the table: its budget, world sizes (or mesh), precision lane and strategy."""
+    where = f"W in {','.join(map(str, sorted(world_sizes)))}" if mesh is None else f"mesh {mesh.label}"
+    return f"drawn ({examples} layouts, {where}, {precision}, {strategy})"
 
 
 def drawn_verdicts(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False) -> list[Verdict]:
@@ -272,12 +276,12 @@ def drawn_verdicts(recipe: str, options: BatteryOptions | None = None, derandomi
 
     options = options or BatteryOptions()
     return [drawn_verdict(recipe, options, derandomize, precision=lane.precision, strategy=lane.strategy,
-                          examples=lane.examples) for lane in drawn_lanes(options)]
+                          examples=lane.examples, mesh=lane.mesh) for lane in drawn_lanes(options)]
 
 
 def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False, *,
                   precision: str | None = None, strategy: str | None = None,
-                  examples: int | None = None) -> Verdict:
+                  examples: int | None = None, mesh: Mesh | None = None) -> Verdict:
     """Check ``recipe`` on ``examples`` layouts (default ``options.examples``: the first
     :func:`informative_layouts`, then drawn ones; at the world sizes of ``options``, the shrunk layout's included;
     default :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the
@@ -290,17 +294,19 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
 
     The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
     ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32, ddp)"; a failure's message names the failing layout's world
-    size."""
+    size. Over ``mesh``, each layout's ranks are the mesh's data ranks (every layout at ``mesh.data_ranks``).
+    """
     import hypothesis
 
     options = options or BatteryOptions()
     precision = precision or options.lanes[0]
     strategy = strategy or options.strategy_lanes[0]
-    examples, worlds = options.examples if examples is None else examples, options.world_sizes
+    examples = options.examples if examples is None else examples
+    worlds = options.world_sizes if mesh is None else (mesh.data_ranks,)
     if examples < 1:
         msg = f"--battery-examples={examples!r} must be a positive number of drawn layouts here"
         raise ValueError(msg)
-    label = lane_label(examples, worlds, precision, strategy)
+    label = lane_label(examples, worlds, precision, strategy, mesh)
 
     facts: ModelFacts | None = None
     if options.model is not None:
@@ -311,7 +317,7 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
     parity_judged = [0]
 
     def check(layout: Layout) -> None:
-        verdicts = judge_layout(recipe, layout, options, precision, strategy)
+        verdicts = judge_layout(recipe, layout, options, precision, strategy, mesh)
         parity_judged[0] += any(v.check == "parity" and v.status == PASS for v in verdicts)
         failed = _failing(verdicts)
         if failed:
@@ -328,7 +334,7 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
         check(layout)
 
     def fails(layout: Layout) -> bool:
-        return bool(_failing(judge_layout(recipe, layout, options, precision, strategy)))
+        return bool(_failing(judge_layout(recipe, layout, options, precision, strategy, mesh)))
 
     try:
         for layout in first:
@@ -347,7 +353,7 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
             if small == exc.layout:
                 message = head + f"not shrunk: no smaller layout fails ({spent} launches)"
             else:
-                shown = _failing(judge_layout(recipe, small, options, precision, strategy)) or exc.verdicts
+                shown = _failing(judge_layout(recipe, small, options, precision, strategy, mesh)) or exc.verdicts
                 message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n" + "\n".join(
                     v.message for v in shown)
         # The diagnosis is read on the failing layout itself: a shrunk one (one rank's single token, say) can make

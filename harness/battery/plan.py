@@ -84,29 +84,32 @@ FIRST_LAYOUTS = 2
 
 @dataclass(frozen=True)
 class DrawnLane:
-    """One run of the drawn-layout lane: ``examples`` layouts, each judged in ``precision`` under ``strategy``."""
+    """One run of the drawn-layout lane: ``examples`` layouts, each judged in ``precision`` under ``strategy``, over
+    ``mesh`` (its data ranks drawn; None: ``dp=W`` at the session's world sizes)."""
 
     precision: str
     strategy: str = "ddp"
     examples: int = 2
+    mesh: Mesh | None = None
 
     @property
     def id(self) -> str:
-        return f"drawn-{self.precision}-{self.strategy}"
+        return f"drawn-{self.precision}-{self.strategy}" + ("" if self.mesh is None else f"-{self.mesh.stem}")
 
 
 def drawn_lanes(options: BatteryOptions) -> list[DrawnLane]:
-    """The drawn lane's runs under ``options``: one per precision lane and strategy the session asked for (the same
-    lanes its cases run in), none when ``options.examples`` is 0.
+    """The drawn lane's runs under ``options``: one per precision lane, strategy and mesh the session asked for (the
+    same lanes its cases run in), none when ``options.examples`` is 0.
 
     ``--battery-examples`` is the session's budget, shared over these runs (each gets its share, rounded up, and at
     least the two layouts chosen to tell mistakes apart): a drawn layout costs a launch in every lane, and a second
     lane would otherwise double the battery's drawn time while judging the same recipe code on the same shapes."""
     if options.examples == 0:
         return []
-    pairs = [(p, s) for s in options.strategy_lanes for p in options.lanes]
-    share = min(options.examples, max(FIRST_LAYOUTS, -(-options.examples // len(pairs))))
-    return [DrawnLane(p, s, share) for p, s in pairs]
+    meshes: list[Mesh | None] = list(options.meshes) or [None]
+    lanes = [(p, s, m) for m in meshes for s in options.strategy_lanes for p in options.lanes]
+    share = min(options.examples, max(FIRST_LAYOUTS, -(-options.examples // len(lanes))))
+    return [DrawnLane(p, s, share, m) for p, s, m in lanes]
 
 
 __all__ = ["PRECISION_CHOICES", "WORLD_SIZES", "BatteryOptions", "Case", "DrawnLane", "cases", "check_world_sizes",

@@ -48,4 +48,5 @@ def test_drawn_layouts_pass_every_check_that_applies(
 
     ci = os.environ.get("CI", "").strip().lower() == "true"
     battery_check(drawn_verdict(recipe_path, battery_options, derandomize=ci,
-                                precision=lane.precision, strategy=lane.strategy, examples=lane.examples))
+                                precision=lane.precision, strategy=lane.strategy, examples=lane.examples,
+                                mesh=lane.mesh))

@@ -94,9 +94,12 @@ def cmd_battery(args: argparse.Namespace) -> int:
             from harness.battery.layouts import drawn_verdict
 
             if progress:
-                progress(f"{r.split(':')[-1]}: {lane.examples} drawn layouts ({lane.precision}, {lane.strategy})")
+                mesh = "" if lane.mesh is None else f", mesh {lane.mesh.label}"
+                where = f"{lane.precision}, {lane.strategy}{mesh}"
+                progress(f"{r.split(':')[-1]}: {lane.examples} drawn layouts ({where})")
             verdicts.append(drawn_verdict(r, options, derandomize=os.environ.get("CI", "") == "true",
-                                          precision=lane.precision, strategy=lane.strategy, examples=lane.examples))
+                                          precision=lane.precision, strategy=lane.strategy, examples=lane.examples,
+                                          mesh=lane.mesh))
     results = run_controls(controls, options, progress) if controls else []
     elsewhere = [c for c in controls if CONTROLS[c].launch != "in-process"]
     if elsewhere:

@@ -23,7 +23,7 @@ def _judge(seen: list[tuple[int, str, str]], *, status: str = PASS, fail_from: i
     ``status``, and fails with a diagnosis naming W on layouts of at least ``fail_from`` ranks."""
 
     def judge(recipe: str, layout: Layout, options: BatteryOptions, precision: str = "fp32",
-              strategy: str | None = None) -> list[Verdict]:
+              strategy: str | None = None, mesh: object = None) -> list[Verdict]:
         seen.append((layout.world_size, precision, strategy or "ddp"))
         if fail_from is not None and layout.world_size >= fail_from:
             return [Verdict("parity", recipe, "drawn", layout.world_size, precision, FAIL, "parity off",
@@ -46,6 +46,19 @@ def test_the_drawn_lane_has_one_labelled_row_per_precision_lane_and_strategy(mon
     assert [(p, s) for s in ("ddp", "fsdp2") for p in ("fp32", "bf16")] == [(v.precision, v.strategy)
                                                                              for v in verdicts]
     assert {(p, s) for s in ("ddp", "fsdp2") for p in ("fp32", "bf16")} == {(p, s) for _, p, s in seen}
+
+
+def test_over_a_mesh_the_drawn_lane_draws_its_data_ranks_and_names_the_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--mesh dp=2,cp=2: one drawn row per mesh, every layout holding the mesh's 2 data ranks, labelled with the
+    mesh; without --mesh the rows name the world sizes (the control above)."""
+    seen: list[tuple[int, str, str]] = []
+    monkeypatch.setattr(lay, "judge_layout", _judge(seen))
+    options = BatteryOptions.parse(examples=2, precision="fp32", mesh=["dp=2,cp=2", "dp=3"])
+    verdicts = drawn_verdicts(CORRECT, options, derandomize=True)
+    assert ["drawn (2 layouts, mesh dp=2,cp=2, fp32, ddp)", "drawn (2 layouts, mesh dp=3, fp32, ddp)"] == [
+        v.label for v in verdicts]
+    assert {2, 3} == {w for w, _, _ in seen}
+    assert ["drawn-fp32-ddp-dp2xcp2", "drawn-fp32-ddp-dp3"] == [lane.id for lane in plan.drawn_lanes(options)]
 
 
 def test_no_drawn_lane_runs_with_a_budget_of_zero() -> None:
