@@ -344,7 +344,9 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
     except _LayoutFailed as exc:
         at = (f"W={exc.layout.world_size}" if mesh is None else
               f"W={mesh.world_size} (mesh {mesh.label}, {exc.layout.world_size} data ranks)")
-        head = (f"check drawn FAILED: recipe {recipe}, {precision}, {strategy}: a drawn layout at {at} fails {', '.join(sorted({v.check for v in exc.verdicts}))}:\n"
+        failing = ", ".join(sorted({v.check for v in exc.verdicts}))
+        head = (f"check drawn FAILED: recipe {recipe}, {precision}, {strategy}: a drawn layout at {at} fails "
+                f"{failing}:\n"
                 f"{exc.layout.describe()}\n" + "\n".join(v.message for v in exc.verdicts) + "\n")
         if all(v.cause == "deadline" for v in exc.verdicts):
             # Every smaller layout would cost a whole deadline too, and the size of a layout is rarely the reason.
