@@ -1,6 +1,6 @@
 """Recipes for a device mesh written as users of one write them (test-only), each taking the ``mesh`` the harness
 passes: the count all-reduced over the data-parallel dimension alone, the bug of verl #5983 (and, with each shard's
-own count, Megatron-LM #7513)."""
+own count, Megatron-LM #7513); under HSDP, the fix of a clipping norm summed over the replicas."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.recipes.controls.hsdp import NormOverReplicas
 from harness.recipes.correct import accumulate
+from harness.recipes.helpers import shard_group
 
 
 def _local_count(window: Sequence[Microbatch]) -> torch.Tensor:
@@ -34,3 +36,13 @@ class CountOverDataParallelOnly:
         size = dist.get_world_size()
         accumulate(model, window, lambda s: s * size / float(count))
         return None
+
+
+class NormOverShardGroup(NormOverReplicas):
+    """VeOmni's fix (PR #862) of ``harness.recipes:norm_over_replicas``: the same hand-written norm, its squared shard
+    norms summed over the shard group only (each replica holds every shard once), so it is the global norm."""
+
+    name = "norm_over_shard_group"
+
+    def norm_group(self, mesh: Any) -> Any:
+        return shard_group(mesh)

@@ -6,7 +6,8 @@ depend on the world size (world: right at the W their author tested, declared wh
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
 normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
 FSDP2's knobs, one strategy's no-sync under the other), and clipping at the wrong moment or over the wrong gradient
-(clipping). A control is one
+(clipping), and mistakes that need HSDP's two data-parallel dimensions (hsdp: a factor for the shard group alone, a
+norm summed over the replicas). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -26,6 +27,7 @@ from harness.recipes.controls import (
     clipping,
     empty,
     hf,
+    hsdp,
     hygiene,
     normalization,
     objectives,
@@ -34,7 +36,8 @@ from harness.recipes.controls import (
     world,
 )
 
-FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping)
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping,
+            hsdp)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()
