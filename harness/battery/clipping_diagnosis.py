@@ -6,7 +6,8 @@ clips each reference gradient the way ``clip_grad_norm_`` does, by ``f = min(1, 
 
 - **The norm** (the clipping check): the ratio ``rho`` of the returned norm to the reference's global norm, and the
   norm, among those a real mistake computes, that it equals: ``sqrt(W)`` times the global one (squared norms
-  all-reduced again after the synchronization: the ranks already hold the same gradient), a sum of per-tensor norms,
+  all-reduced again after the synchronization: the ranks already hold the same gradient), under HSDP ``sqrt(R)``
+  times (squared shard norms summed over the ``R`` replicas as well as the shards), a sum of per-tensor norms,
   the sum of squares without its root, the largest or the last tensor's norm, an L1 or inf norm, the norm of the
   gradient before a factor of the window was applied (a clip before the scale: ``rho`` is ``N/W``, ``N``, ``k``,
   ...), one rank's gradient before the synchronization (its first ``j`` microbatches), or one FSDP2 shard's. Each is
