@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from harness.battery import plan, registry, scenarios
 from harness.battery.objective import windows_for
-from harness.battery.options import MESH_HELP, BatteryOptions, RunSpec
+from harness.battery.options import MESH_HELP, BatteryOptions, RunSpec, parse_meshes
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
@@ -124,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format, strategy=args.strategy,
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
-                                               report=args.report, objective=args.objective, mesh=args.mesh),
-                          world_sizes=(world,))
+                                               report=args.report, objective=args.objective),
+                          world_sizes=(world,), meshes=parse_meshes(args.mesh, max_world_size=None))
         _meshes(options, world)
         data_ranks = options.meshes[0].data_ranks if options.meshes else world
         if not 1 <= data_ranks <= scenarios.MAX_SCENARIO_WORLD_SIZE:
