@@ -6,7 +6,8 @@ clips each reference gradient the way ``clip_grad_norm_`` does, by ``f = min(1, 
 
 - **The norm** (the clipping check): the ratio ``rho`` of the returned norm to the reference's global norm, and the
   norm, among those a real mistake computes, that it equals: ``sqrt(W)`` times the global one (squared norms
-  all-reduced again after the synchronization: the ranks already hold the same gradient), a sum of per-tensor norms,
+  all-reduced again after the synchronization: the ranks already hold the same gradient), under HSDP ``sqrt(R)``
+  times (squared shard norms summed over the ``R`` replicas as well as the shards), a sum of per-tensor norms,
   the sum of squares without its root, the largest or the last tensor's norm, an L1 or inf norm, the norm of the
   gradient before a factor of the window was applied (a clip before the scale: ``rho`` is ``N/W``, ``N``, ``k``,
   ...), one rank's gradient before the synchronization (its first ``j`` microbatches), or one FSDP2 shard's. Each is
@@ -95,12 +96,14 @@ def _per_tensor(run: Run, unclipped: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _shard_norms(run: Run, unclipped: torch.Tensor) -> list[float]:
-    """Each rank's FSDP2 shard norm of the gradient: ``fully_shard`` splits every tensor along dim 0 in
-    ``torch.chunk``'s way, rank r holding chunk r (none past the last chunk)."""
+    """Each shard's FSDP2 norm of the gradient: ``fully_shard`` splits every tensor along dim 0 in ``torch.chunk``'s
+    way, shard r holding chunk r (none past the last chunk); there is one shard per rank, or under HSDP one per rank
+    of a replica (every replica holds the same shards)."""
     shapes = [p.shape for p in run.model().parameters()]
-    squares = [0.0] * run.world_size
+    n = run.world_size // run.mesh.size("dp_replicate") if len(run.mesh.token_dims) > 1 else run.world_size
+    squares = [0.0] * n
     for g, shape in zip(torch.split(unclipped, [math.prod(s) for s in shapes]), shapes):
-        chunks = torch.chunk(g.view(shape), run.world_size, dim=0) if len(shape) else (g,)
+        chunks = torch.chunk(g.view(shape), n, dim=0) if len(shape) else (g,)
         for r, chunk in enumerate(chunks):
             squares[r] += float(chunk.double().pow(2).sum())
     return [math.sqrt(s) for s in squares]
@@ -148,6 +151,13 @@ def read_norm(run: Run, window: int, rank: int, got: float) -> NormReading:
                            f"sqrt(W) = {math.sqrt(w):.4g} times the global norm: the squared norm was all-reduced "
                            "(summed over the ranks) after the synchronization, when every rank already held the whole "
                            "gradient; take the norm of the synchronized gradient as it is"))
+    replicas = run.mesh.size("dp_replicate")
+    if replicas > 1 and run.run_spec is not None and run.run_spec.strategy == "fsdp2":
+        candidates.append(("norm_over_replicas", math.sqrt(replicas) * want,
+                           f"sqrt(dp_replicate) = {math.sqrt(replicas):.4g} times the global norm: under HSDP the "
+                           f"squared shard norms were summed over every rank, dp_replicate x dp_shard, when each of "
+                           f"the {replicas} replicas holds every shard; sum them over the shard group only "
+                           "(harness.recipes.shard_group(mesh)), or take the norm clip_grad_norm_ returns"))
     candidates += [
         ("norm_sum_of_tensor_norms", sum(tensors), "a sum of per-tensor norms, not the global L2 norm (the square "
          "root of the sum of every tensor's squared norm, as clip_grad_norm_ computes it)"),

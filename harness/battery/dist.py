@@ -5,7 +5,8 @@ torchrun set up, on one machine or many.
         [--model pkg.mod:factory] [--batch-format harness|hf] [--strategy ddp|fsdp2|both] \\
         [--precision fp32|fp64|both] \\
         [--scenarios uneven,long,...] [--battery-report out.json] [--battery-junit out.xml] \\
-        [--backend gloo|nccl] [--battery-deadline 30] [--find-unused-parameters auto|on|off]
+        [--backend gloo|nccl] [--battery-deadline 30] [--find-unused-parameters auto|on|off] \\
+        [--mesh dp=2,cp=2]
 
 Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
 overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
@@ -17,6 +18,11 @@ so no rank carries the whole reference and judging cost while the others wait. R
 the report (``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per
 verdict) and prints the table. Every worker exits with the same status: 0 every check holds, 1 a check failed, 2 bad
 input.
+
+Over a device mesh (``--mesh dp=2,cp=2``, repeatable; the sizes' product must be the job's world size) every run
+is over that mesh instead of ``dp=W``, as ``--mesh`` does on the other surfaces. The mesh numbers the job's ranks
+row-major, the last dimension fastest, and torchrun gives a node consecutive ranks, so the last dimension lies within
+a node: ``--nnodes=2 --nproc-per-node=2 ... --mesh dp=2,cp=2`` puts dp across the nodes and cp within each.
 
 Results travel through torchrun's store (``MASTER_ADDR:MASTER_PORT``), not through collectives: a rank whose recipe
 raises, or whose collective timed out at ``--battery-deadline``, still reports, and the battery stops there (a process
@@ -44,7 +50,7 @@ import torch.distributed as dist
 
 from harness.battery import mesh_scenarios, plan, registry, scenarios
 from harness.battery.objective import windows_for
-from harness.battery.options import BatteryOptions, RunSpec
+from harness.battery.options import MESH_HELP, BatteryOptions, RunSpec, parse_meshes
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
@@ -78,6 +84,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--battery-deadline", dest="deadline", type=float, default=None, metavar="SECONDS",
                    help="seconds one run (and each collective in it) may take (default 30)")
     p.add_argument("--find-unused-parameters", dest="find_unused", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--mesh", action="append", metavar="DIM=N,...", help=MESH_HELP)
     return p.parse_args(argv)
 
 
@@ -89,6 +96,16 @@ def _say(rank: int, text: str, *, everyone: bool = False) -> None:
     if everyone or rank == 0:
         prefix = "" if rank == 0 else f"[rank {rank}] "
         print(prefix + text, flush=True)
+
+
+def _meshes(options: BatteryOptions, world: int) -> None:
+    """ValueError naming ``--mesh`` when a shape's ranks are not the job's."""
+    for mesh in options.meshes:
+        if mesh.world_size != world:
+            msg = (f"--mesh={mesh.label} has {mesh.world_size} ranks but torchrun started {world}: the sizes' product "
+                   f"is the world size; start {mesh.world_size} workers (--nnodes x --nproc-per-node) or give a mesh "
+                   f"of {world}")
+            raise ValueError(msg)
 
 
 def _scenarios(text: str, world_size: int) -> list[str]:
@@ -109,16 +126,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     try:
-        if not 1 <= world <= scenarios.MAX_SCENARIO_WORLD_SIZE:
-            msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
-                   f"{scenarios.MAX_SCENARIO_WORLD_SIZE}")
-            raise ValueError(msg)
         options = replace(BatteryOptions.parse(model=args.model, batch_format=args.batch_format, strategy=args.strategy,
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
                                                report=args.report, objective=args.objective),
-                          world_sizes=(world,))
-        names = _scenarios(args.scenarios, world)
+                          world_sizes=(world,), meshes=parse_meshes(args.mesh, max_world_size=None))
+        _meshes(options, world)
+        data_ranks = options.meshes[0].data_ranks if options.meshes else world
+        if not 1 <= data_ranks <= scenarios.MAX_SCENARIO_WORLD_SIZE:
+            msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
+                   f"{scenarios.MAX_SCENARIO_WORLD_SIZE} data-parallel ranks")
+            raise ValueError(msg)
+        names = _scenarios(args.scenarios, data_ranks)
         from harness.recipes import load_recipe
 
         load_recipe(args.recipe)
@@ -234,12 +253,13 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     store = _store(options.deadline)
     device = "cuda" if backend == "nccl" else "cpu"
     cases = [c for c in plan.session_cases(options) if c.scenario in names]
-    runs = list(dict.fromkeys((c.scenario, c.precision, c.strategy) for c in cases))
-    _say(rank, f"battery: {recipe} at W={world} ({backend}), {len(cases)} checks over {len(runs)} runs")
+    runs = list(dict.fromkeys((c.scenario, c.precision, c.strategy, c.mesh) for c in cases))
+    over = "".join(f", mesh {m.label}" for m in options.meshes)
+    _say(rank, f"battery: {recipe} at W={world}{over} ({backend}), {len(cases)} checks over {len(runs)} runs")
     start = time.monotonic()
     specs = []
-    for scenario, precision, strategy in runs:
-        spec = replace(options.spec(recipe, scenario, world, precision, strategy=strategy), device=device,
+    for scenario, precision, strategy, mesh in runs:
+        spec = replace(options.spec(recipe, scenario, world, precision, strategy=strategy, mesh=mesh), device=device,
                        backend=backend)
         # The objective's drawn factors (weights, advantages): the same draw on every worker, as in prepare().
         specs.append((spec, windows_for(spec, mesh_scenarios.build(scenario, spec.mesh, spec.chunking))))
@@ -268,7 +288,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
             break
     # Each rank judges the runs it owns, all at once, then rank 0 gathers the verdicts in the battery's order.
     for i, run in judged.items():
-        mine_cases = [c for c in cases if (c.scenario, c.precision, c.strategy) == runs[i]]
+        mine_cases = [c for c in cases if (c.scenario, c.precision, c.strategy, c.mesh) == runs[i]]
         _put(store, f"{i}/verdicts", [registry.CHECKS[c.check](run) for c in mine_cases])
     status = 0
     if rank == 0:
@@ -315,12 +335,13 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
     from harness.battery.junit import write_junit
     from harness.battery.table import format_table, report_json, write_report
 
-    judged = {(v.check, v.scenario, v.precision, v.strategy) for v in verdicts}
+    judged = {(v.check, v.scenario, v.precision, v.strategy, v.mesh) for v in verdicts}
     for c in cases:
-        if (c.check, c.scenario, c.precision, c.strategy) not in judged:
+        label = None if c.mesh is None else c.mesh.label
+        if (c.check, c.scenario, c.precision, c.strategy, label) not in judged:
             verdicts.append(Verdict(c.check, recipe, c.scenario, c.world_size, c.precision, FAIL,
                                     f"check {c.check} not run: the battery stopped: {stopped}", cause="stopped",
-                                    strategy=c.strategy))
+                                    strategy=c.strategy, mesh=label))
     failed = [v for v in verdicts if not v.passed]
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed else 0

@@ -117,9 +117,11 @@ def check_world_sizes(world_sizes: Sequence[int], option: str = "--battery-world
     return tuple(dict.fromkeys(world_sizes))
 
 
-def parse_meshes(value: str | Sequence[str] | None, option: str = "--mesh") -> tuple[Mesh, ...]:
+def parse_meshes(value: str | Sequence[str] | None, option: str = "--mesh",
+                 max_world_size: int | None = MAX_WORLD_SIZE) -> tuple[Mesh, ...]:
     """``--mesh`` as meshes: None or nothing -> none (``dp=W``); each shape ``"dp=2,cp=2"`` (the option repeated, or
-    shapes separated by spaces or ``;``), validated as the battery runs it; ValueError naming the option otherwise."""
+    shapes separated by spaces or ``;``), validated as the battery runs it; ValueError naming the option otherwise.
+    ``max_world_size``: the most ranks one process launches (None: no limit, torchrun starts the ranks)."""
     if value is None:
         return ()
     texts = [value] if isinstance(value, str) else list(value)
@@ -128,9 +130,13 @@ def parse_meshes(value: str | Sequence[str] | None, option: str = "--mesh") -> t
     for shape in shapes:
         mesh = Mesh.parse(shape, option)
         check_layout(mesh, mesh.world_size, option)
-        if mesh.world_size > MAX_WORLD_SIZE or mesh.data_ranks > MAX_SCENARIO_WORLD_SIZE:
-            msg = (f"{option}={shape!r} has {mesh.world_size} ranks: at most {MAX_WORLD_SIZE} run in one process "
-                   f"(and {MAX_SCENARIO_WORLD_SIZE} data-parallel ranks)")
+        if max_world_size is not None and mesh.world_size > max_world_size:
+            msg = (f"{option}={shape!r} has {mesh.world_size} ranks: at most {max_world_size} run in one process "
+                   f"(and {MAX_SCENARIO_WORLD_SIZE} data-parallel ranks); more run under torchrun")
+            raise ValueError(msg)
+        if mesh.data_ranks > MAX_SCENARIO_WORLD_SIZE:
+            msg = (f"{option}={shape!r} has {mesh.data_ranks} data-parallel ranks: the scenarios are built for at "
+                   f"most {MAX_SCENARIO_WORLD_SIZE}")
             raise ValueError(msg)
         out.append(mesh)
     return tuple(dict.fromkeys(out))

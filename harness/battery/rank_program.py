@@ -62,7 +62,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                                                 reduction=declared_reduction(recipe, run.reduction),
                                                 on_comm_hook=refuse_comm_hook,
                                                 mixed_precision=torch.bfloat16 if low else None,
-                                                mesh=None if run.layout is None else mesh_of_reduction(mesh))
+                                                mesh=None if run.layout is None else
+                                                mesh_of_reduction(mesh, run.strategy))
     autocast_bf16 = low and run.strategy != "fsdp2"
     ddp = wrapped.module
     autocast = watch.AutocastSeen(dev.type)
@@ -136,11 +137,16 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     return records
 
 
-def mesh_of_reduction(mesh: RankMesh | None) -> object:
-    """The ``DeviceMesh`` the strategy reduces gradients over: the token group's dimensions flattened into one
-    (dp x cp, as torchtitan's ``dp_shard_cp``); tp and pp ranks hold the same tokens and are not in it."""
+def mesh_of_reduction(mesh: RankMesh | None, strategy: str = "ddp") -> object:
+    """The ``DeviceMesh`` ``strategy`` reduces gradients over: the token group's dimensions (dp x cp; tp and pp ranks
+    hold the same tokens and are not in it) flattened into one, or under FSDP2 on a mesh with ``dp_replicate`` and a
+    dimension to shard over, HSDP's 2-D mesh (``dp_replicate`` x ``dp_shard_cp``, as torchtitan builds it). DDP has one
+    group: over an HSDP mesh it all-reduces over every token dimension flattened, which averages the same gradient."""
     assert mesh is not None
-    return mesh.submesh(mesh.mesh.token_dims)
+    token = mesh.mesh.token_dims
+    if strategy == "fsdp2" and "dp_replicate" in token and len(token) > 1:
+        return mesh.replicate_shard()
+    return mesh.submesh(token)
 
 
 def declared_reduction(recipe: object, chosen: str | None = None) -> str:

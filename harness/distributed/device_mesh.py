@@ -10,6 +10,7 @@ deprecated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,11 +52,32 @@ class RankMesh:
             raise ValueError(msg)
         self.mesh = mesh
         self.device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
+        self._replicate_shard: Any = None
 
     def submesh(self, dims: Sequence[str]) -> Any:
         """The ``DeviceMesh`` over ``dims`` (in mesh order; several: flattened into one dimension named by joining
         them with ``_``, as torchtitan names ``dp_shard_cp``)."""
         return flattened(self.device_mesh, dims)
+
+    def replicate_shard(self) -> Any:
+        """HSDP's 2-D ``DeviceMesh``: ``dp_replicate`` by the other token dimensions (``dp_shard`` and ``cp``)
+        flattened into one, torchtitan's ``dp_shard_cp``; FSDP2 over it shards over the second dimension and
+        all-reduces the shards' gradients over the first. Built once (by unflattening the token dimensions: slicing a
+        flattened dimension back out of the root mesh is deprecated). ValueError on a mesh without ``dp_replicate``
+        or without a dimension to shard over."""
+        if self._replicate_shard is None:
+            token = self.mesh.token_dims
+            shard = tuple(d for d in token if d != "dp_replicate")
+            if "dp_replicate" not in token or not shard:
+                msg = (f"mesh {self.mesh.label} has no replicate x shard layout: HSDP needs dp_replicate and one of "
+                       "dp_shard or cp")
+                raise ValueError(msg)
+            if len(shard) == 1:
+                self._replicate_shard = self.device_mesh["dp_replicate", shard[0]]
+            else:
+                sizes = (self.mesh.size("dp_replicate"), math.prod(self.mesh.size(d) for d in shard))
+                self._replicate_shard = self.submesh(token)._unflatten(0, sizes, ("dp_replicate", "_".join(shard)))
+        return self._replicate_shard
 
     def group(self, dims: Sequence[str]) -> dist.ProcessGroup:
         """The process group a reduction over ``dims`` spans from this rank."""

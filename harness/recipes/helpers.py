@@ -105,6 +105,21 @@ def token_group_size(mesh: Any) -> int:
     return int(flattened(mesh, _token_dims(mesh)).size())
 
 
+def shard_group(mesh: Any) -> Any:
+    """The process group FSDP2 shards a parameter over on ``mesh``: :func:`token_group` less ``dp_replicate`` (under
+    HSDP each replica holds every shard once, so a gradient norm's squared shard norms are summed over this group
+    only; summed over the replicas too, the norm is sqrt(dp_replicate) too large). Without ``dp_replicate``: the
+    token group. None (no mesh): None, every rank."""
+    if mesh is None:
+        return None
+    dims = tuple(d for d in _token_dims(mesh) if d != "dp_replicate")
+    if not dims:
+        msg = (f"mesh={tuple(mesh.mesh_dim_names)!r} has no dimension to shard over besides dp_replicate: each "
+               "rank holds whole parameters, and a norm needs no reduction")
+        raise ValueError(msg)
+    return flattened(mesh, dims).get_group()
+
+
 def _token_dims(mesh: Any) -> tuple[str, ...]:
     dims = tuple(n for n in mesh.mesh_dim_names if n in TOKEN_DIMS)
     if not dims:

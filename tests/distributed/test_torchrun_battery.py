@@ -85,3 +85,34 @@ def test_bad_input_exits_2_on_every_worker_before_any_joins(tmp_path: Path) -> N
     _, text, report = job(tmp_path, "--recipe", "no.such.module:recipe", nodes=1)
     assert report is None
     assert "bad input: " in text and "exitcode  : 2" in text, text[-3000:]
+
+
+def test_a_mesh_runs_across_two_agents_with_cp_within_each(tmp_path: Path) -> None:
+    """``--mesh dp=2,cp=2`` on 2 agents x 2 workers: ranks 0-1 (one agent) are a cp group, dp spans the agents. The
+    mesh recipe passes every check; the count over dp only fails parity on the numbers, as in-process."""
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:mesh_token_mean", "--precision", "fp32",
+                              "--mesh", "dp=2,cp=2")
+    assert [0, 0] == codes, text[-3000:]
+    assert "at W=4, mesh dp=2,cp=2" in text, text[-3000:]
+    assert report is not None and 0 == report["exit_status"]
+    assert report["expected"] == report["run"] == report["counts"]["pass"] + report["counts"]["n/a"]
+    assert {"dp=2,cp=2"} == {c["mesh"] for c in report["checks"]}, report["checks"][:1]
+    recipe = "harness.recipes:count_over_dp_only"
+    codes, text, report = job(tmp_path, "--recipe", recipe, "--precision", "fp32", "--scenarios", "uneven",
+                              "--mesh", "dp=2,cp=2")
+    assert [1, 1] == codes, text[-3000:]
+    assert report is not None
+    parity = next(c for c in report["checks"] if c["check"] == "parity")
+    assert ("fail", "numbers") == (parity["status"], parity["cause"]), parity["message"]
+
+
+@pytest.mark.parametrize(("mesh", "words"), [
+    ("dp=2,cp=x", "--mesh='dp=2,cp=x': 'cp=x' is not NAME=SIZE"),
+    ("dp=2,cp=2", "--mesh=dp=2,cp=2 has 4 ranks but torchrun started 2"),
+], ids=["malformed", "other_world_size"])
+def test_a_bad_mesh_exits_2_naming_it(tmp_path: Path, mesh: str, words: str) -> None:
+    """The same error as the command line's and pytest's for a malformed shape; a shape of another world size than
+    the job's names both."""
+    _, text, report = job(tmp_path, "--recipe", "harness.recipes:mesh_token_mean", "--mesh", mesh, nodes=1)
+    assert report is None
+    assert words in text and "exitcode  : 2" in text, text[-3000:]

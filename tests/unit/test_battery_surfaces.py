@@ -110,7 +110,7 @@ def test_explain_files_carry_the_module_and_the_attribute() -> None:
 def _fake_judge(seen: list[tuple[int, float]], fail_at: int | None = None, options: list[str] | None = None
                 ) -> object:
     def judge(recipe: str, layout: Layout, battery: BatteryOptions, precision: str = "fp32",
-              strategy: str | None = None) -> list[Verdict]:
+              strategy: str | None = None, mesh: object = None) -> list[Verdict]:
         seen.append((layout.world_size, battery.deadline))
         if options is not None:
             options.append(battery.find_unused)

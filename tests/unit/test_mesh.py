@@ -188,3 +188,15 @@ def test_a_mesh_option_the_battery_cannot_run_is_refused_naming_it(value: str, s
 
     with pytest.raises(ValueError, match=re.escape(says)):
         BatteryOptions.parse(mesh=value)
+
+
+def test_torchrun_takes_a_mesh_larger_than_one_process_launches() -> None:
+    """Under torchrun (``max_world_size=None``) ``dp=2,cp=8`` (16 ranks, two nodes of 8) is a mesh; the scenarios'
+    limit on data-parallel ranks still holds, naming it."""
+    from harness.battery.options import parse_meshes
+
+    (mesh,) = parse_meshes("dp=2,cp=8", max_world_size=None)
+    assert (16, 2) == (mesh.world_size, mesh.data_ranks)
+    with pytest.raises(ValueError, match=re.escape("--mesh='dp=64' has 64 data-parallel ranks: the scenarios are "
+                                                   "built for at most 32")):
+        parse_meshes("dp=64", max_world_size=None)

@@ -6,7 +6,9 @@ depend on the world size (world: right at the W their author tested, declared wh
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
 normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
 FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong moment or over the wrong gradient
-(clipping), and counts reduced over the wrong group of a dp x cp mesh (context_parallel). A control is one
+(clipping), counts reduced over the wrong group of a dp x cp mesh (context_parallel), and mistakes that need HSDP's
+two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas). A control is
+one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -27,6 +29,7 @@ from harness.recipes.controls import (
     context_parallel,
     empty,
     hf,
+    hsdp,
     hygiene,
     normalization,
     objectives,
@@ -36,7 +39,7 @@ from harness.recipes.controls import (
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping,
-            context_parallel)
+            context_parallel, hsdp)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()

@@ -1,0 +1,80 @@
+"""What a device mesh costs: one battery run over a mesh against the same run over ``dp=W`` at the same world size,
+through the same in-process launcher, under each strategy.
+
+    python benchmarks/mesh_bench.py [--repeats 3] [--out benchmarks/results/mesh.json]
+
+Each pair runs ``harness.recipes:mesh_token_mean`` on the ``uneven`` scenario in float32 at W=4 and judges parity:
+``dp=2,cp=2`` against ``dp=4`` under DDP and under FSDP2, and ``dp_replicate=2,dp_shard=2`` (HSDP) against ``dp=4``
+under FSDP2. The forkserver is started and every case run once before any figure (warm); each timed repeat starts
+from a cleared run cache and reference chain cache (preparation and launch both timed), and the repeats of a pair
+alternate so that the shared machine's drift falls on both. Writes the medians and each pair's ratio (mesh / 1-D) as
+JSON and prints them. Not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from _common import RESULTS, command, machine, now, write_result
+
+RECIPE = "harness.recipes:mesh_token_mean"
+PAIRS = (("ddp", "dp=2,cp=2"), ("fsdp2", "dp=2,cp=2"), ("fsdp2", "dp_replicate=2,dp_shard=2"))
+"""(strategy, mesh) cases, each measured against ``dp=4`` under the same strategy."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "mesh.json"))
+    args = parser.parse_args()
+    from harness.battery import checks, prepare, runner
+    from harness.battery.options import RunSpec
+    from harness.core.mesh import Mesh
+
+    def once(strategy: str, shape: str | None) -> float:
+        """One parity run from cold caches: the preparation, the launch and the check."""
+        layout = None if shape is None else Mesh.parse(shape)
+        runner._CACHE.clear()
+        prepare._CHAINS.clear()
+        t = time.perf_counter()
+        verdict = checks.parity(runner.run(RunSpec(RECIPE, "uneven", 4, "fp32", strategy=strategy, layout=layout)))
+        took = time.perf_counter() - t
+        assert verdict.passed, verdict.message
+        return took
+
+    cases = list(dict.fromkeys([(s, m) for s, m in PAIRS] + [(s, None) for s, _ in PAIRS]))
+    for strategy, shape in cases:  # warm: the forkserver, its preloads, the model's probe
+        once(strategy, shape)
+    times: dict[tuple[str, str | None], list[float]] = {c: [] for c in cases}
+    for _ in range(args.repeats):
+        for c in cases:
+            times[c].append(once(*c))
+    results = []
+    for strategy, shape in PAIRS:
+        mesh, flat = statistics.median(times[(strategy, shape)]), statistics.median(times[(strategy, None)])
+        results.append({"strategy": strategy, "mesh": shape, "one_d": "dp=4",
+                        "mesh_s": {"median": round(mesh, 3), "runs": [round(x, 3) for x in times[(strategy, shape)]]},
+                        "one_d_s": {"median": round(flat, 3), "runs": [round(x, 3) for x in times[(strategy, None)]]},
+                        "ratio": round(mesh / flat, 2)})
+        print(f"{strategy:5} {shape:26} {mesh:.3f} s vs dp=4 {flat:.3f} s: {mesh / flat:.2f}x", flush=True)
+    result = {
+        "schema": "harness.mesh-bench/1",
+        "command": command("benchmarks/mesh_bench.py"),
+        "what": "wall time of one parity run (preparation from cold caches, launch, check) of "
+                f"{RECIPE} on scenario uneven, fp32, W=4, in-process launcher, warm; median of {args.repeats}",
+        "machine": machine(),
+        "date": now(),
+        "repeats": args.repeats,
+        "target": "a mesh case costs at most 1.5x the 1-D case at the same world size",
+        "results": results,
+        "worst_ratio": max(r["ratio"] for r in results),  # type: ignore[type-var]
+    }
+    print(write_result(args.out, result)[-200:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
