@@ -67,19 +67,24 @@ def _close(a: float, b: float) -> bool:
 
 def mesh_factor(c: float, mesh: Mesh) -> str | None:
     """Words for a common scale ``c`` that is one size of the mesh over the token group's size ``T`` (the loss scaled
-    by the world size, or by dp's alone, where ``T`` belongs); None when none is."""
+    by the world size, or by dp's alone, where ``T`` belongs), every group of that size named; None when none is."""
     t = mesh.token_ranks
     if _close(c, 1.0) or len(mesh.names) < 2:
         return None
-    for size in range(len(mesh.names) + 1):
-        for dims in itertools.combinations(mesh.names, size):
-            f = math.prod(mesh.size(d) for d in dims)
-            if f != t and _close(c, f / t):
-                right = f"the token group's size ({dims_words(mesh, mesh.token_dims)}: {t})"
-                if not dims:
-                    return f"the loss was not scaled by {right}"
-                what = "the world size" if len(dims) == len(mesh.names) else f"{dims_words(mesh, dims)}'s size"
-                return f"the loss was scaled by {what} ({f}) where {right} belongs"
+    right = f"the token group's size ({dims_words(mesh, mesh.token_dims)}: {t})"
+    if _close(c, 1 / t):
+        return f"the loss was not scaled by {right}"
+    for f in sorted({math.prod(mesh.size(d) for d in dims) for size in range(1, len(mesh.names) + 1)
+                     for dims in itertools.combinations(mesh.names, size)}):
+        if f == t or not _close(c, f / t):
+            continue
+        if f == mesh.world_size:
+            what = "the world size"
+        else:
+            groups = [dims for size in range(1, len(mesh.names)) for dims in itertools.combinations(mesh.names, size)
+                      if math.prod(mesh.size(d) for d in dims) == f and all(mesh.size(d) > 1 for d in dims)]
+            what = " or ".join(f"{dims_words(mesh, dims)}'s size" for dims in groups)
+        return f"the loss was scaled by {what} ({f}) where {right} belongs"
     return None
 
 

@@ -53,8 +53,8 @@ def test_a_factor_from_the_wrong_group_is_named_beside_the_count() -> None:
     mesh = Mesh.parse("dp=2,cp=2")
     sig = count_group(blocks(), ratios(mesh, ("dp",), factor=0.5), mesh)
     assert sig is not None and "reduced over dp" in sig.sentence
-    assert ("a common factor 0.5x (the loss was scaled by dp's size (2) where the token group's size (dp x cp: 4) "
-            "belongs)") in sig.sentence, sig.sentence
+    assert ("a common factor 0.5x (the loss was scaled by dp's size or cp's size (2) where the token group's size "
+            "(dp x cp: 4) belongs)") in sig.sentence, sig.sentence
 
 
 def test_on_balanced_counts_every_group_of_that_share_is_named_and_the_factor_exact() -> None:
@@ -96,6 +96,9 @@ def test_a_common_scale_is_named_as_one_mesh_size_over_the_token_group_s() -> No
     assert mesh_factor(1.0, mesh) is None and mesh_factor(3.0, mesh) is None
     assert "the loss was not scaled by the token group's size (dp x cp: 4)" == \
         mesh_factor(0.25, Mesh.parse("dp=2,cp=2"))
+    # HSDP, torchtitan #2318: the shard group's size where the token group's belongs (both groups of 2 named).
+    assert ("the loss was scaled by dp_replicate's size or dp_shard's size (2) where the token group's size "
+            "(dp_replicate x dp_shard: 4) belongs") == mesh_factor(0.5, Mesh.parse("dp_replicate=2,dp_shard=2"))
 
 
 def test_where_an_empty_coordinate_makes_a_group_s_count_one_rank_s_both_are_named() -> None:
