@@ -55,7 +55,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     if mesh is not None and run.mesh.size("tp") > 1:
         # Tensor parallelism first, then the strategy over the token group (torchtitan's 2-D order): the tp ranks
         # of one dp x cp coordinate train on the same microbatches (their data rank and cp rank are the same).
-        apply_plan(model, run.model, mesh.submesh(("tp",)))
+        apply_plan(model, run.model, mesh.submesh(("tp",)), recipe)
 
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)

@@ -11,7 +11,8 @@ not a set of whole heads, and the attention itself runs on every tp rank. The mo
 of the tp size (``TinyCausalLM.seq_multiple``): gloo reduce-scatters equal shards only.
 
 A user's model declares its plan beside its factory: ``factory.tp_plan = plan``, a callable ``plan(model, tp_mesh)``
-that shards the model in place (``parallelize_module``), called on every rank with the ``DeviceMesh`` of ``tp``.
+that shards the model in place (``parallelize_module``), called on every rank with the ``DeviceMesh`` of ``tp``. A
+recipe with hand-written tensor-parallel layers declares its own ``tp_plan``, applied instead of the model's.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ PLAN_ATTRIBUTE = "tp_plan"
 TpPlan = Callable[[nn.Module, Any], None]
 
 
-def builtin_plan(model: nn.Module, tp_mesh: Any) -> None:
-    """Shard :class:`harness.model.TinyCausalLM` over ``tp_mesh`` in place (the layout in the module's docstring)."""
+def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: bool = True) -> None:
+    """Shard :class:`harness.model.TinyCausalLM` over ``tp_mesh`` in place (the layout in the module's docstring).
+    ``sequence_parallel_norms=False`` leaves the LayerNorms plain modules on each rank's positions, as hand-written
+    sequence parallelism does: their gradients are then each rank's partial sums, all-reduced by nothing (a negative
+    control's plan)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -41,19 +45,20 @@ def builtin_plan(model: nn.Module, tp_mesh: Any) -> None:
     plan: dict[str, Any] = {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "ln": SequenceParallel(),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+    norms = ["ln"]
     for i in range(len(model.blocks)):  # type: ignore[arg-type]
         b = f"blocks.{i}"
+        norms += [f"{b}.ln1", f"{b}.ln2"]
         plan |= {
-            f"{b}.ln1": SequenceParallel(),
             f"{b}.qkv": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
             f"{b}.proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            f"{b}.ln2": SequenceParallel(),
             f"{b}.mlp.0": ColwiseParallel(input_layouts=Shard(1)),
             f"{b}.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
         }
+    if sequence_parallel_norms:
+        plan |= {name: SequenceParallel() for name in norms}
     parallelize_module(model, tp_mesh, plan)
     # gloo reduce-scatters equal shards only: each tp rank holds as many positions as the others.
     model.seq_multiple = tp_mesh.size()
@@ -77,13 +82,22 @@ def plan_of(model_path: str | None) -> TpPlan:
     return plan
 
 
-def apply_plan(model: nn.Module, model_path: str | None, tp_mesh: Any) -> nn.Module:
-    """Shard ``model`` over ``tp_mesh`` with its plan (:func:`plan_of`), in place; returns ``model``."""
+def recipe_plan(recipe: object) -> TpPlan | None:
+    """The plan a recipe brings with its own tensor-parallel layers (its :data:`PLAN_ATTRIBUTE`: hand-written TP lives
+    in the training code, not in the model), which the harness applies instead of the model's; None when it has
+    none."""
+    plan = getattr(recipe, PLAN_ATTRIBUTE, None)
+    return plan if callable(plan) else None
+
+
+def apply_plan(model: nn.Module, model_path: str | None, tp_mesh: Any, recipe: object = None) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` in place with ``recipe``'s own plan (:func:`recipe_plan`), else the model's
+    (:func:`plan_of`); returns ``model``."""
     # Gathering a parameter sharded over dp and tp (FSDP2's _StridedShard) takes two all-gathers, and DTensor logs
     # a warning of it on every rank, once per process; the harness gathers only to compare, so it says nothing.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    plan_of(model_path)(model, tp_mesh)
+    (recipe_plan(recipe) or plan_of(model_path))(model, tp_mesh)
     return model
 
 
-__all__ = ["PLAN_ATTRIBUTE", "TpPlan", "apply_plan", "builtin_plan", "plan_of"]
+__all__ = ["PLAN_ATTRIBUTE", "TpPlan", "apply_plan", "builtin_plan", "plan_of", "recipe_plan"]
