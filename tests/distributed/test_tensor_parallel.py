@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from harness.battery import checks, runner
 from harness.battery.options import RunSpec
@@ -28,9 +29,24 @@ def tp_run(recipe: str, scenario: str = "uneven", precision: str = "fp32", model
 
 
 def test_the_mesh_recipe_passes_every_check_over_dp_and_tp() -> None:
-    """Parity, one synchronization, ranks agreeing and the logged loss all hold at dp=2,tp=2 under FSDP2."""
+    """Parity, one synchronization, ranks agreeing and the logged loss all hold at dp=2,tp=2 under FSDP2, and every
+    rank gathered the same full gradient (the norms' ``Partial`` sums reduced, the shards of both dimensions joined)."""
     run = tp_run(MESH)
     for check in (checks.parity, checks.one_sync, checks.ranks_agree, checks.logged_loss):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+    assert run.records is not None
+    for k, record in enumerate(run.records[0]):
+        assert record.grad is not None
+        assert all(torch.equal(record.grad, records[k].grad) for records in run.records[1:])
+
+
+@pytest.mark.slow
+def test_the_mesh_recipe_passes_over_dp_cp_and_tp_together() -> None:
+    """dp=2,cp=2,tp=2 (W=8): each cp rank supervised on its chunk, the model sharded over tp, FSDP2 over dp x cp."""
+    mesh = Mesh.parse("dp=2,cp=2,tp=2")
+    run = runner.run(RunSpec(MESH, "uneven", mesh.world_size, "fp32", strategy="fsdp2", layout=mesh))
+    for check in (checks.parity, checks.ranks_agree, checks.logged_loss):
         verdict = check(run)
         assert verdict.passed, verdict.message
 
