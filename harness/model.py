@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from harness.core.formats import shifted_loss_sum
-from harness.core.microbatch import IGNORE_INDEX
+from harness.core.microbatch import IGNORE_INDEX, PAD
 from harness.core.paths import resolve
 from harness.data.config import Config
 
@@ -42,9 +43,12 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
+        # The shapes come from qkv's output, not from x: under sequence parallelism x holds this tp rank's
+        # positions only, and the qkv projection gathers them (harness.distributed.tensor_parallel).
+        qkv = self.qkv(self.ln1(x))
+        b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         h = self.n_heads
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = qkv.split(d, dim=2)
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         # Explicit causal attention rather than scaled_dot_product_attention: the same kernel on every torch
         # version and device, and deterministic, which bit-exact resume relies on.
@@ -78,6 +82,10 @@ class TinyCausalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
+        self.seq_multiple = 1
+        """The forward pads the sequence on the right to a multiple of this, and drops the padding's logits: under
+        sequence parallelism (:mod:`harness.distributed.tensor_parallel` sets it to the tp size) every tp rank must
+        hold as many positions as the others. Causal attention keeps the padding out of every real position."""
 
     def forward(
         self,
@@ -114,6 +122,9 @@ class TinyCausalLM(nn.Module):
         if inputs.dim() != 2 or inputs.shape[1] > self.max_len:
             msg = f"inputs must be [B, T] with T <= max_len={self.max_len}, got shape {tuple(inputs.shape)}"
             raise ValueError(msg)
+        t = inputs.shape[1]
+        if t % self.seq_multiple:
+            inputs = F.pad(inputs, (0, self.seq_multiple - t % self.seq_multiple), value=PAD)
         positions = torch.arange(inputs.shape[1], device=inputs.device)
         x = self.drop(self.tok(inputs) + self.pos(positions))
         for block in self.blocks:
@@ -122,7 +133,8 @@ class TinyCausalLM(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.head(self.ln(x))
+        logits = self.head(self.ln(x))
+        return logits if logits.shape[1] == t else logits[:, :t]
 
 
 def build_model(

@@ -200,12 +200,34 @@ def ranks_agree(run: Run) -> Verdict:
         return bad
     assert run.records is not None
     for k in range(len(run.records[0])):
+        params = [records[k].params_after for records in run.records]
         for rank in range(1, run.world_size):
-            d = max_abs_difference([run.records[0][k].params_after], [run.records[rank][k].params_after])
+            d = max_abs_difference([params[0]], [params[rank]])
             if d != 0.0:
-                return failed("ranks_agree", run, f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} "
-                              "after the step", k, max_error=d)
+                where = _differing_dimension(run, params)
+                say = (f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} after the step" if where is None
+                       else where)
+                return failed("ranks_agree", run, say, k, max_error=d)
     return passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
+
+
+def _differing_dimension(run: Run, params: list[torch.Tensor]) -> str | None:
+    """On a mesh of more than one dimension: the first pair of ranks whose full parameters differ and whose
+    coordinates differ along one dimension only, named by it ("ranks 0 and 1 differ along tp (the ranks of one dp
+    coordinate) by ..."); None on a one-dimensional run (every pair differs along dp). Some such pair exists
+    whenever two ranks differ: the pairs along one dimension connect every rank."""
+    mesh = run.mesh
+    if len([n for n in mesh.names if mesh.size(n) > 1]) < 2:
+        return None
+    for dim in mesh.names:
+        for group in mesh.groups([dim]):
+            for b in group[1:]:
+                d = max_abs_difference([params[group[0]]], [params[b]])
+                if d != 0.0:
+                    others = " x ".join(n for n in mesh.names if n != dim and mesh.size(n) > 1)
+                    return (f"ranks {group[0]} and {b} differ along {dim} (the ranks of one {others} coordinate) by "
+                            f"up to {d:.3e} after the step (the full parameters, gathered, must agree on every rank)")
+    return None
 
 
 @check()

@@ -26,6 +26,7 @@ clips each reference gradient the way ``clip_grad_norm_`` does, by ``f = min(1, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,6 +110,68 @@ def _shard_norms(run: Run, unclipped: torch.Tensor) -> list[float]:
     return [math.sqrt(s) for s in squares]
 
 
+def _group_norms(run: Run, window: int, rank: int, unclipped: torch.Tensor, want: float,
+                 tol: float) -> list[tuple[str, float, str]]:
+    """On a mesh of two dimensions or more, the norm a rank gets by summing its local shards' squared norms
+    (``grad.to_local()``, each rank's shard as it recorded it) over each group of the mesh's dimensions: over too few
+    ranks it misses the shards of the others (torchtune #2420: the tp shards), over too many it counts replicas
+    twice. Groups that give the global norm are left out."""
+    mesh = run.mesh
+    if len(mesh.names) < 2 or run.records is None or any(not recs[window].shards for recs in run.records):
+        return []
+    shapes = [p.shape for p in run.model().parameters()]
+    grads = [g.view(s) for g, s in zip(torch.split(unclipped, [math.prod(s) for s in shapes]), shapes)]
+    local_sq = []
+    for recs in run.records:
+        total = 0.0
+        for g, shard in zip(grads, recs[window].shards):
+            part = g if shard is None else g[tuple(slice(o, o + n) for n, o in zip(*shard))]
+            total += float(part.double().pow(2).sum())
+        local_sq.append(total)
+    out = []
+    for size in range(len(mesh.names) + 1):
+        for dims in itertools.combinations(mesh.names, size):
+            members = mesh.group(rank, dims)
+            value = math.sqrt(sum(local_sq[r] for r in members))
+            if abs(value - want) <= tol * want:
+                continue
+            over = " x ".join(dims) if dims else "no group (this rank's shards alone)"
+            out.append(("local_shard_norm_over_group", value,
+                        f"the local shards' squared norms (grad.to_local()) summed over {over} ({len(members)} "
+                        f"rank{'s' if len(members) > 1 else ''}) only, {value / want:.4g} times the global norm: the "
+                        "group misses the shards other ranks hold, or counts a replicated one twice; take the norm "
+                        "clip_grad_norm_ returns, or sum the squares of each gradient's full_tensor()"))
+    return out
+
+
+def _clipped_by_own_norms(run: Run, window: int, rank: int, unclipped: torch.Tensor) -> torch.Tensor | None:
+    """On a mesh, the gradient ``rank`` gathers when every rank clipped its own shards by the norm it returned
+    itself: each slice of a parameter comes from the rank that holds it and is nearest to ``rank`` on the mesh
+    (``rank`` itself where it holds the slice; its peer along the sharded dimension otherwise), scaled by that
+    rank's own factor. None without the shards or the norms of every rank."""
+    mesh, records = run.mesh, run.records
+    if len(mesh.names) < 2 or records is None or run.max_norm is None:
+        return None
+    recs = [r[window] for r in records]
+    if any(not rec.shards or rec.grad_norm is None for rec in recs):
+        return None
+    factors = [min(1.0, run.max_norm / (float(rec.grad_norm) + 1e-6)) for rec in recs]  # type: ignore[arg-type]
+    here = mesh.coords(rank)
+    shapes = [p.shape for p in run.model().parameters()]
+    parts = []
+    for i, (g, shape) in enumerate(zip(torch.split(unclipped, [math.prod(s) for s in shapes]), shapes)):
+        out = g.view(shape).clone()
+        holders: dict[tuple[tuple[int, ...], tuple[int, ...]] | None, list[int]] = {}
+        for r, rec in enumerate(recs):
+            holders.setdefault(rec.shards[i], []).append(r)
+        for shard, ranks in holders.items():
+            r = min(ranks, key=lambda x: (x != rank, sum(v != here[k] for k, v in mesh.coords(x).items())))
+            where = (slice(None),) if shard is None else tuple(slice(o, o + n) for n, o in zip(*shard))
+            out[where] = g.view(shape)[where] * factors[r]
+        parts.append(out.reshape(-1))
+    return torch.cat(parts)
+
+
 def _presync_norms(run: Run, window: int) -> list[tuple[str, float]]:
     """The norm of each rank's own gradient before the synchronization, after its first j microbatches, for a loss
     scaled right (each microbatch's numerator times W/Z, as a rank's loss under DDP's average is)."""
@@ -177,6 +240,9 @@ def read_norm(run: Run, window: int, rank: int, got: float) -> NormReading:
         for r, norm in enumerate(_shard_norms(run, unclipped)):
             candidates.append(("shard_norm", norm, f"the norm of rank {r}'s FSDP2 shard (grad.to_local()), not the "
                                "global one: clip_grad_norm_ over the DTensor gradients returns the global norm"))
+    # A group's norm that a named candidate already gives (HSDP's sum over the replicas) keeps the named one's words.
+    candidates += [c for c in _group_norms(run, window, rank, unclipped, want, tol)
+                   if not any(abs(c[1] - v) <= tol * v for _, v, _ in candidates)]
     found = _best(candidates, got, tol)
     if found is None and w > 1:
         found = _best([("pre_sync_norm", v, f"the norm of {what}: a norm taken before the last backward synchronized "
@@ -264,8 +330,12 @@ def gradient_reading(run: Run, window: int, rank: int) -> Signature | None:
     if got is None or not got > 0:
         return None
     applied = min(1.0, run.max_norm / (got + 1e-6))
-    if math.isclose(applied, f, rel_tol=_match_tolerance(run)) or not _same(run, rec.grad, unclipped * applied):
+    if math.isclose(applied, f, rel_tol=_match_tolerance(run)):
         return None
+    if not _same(run, rec.grad, unclipped * applied):
+        mixed = _clipped_by_own_norms(run, window, rank, unclipped)
+        if mixed is None or not _same(run, rec.grad, mixed):
+            return None
     if run.reference_norms[window] is None or run.references[window] is None:
         return None
     norm = read_norm(run, window, rank, got)

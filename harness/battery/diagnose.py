@@ -371,8 +371,11 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
         if split is not None:
             fit, sig = split
     edited = _weights_edited(run, window, rank)
+    apart = rr.ranks_disagree(run, window, rank, names, sizes, atol, rtol)
     if edited is not None:
         sig = edited
+    elif apart is not None and sig.name in ("unexplained", "extra_term"):
+        sig = apart
     else:
         sig, params = _held_to_verdict(run, window, rank, g, a, expected, fit, sig, params, names, sizes, atol, rtol,
                                        fixed)

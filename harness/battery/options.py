@@ -62,8 +62,9 @@ REDUCTIONS = ("mean", "sum")
 
 
 MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of dp, or dp_replicate and dp_shard, "
-             "and cp: their product is the world size; repeatable; default: dp=W at each world size); each cp rank "
-             "is supervised on its chunk of its data coordinate's positions")
+             "cp and tp: their product is the world size; repeatable; default: dp=W at each world size); each cp rank "
+             "is supervised on its chunk of its data coordinate's positions; tp shards the model (under "
+             "--strategy fsdp2 only) and its ranks get their coordinate's data")
 """``--mesh``'s help, the same on the command line and in pytest."""
 
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -191,12 +192,26 @@ def check_layout(layout: object, world_size: int, argument: str = "layout") -> M
         msg = (f"{argument}={layout.label} has {layout.world_size} ranks but world_size={world_size}: the sizes' "
                "product is the world size")
         raise ValueError(msg)
-    other = [n for n in layout.names if n not in TOKEN_DIMS]
+    other = [n for n in layout.names if n not in (*TOKEN_DIMS, "tp")]
     if other:
-        msg = (f"{argument}={layout.label}: the battery runs meshes of data-parallel and cp dimensions "
-               f"({', '.join(TOKEN_DIMS)}); {', '.join(other)} is not run yet")
+        msg = (f"{argument}={layout.label}: the battery runs meshes of data-parallel, cp and tp dimensions "
+               f"({', '.join(TOKEN_DIMS)}, tp); {', '.join(other)} is not run yet")
         raise ValueError(msg)
     return layout
+
+
+DDP_OVER_TP = ("DDP cannot wrap a tensor-parallel (DTensor) model: it raises 'aten.cat.default got mixed "
+               "torch.Tensor and DTensor', and its private workaround drops the tp parameters from zero_grad(), so "
+               "their gradients pile up; use --strategy fsdp2 (FSDP2 over the data-parallel dimensions, TP over tp, "
+               "torchtitan's 2-D layout)")
+"""Why a mesh with tp > 1 does not run under DDP (measured with torch 2.13; docs/battery.md)."""
+
+
+def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str = "strategy") -> None:
+    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1)."""
+    if layout is not None and layout.size("tp") > 1 and "ddp" in names:
+        msg = f"{argument}='ddp' over the mesh {layout.label}: {DDP_OVER_TP}"
+        raise ValueError(msg)
 
 
 @dataclass(frozen=True)
@@ -248,6 +263,7 @@ class RunSpec:
         _deadline(self.deadline, "deadline")
         if self.layout is not None:
             check_layout(self.layout, self.world_size)
+            check_strategy_over(self.layout, (self.strategy,))
         if self.chunking not in CHUNKINGS:
             msg = f"chunking={self.chunking!r} must be one of {', '.join(CHUNKINGS)}"
             raise ValueError(msg)
@@ -304,12 +320,15 @@ class BatteryOptions:
         if model is not None and (not isinstance(model, str) or ":" not in model):
             msg = f"--model={model!r} must be 'package.module:factory'"
             raise ValueError(msg)
+        meshes = parse_meshes(mesh)
+        for shape in meshes:
+            check_strategy_over(shape, strategies(strategy), "--strategy")
         return cls(model=model, batch_format=_choice(batch_format, BATCH_FORMATS, "--batch-format"),
                    strategy=strategy, precision=precision,
                    world_sizes=parse_world_sizes(world_sizes), examples=examples,
                    deadline=DEADLINE if deadline is None else _deadline(deadline),
                    find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective),
-                   meshes=parse_meshes(mesh))
+                   meshes=meshes)
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -353,6 +372,7 @@ def from_pytest(config: Any) -> BatteryOptions:
 
 __all__ = [
     "BATCH_FORMATS",
+    "DDP_OVER_TP",
     "DEADLINE",
     "DEFAULT_EXAMPLES",
     "FIND_UNUSED",
@@ -370,6 +390,7 @@ __all__ = [
     "add_lane_options",
     "check_find_unused",
     "check_objective",
+    "check_strategy_over",
     "check_world_sizes",
     "from_pytest",
     "parse_world_sizes",

@@ -26,6 +26,7 @@ from harness.battery.start import start_note, start_weights
 from harness.core.objectives import PLAIN, Objective
 from harness.distributed import strategies
 from harness.distributed.launcher import LaunchError
+from harness.distributed.tensor_parallel import plan_of, recipe_plan
 from harness.recipes import load_recipe
 from harness.recipes.contract import clips
 
@@ -87,6 +88,8 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                f"but the windows have {len(windows[0])} ranks")
         raise ValueError(msg)
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
+    if spec.mesh.size("tp") > 1 and recipe_plan(load_recipe(spec.recipe)) is None:
+        plan_of(spec.model)  # a user's model without a tensor-parallel plan is refused here, not in every rank
     objective = resolve(spec.objective, spec.recipe)
     windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)

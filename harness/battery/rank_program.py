@@ -25,7 +25,8 @@ from harness.battery.window_report import Passes, window_note
 from harness.data.context_parallel import supervise_chunk
 from harness.distributed import launcher, strategies
 from harness.distributed.device_mesh import RankMesh
-from harness.distributed.strategies.fsdp2 import local
+from harness.distributed.strategies.fsdp2 import local, local_slices
+from harness.distributed.tensor_parallel import apply_plan
 from harness.recipes import load_recipe
 from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation, setup_takes_mesh, takes_mesh
 
@@ -48,6 +49,13 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     spec.check_weights(model, f"rank {rank}")
     load_start(model, start)  # the parent's warmed weights, bitwise: no rank recomputes them with other sums
     model = model.to(dev)
+    # The ranks' DeviceMesh: built on every rank of a run over a mesh (the strategy reduces over its token group),
+    # and for a recipe that takes it on a dp=W run too.
+    mesh = RankMesh(run.mesh, dev.type) if run.layout is not None or takes_mesh(recipe) else None
+    if mesh is not None and run.mesh.size("tp") > 1:
+        # Tensor parallelism first, then the strategy over the token group (torchtitan's 2-D order): the tp ranks
+        # of one dp x cp coordinate train on the same microbatches (their data rank and cp rank are the same).
+        apply_plan(model, run.model, mesh.submesh(("tp",)), recipe)
 
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
@@ -55,9 +63,6 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     # The bf16 lane: FSDP2 computes in bf16 through its own policy (reducing in float32); DDP has none, so the
     # recipe runs under autocast, as a bf16 DDP training loop does.
     low = run.precision == "bf16"
-    # The ranks' DeviceMesh: built on every rank of a run over a mesh (the strategy reduces over its token group),
-    # and for a recipe that takes it on a dp=W run too.
-    mesh = RankMesh(run.mesh, dev.type) if run.layout is not None or takes_mesh(recipe) else None
     wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
                                                 reduction=declared_reduction(recipe, run.reduction),
                                                 on_comm_hook=refuse_comm_hook,
@@ -84,6 +89,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         else:
             setup()
     records = []
+    shards = local_slices(model) if max_norm is not None else ()  # what a norm over local shards covers
     for k, window in enumerate(windows):
         mine = [spec.batch(supervise_chunk(mb, cp_rank, cp, run.chunking).to(dev))
                 for mb in window[run.mesh.data_rank(rank)]]
@@ -128,7 +134,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                 grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
-                autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(),
+                autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(), shards=shards,
             )
         )
         if error is not None:

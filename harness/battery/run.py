@@ -53,6 +53,9 @@ class WindowRecord:
     """The total gradient norm a clipping recipe returned (``(loss, norm)``), else None."""
     strategy_notes: tuple[str, ...] = ()
     """What the strategy's own state said after the window (FSDP2's divisor knobs set on some modules only)."""
+    shards: tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...] = ()
+    """Each parameter's local shard on this rank as ``(shape, global offset)`` (None: the rank holds it whole), in
+    model order: what a norm over ``grad.to_local()`` covers (:mod:`harness.battery.clipping_diagnosis`)."""
 
 
 @dataclass(frozen=True)

@@ -65,4 +65,40 @@ def rounding_only(ratios: Sequence[float], residual: float, unit: float = BF16_U
     return bool(live) and FLOAT32_RESIDUAL < residual <= unit and all(abs(q - 1) <= unit for q in live)
 
 
-__all__ = ["BF16_UNIT", "rounding_only", "zero_gradient"]
+def ranks_disagree(run: Run, window: int, rank: int, names: Sequence[str], sizes: Sequence[int], atol: float,
+                   rtol: float) -> Signature | None:
+    """``not_reduced_over_group``: on a mesh of two dimensions or more, the synchronized gradients of some tensors
+    differ between ``rank`` and another rank along one dimension, while every rank must hold the same full gradient:
+    replicated parameters whose gradients were never all-reduced over that dimension (a hand-written tensor-parallel
+    layer; under sequence parallelism, the norms). None where every rank agrees or the mesh has one dimension."""
+    mesh = run.mesh
+    if len(mesh.names) < 2 or run.records is None:
+        return None
+    mine = run.records[rank][window].grad
+    if mine is None:
+        return None
+    for dim in mesh.names:
+        for other in mesh.group(rank, [dim]):
+            rec = run.records[other][window] if window < len(run.records[other]) else None
+            if other == rank or rec is None or rec.grad is None:
+                continue
+            off, apart, worst = 0, [], 0.0
+            for name, n in zip(names, sizes):
+                a, b = mine[off : off + n].double(), rec.grad[off : off + n].double()
+                off += n
+                gap = float((a - b).abs().max()) if n else 0.0
+                if gap > atol + rtol * float(b.abs().max() if n else 0.0):
+                    apart.append(name)
+                    worst = max(worst, gap)
+            if apart:
+                shown = ", ".join(apart[:6]) + (f" and {len(apart) - 6} more" if len(apart) > 6 else "")
+                return Signature("not_reduced_over_group", f"the synchronized gradients of {shown} differ between "
+                                 f"ranks {rank} and {other}, which differ along {dim} only (by up to {worst:.3e}): "
+                                 f"replicated parameters whose gradients were never all-reduced over {dim}, so each "
+                                 f"{dim} rank keeps its own partial sum (a hand-written {dim} layer; under sequence "
+                                 f"parallelism, the norms' weights): reduce them over {dim}, or let DTensor's "
+                                 "SequenceParallel do it", blocks=tuple(apart))
+    return None
+
+
+__all__ = ["BF16_UNIT", "ranks_disagree", "rounding_only", "zero_gradient"]

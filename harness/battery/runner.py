@@ -83,6 +83,12 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     # The forkserver imports the rank program, the recipe's module and the model's once, rather than every rank of
     # every launch as it unpickles its function.
     preload = tuple(m for m in (rank_body.__module__, recipe_module(spec.recipe), *model_modules(spec.model)) if m)
+    # FSDP2 and DTensor's parallel styles: a second or more of imports each rank would pay itself, in every launch
+    # (a DDP run asks for neither, and its server never imports them).
+    if spec.strategy == "fsdp2":
+        preload += ("torch.distributed.fsdp",)
+    if spec.mesh.size("tp") > 1:
+        preload += ("torch.distributed.tensor.parallel",)
     try:
         records = launch(rank_body, spec.mesh.world_size, spec, ready.windows, ready.digest, ready.wrap,
                          ready.chain.max_norm, None if ready.start is None else ready.start.numpy(),

@@ -78,6 +78,8 @@ SIGNATURES: dict[str, str] = {
     "count_group": "on a device mesh, each token rank's tokens weigh N/N_S, its group's count: the count was "
                    "all-reduced over a group S of the mesh's dimensions other than the token group (dp x cp): over dp "
                    "alone under cp, each shard's own, across tp ranks that hold the same tokens",
+    "not_reduced_over_group": "on a mesh, some tensors' synchronized gradients differ between ranks along one "
+                              "dimension: replicated parameters never all-reduced over it (tp's norms)",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }

@@ -190,3 +190,23 @@ class ClippedGlobalTokenMean:
 
 
 clipped_global_token_mean = ClippedGlobalTokenMean()
+
+
+class MeshClippedTokenMean:
+    """:class:`MeshTokenMean`, clipping: the gradient synchronized over the mesh's token group, then clipped to
+    ``max_norm`` by the norm of every parameter's full gradient (:func:`harness.recipes.helpers.clip_grad_norm`,
+    which computes it across dp and tp alike); it returns the loss and the norm before clipping."""
+
+    name = "mesh_clipped_token_mean"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch], max_norm: float = 1.0,
+                        mesh: Any = None) -> tuple[float, float]:
+        group = token_group(mesh)
+        total = require_tokens(global_count(sum(supervised_tokens(mb) for mb in window), group=group))
+        size = token_group_size(mesh)
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        norm = clip_grad_norm(model, max_norm)
+        return global_sum(local, group) / total, norm
+
+
+mesh_clipped_token_mean = MeshClippedTokenMean()

@@ -65,12 +65,31 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip every parameter's gradient to the total norm ``max_norm`` after the synchronization, and return the norm
     before clipping, as a float, under either strategy: ``torch.nn.utils.clip_grad_norm_`` over every parameter (under
-    FSDP2 the gradients are sharded DTensors, and the norm it returns is the global one, replicated)."""
+    FSDP2 the gradients are sharded DTensors, and the norm it returns is the global one, replicated).
+
+    Under tensor parallelism some gradients may live on the 2-D (dp, tp) mesh and others on dp alone (a plan that
+    leaves a module unsharded), and ``clip_grad_norm_`` then raises "All operands in aten.stack.default must have
+    the same mesh" (torch 2.13). There the norm is each gradient's own norm made whole (``full_tensor()`` reduces
+    over the dimensions it is sharded on, and only those), squared and summed: the norm of the full gradient."""
     import torch
 
-    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
-    full = getattr(norm, "full_tensor", None)
-    return float(full() if full is not None else norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    meshes = {m for m in (getattr(p.grad, "device_mesh", None) for p in params) if m is not None}
+    if len(meshes) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full is not None else norm)
+    squares = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        n = torch.linalg.vector_norm(p.grad, 2.0)
+        whole = getattr(n, "full_tensor", None)
+        squares += (whole() if whole is not None else n).detach().double().cpu() ** 2
+    total = float(squares.sqrt())
+    coef = min(1.0, max_norm / (total + 1e-6))  # clip_grad_norm_'s own factor
+    with torch.no_grad():
+        for p in params:
+            p.grad.mul_(coef)  # type: ignore[union-attr]
+    return total
 
 
 def require_tokens(global_count: int) -> int:

@@ -154,7 +154,15 @@ def pytest_configure(config: pytest.Config) -> None:
             _MODEL_NOTES[:] = found.notes() if model is not None else ()
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}" if model is not None else str(exc)) from None
-    options_from(config)  # bad options are a usage error now, before collection (parsed once: kept on the config)
+    options = options_from(config)  # bad options are a usage error now, before collection (parsed once: kept)
+    if options.model is not None and any(m.size("tp") > 1 for m in options.meshes):
+        from harness.distributed.tensor_parallel import plan_of
+        from harness.model import ModelError
+
+        try:
+            plan_of(options.model)
+        except ModelError as exc:
+            raise pytest.UsageError(f"--model: {exc}") from None
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()

@@ -65,6 +65,14 @@ def cmd_battery(args: argparse.Namespace) -> int:
     from harness.recipes import CONTROLS, RecipeError, load_recipe
 
     options = battery_options(args)
+    if options.model is not None and any(m.size("tp") > 1 for m in options.meshes):
+        from harness.distributed.tensor_parallel import plan_of
+        from harness.model import ModelError
+
+        try:
+            plan_of(options.model)
+        except ModelError as exc:
+            raise BadInput(f"--model: {exc}") from None
     cases = plan.session_cases(options)
     worlds, model, batch_format = options.world_sizes, options.model, options.batch_format
     if args.controls is None:

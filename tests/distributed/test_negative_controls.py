@@ -33,7 +33,7 @@ def control(name: str) -> str:
     return f"harness.recipes:{name}"
 
 
-SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp")
+SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp", "tensor_parallel")
 """Families whose controls past the first run in the slow tier only."""
 
 
@@ -45,7 +45,7 @@ def control_cases() -> list[object]:
     seen: set[str] = set()
     for n, t in CONTROLS.items():
         family = control_class(n).__module__.rsplit(".", 1)[-1]
-        # The strategy, clipping, objective and hsdp families' controls past the first of each run at W=2 in the slow
+        # The families' controls in SLOW_FAMILIES past the first of each run in the slow
         # tier (the test command's budget); every other control at W=2 in the default one.
         representative = family not in SLOW_FAMILIES or family not in seen
         seen.add(family)

@@ -60,7 +60,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
     ("--objective", "mean", "--objective='mean' must be one of token_mean, sequence_mean, weighted_token_mean, "
                             "fixed_normalizer"),
-    ("--mesh", "dp=2,tp=2", "--mesh=dp=2,tp=2: the battery runs meshes of data-parallel and cp dimensions"),
+    ("--mesh", "dp=2,pp=2", "--mesh=pp=2,dp=2: the battery runs meshes of data-parallel, cp and tp dimensions"),
+    ("--mesh", "dp=2,tp=2", "--strategy='ddp' over the mesh dp=2,tp=2: DDP cannot wrap a tensor-parallel"),
 ])
 def test_a_bad_value_gets_one_message_on_both_surfaces(flag: str, value: str, says: str) -> None:
     """The command line's bad input (exit 2) and pytest's usage error carry the same words, naming the shared

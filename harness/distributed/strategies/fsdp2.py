@@ -94,6 +94,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+def local_slices(model: nn.Module) -> tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]:
+    """Each parameter's local shard on this rank as ``(shape, global offset)``, None for a plain tensor (held whole),
+    in model order: the part of the full tensor that ``.to_local()`` holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            out.append(None)
+            continue
+        shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)  # type: ignore[attr-defined]
+        out.append((tuple(shape), tuple(offset)))
+    return tuple(out)
+
+
 class FSDP2Wrapped:
     """One rank's model sharded with ``fully_shard``."""
 
@@ -204,4 +220,5 @@ class FSDP2Strategy:
 
 register(FSDP2Strategy())
 
-__all__ = ["KNOBS", "NO_SYNC", "FSDP2Strategy", "FSDP2Wrapped", "counting_reduce_scatter", "groups", "local"]
+__all__ = ["KNOBS", "NO_SYNC", "FSDP2Strategy", "FSDP2Wrapped", "counting_reduce_scatter", "groups", "local",
+           "local_slices"]

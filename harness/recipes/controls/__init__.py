@@ -6,9 +6,10 @@ depend on the world size (world: right at the W their author tested, declared wh
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
 normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
 FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong moment or over the wrong gradient
-(clipping), counts reduced over the wrong group of a dp x cp mesh (context_parallel), and mistakes that need HSDP's
-two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas). A control is
-one
+(clipping), counts reduced over the wrong group of a dp x cp mesh (context_parallel), mistakes that need HSDP's
+two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas), and the
+groups of a tensor-parallel mesh (tensor_parallel: a count over tp too, the world size for the dp size, norms'
+gradients not reduced over tp, a clipping norm from local shards). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -35,11 +36,12 @@ from harness.recipes.controls import (
     objectives,
     strategies,
     sync,
+    tensor_parallel,
     world,
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping,
-            context_parallel, hsdp)
+            context_parallel, hsdp, tensor_parallel)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()
