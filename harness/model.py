@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -31,6 +32,86 @@ class CausalLMOutput(NamedTuple):
     loss: torch.Tensor | None = None
 
 
+# Sequence sharding under context parallelism (harness.distributed.sequence_sharding): a cp rank holds a chunk of
+# every sequence, and its attention gathers the other chunks' keys and values. The attention masks by the positions
+# themselves (a query attends to every key at or before its own position, wherever that key's rank holds it), so
+# either chunking, contiguous or load-balanced, gives the full sequence's attention. ``assume_contiguous`` is the
+# mistake of an attention written for contiguous chunks only (a ring attention without the load-balanced layout): it
+# masks by the ranks' order instead.
+
+FAR = 2**40
+"""The position given to padding keys: after every real query, so the causal mask hides them."""
+
+
+class _Gathered(torch.autograd.Function):
+    """Every rank's tensor of ``group``, stacked in rank order; the gradient of each part goes back to its owner,
+    summed over the ranks that used it (an all-reduce, then this rank's part)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        return torch.stack(_plain_gather(t, group))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every cp rank's ``t`` (equal shapes), in rank order; differentiable (the gradient flows back to each owner)."""
+    return list(_Gathered.apply(t.contiguous(), group).unbind(0))
+
+
+def _plain_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, group: Any,
+                       assume_contiguous: bool = False) -> torch.Tensor:
+    """Causal attention of this rank's queries ``q`` ``[B, H, t, D]`` over every cp rank's keys and values, each
+    rank's ``positions`` ``[B, t]`` its columns' places in the full sequence. Returns ``[B, H, t, D]``."""
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    length = torch.tensor([k.shape[2]], dtype=torch.int64)
+    lengths = _plain_gather(length, group)
+    longest = int(max(int(x) for x in lengths))
+    pad = longest - k.shape[2]
+    if pad:
+        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    where = torch.nn.functional.pad(positions, (0, pad), value=FAR) if pad else positions
+    keys = torch.cat(_gather(k, group), dim=2)
+    values = torch.cat(_gather(v, group), dim=2)
+    key_pos = torch.cat(_plain_gather(where, group), dim=1)  # [B, n * longest]
+    if assume_contiguous:
+        # Ranks in order hold consecutive chunks: every key of an earlier rank is visible, of a later one not, and a
+        # rank's own keys causally by their local order.
+        rank_of = torch.arange(n).repeat_interleave(longest)
+        local = torch.arange(longest).repeat(n)
+        real = key_pos < FAR
+        before = (rank_of < me).view(1, 1, -1) & real.unsqueeze(1)
+        own = (rank_of == me).view(1, 1, -1) & (local.view(1, 1, -1) <= torch.arange(q.shape[2]).view(1, -1, 1))
+        mask = before | (own & real.unsqueeze(1))
+    else:
+        mask = key_pos.unsqueeze(1) <= positions.unsqueeze(2)  # [B, t, n * longest]
+    att = (q @ keys.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    att = att.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    return att @ values
+
+
+def builtin_cp_plan(model: nn.Module, cp_mesh: Any, *, assume_contiguous: bool = False) -> None:
+    """Make :class:`harness.model.TinyCausalLM`'s attention gather over ``cp_mesh`` (every block), in place.
+    ``assume_contiguous``: the attention of a negative control, written for contiguous chunks only."""
+    group = cp_mesh.get_group()
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.cp_group = group
+        block.cp_assume_contiguous = assume_contiguous
+
+
 class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
@@ -41,8 +122,12 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
         self.drop = nn.Dropout(dropout)
+        self.cp_group: Any = None
+        """The cp group whose ranks hold the other chunks of the sequence (a sequence-sharding run:
+        :mod:`harness.distributed.sequence_sharding`); None: this rank holds whole sequences."""
+        self.cp_assume_contiguous = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # The shapes come from qkv's output, not from x: under sequence parallelism x holds this tp rank's
         # positions only, and the qkv projection gathers them (harness.distributed.tensor_parallel).
         qkv = self.qkv(self.ln1(x))
@@ -50,6 +135,15 @@ class Block(nn.Module):
         h = self.n_heads
         q, k, v = qkv.split(d, dim=2)
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        if self.cp_group is not None:  # this rank's chunk; the others' keys gathered
+            if positions is None:
+                msg = ("this model shards the sequence over cp (its cp_plan) and got no position_ids: a cp rank "
+                       "holds a chunk of each sequence, so pass its positions, model(mb.inputs, "
+                       "position_ids=mb.positions)")
+                raise RuntimeError(msg)
+            y = gathered_attention(q, k, v, positions, self.cp_group, self.cp_assume_contiguous)
+            x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+            return x + self.drop(self.mlp(self.ln2(x)))
         # Explicit causal attention rather than scaled_dot_product_attention: the same kernel on every torch
         # version and device, and deterministic, which bit-exact resume relies on.
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // h)
@@ -91,6 +185,7 @@ class TinyCausalLM(nn.Module):
         self,
         inputs: torch.Tensor | None = None,
         *,
+        position_ids: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
@@ -100,39 +195,49 @@ class TinyCausalLM(nn.Module):
 
         ``attention_mask`` is accepted and not needed: the harness pads on the right, and under causal attention a
         padding position never reaches the logits of a real one. ``labels`` (unshifted, HF's convention) make
-        ``.loss`` HF's shifted mean.
+        ``.loss`` HF's shifted mean. ``position_ids`` ``[B, T]``: each column's position in its full sequence, where
+        the inputs hold a part of it (a cp rank's chunk, :mod:`harness.distributed.sequence_sharding`); None:
+        ``0 .. T-1``.
         """
         if (inputs is None) == (input_ids is None):
             msg = "pass the token ids once: model(inputs) or model(input_ids=...)"
             raise TypeError(msg)
         if inputs is not None:
-            return self._logits(inputs)
+            return self._logits(inputs, position_ids)
         assert input_ids is not None
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             msg = (f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
                    f"{tuple(input_ids.shape)}")
             raise ValueError(msg)
-        logits = self._logits(input_ids)
+        logits = self._logits(input_ids, position_ids)
         if labels is None:
             return CausalLMOutput(logits)
         count = (labels[:, 1:] != IGNORE_INDEX).sum()
         return CausalLMOutput(logits, shifted_loss_sum(logits, labels) / count)
 
-    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if inputs.dim() != 2 or inputs.shape[1] > self.max_len:
             msg = f"inputs must be [B, T] with T <= max_len={self.max_len}, got shape {tuple(inputs.shape)}"
             raise ValueError(msg)
+        if position_ids is not None and position_ids.shape != inputs.shape:
+            msg = f"position_ids {tuple(position_ids.shape)} must have the shape of the inputs {tuple(inputs.shape)}"
+            raise ValueError(msg)
         t = inputs.shape[1]
         if t % self.seq_multiple:
-            inputs = F.pad(inputs, (0, self.seq_multiple - t % self.seq_multiple), value=PAD)
-        positions = torch.arange(inputs.shape[1], device=inputs.device)
-        x = self.drop(self.tok(inputs) + self.pos(positions))
+            extra = self.seq_multiple - t % self.seq_multiple
+            inputs = F.pad(inputs, (0, extra), value=PAD)
+            if position_ids is not None:  # the padding after every real position, so causal attention hides it
+                position_ids = F.pad(position_ids, (0, extra), value=self.max_len - 1)
+        if position_ids is None:
+            x = self.drop(self.tok(inputs) + self.pos(torch.arange(inputs.shape[1], device=inputs.device)))
+        else:
+            x = self.drop(self.tok(inputs) + self.pos(position_ids))
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 # Keep only each block's input; recompute its inside during backward.
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, position_ids, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, position_ids)
         logits = self.head(self.ln(x))
         return logits if logits.shape[1] == t else logits[:, :t]
 
@@ -244,5 +349,26 @@ def _zero_dropout_floats(obj: object) -> None:
             setattr(obj, name, 0.0)
 
 
-__all__ = ["CausalLMOutput", "ModelError", "TinyCausalLM", "build_model", "build_user_model", "disable_dropout",
-           "load_model_factory"]
+def sequence_sharded() -> TinyCausalLM:
+    """The built-in model at the battery's size, declared as sharding the sequence under context parallelism
+    (``--model harness.model:sequence_sharded``): each cp rank receives only its chunk of every microbatch, and the
+    attention gathers the other chunks' keys and values (:mod:`harness.distributed.sequence_sharding`). Its initial
+    weights come from the seed the caller set (a ``--model`` factory is called right after ``torch.manual_seed``)."""
+    return build_model(Config(dropout=0.0), seed=torch.initial_seed())
+
+
+sequence_sharded.cp_plan = builtin_cp_plan  # type: ignore[attr-defined]
+
+
+__all__ = [
+    "CausalLMOutput",
+    "ModelError",
+    "TinyCausalLM",
+    "build_model",
+    "build_user_model",
+    "builtin_cp_plan",
+    "disable_dropout",
+    "gathered_attention",
+    "load_model_factory",
+    "sequence_sharded",
+]

@@ -29,6 +29,7 @@ from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.core.parameter_view import ParameterRow, locate, parameter_table, residual_shares
 from harness.core.signatures import Signature, classify, classify_sequences, extra_term_sentence
 from harness.data.context_parallel import supervise_chunk
+from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 
 
 def worst(run: Run) -> tuple[int, int] | None:
@@ -399,6 +400,12 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
         sig = od.objective_reading(run, window, model, sig, blocks, q, g, atol, rtol)
         if aux_fit is not None and sig.name in ("correct", "extra_term", "float32_computation", "unexplained"):
             sig = od.auxiliary_reading(run, window, aux_fit) or sig
+    if sig.name == "unexplained" and run.mesh.size("cp") > 1 and sequence_plan_of(run.model_path) is not None:
+        sig = dataclasses.replace(sig, sentence=f"{sig.sentence}; this run's model shards the sequence (its cp_plan): "
+                                  "a gradient no re-weighting gives can come from its forward over the chunks (an "
+                                  "attention masked for another chunking than the run's, positions not passed), "
+                                  "which the reference, on whole sequences, does not share: run the same with the "
+                                  "other --cp-chunking, or compare the sharded logits with the whole ones")
     aux_weights = () if aux_fit is None else tuple(float(u) for u in aux_fit)
     return Diagnosis(signature=sig, weights=tuple(float(w) for w in fit.weights), residual=fit.residual,
                      condition=fit.condition, sequence_signature=seq_sig, sequence_residual=seq_resid,

@@ -67,6 +67,11 @@ MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes o
              "--strategy fsdp2 only) and its ranks get their coordinate's data")
 """``--mesh``'s help, the same on the command line and in pytest."""
 
+CHUNKING_HELP = ("how the cp ranks of one data coordinate split its sequences' positions: contiguous (cp chunks in "
+                 "order, default) or load_balanced (2cp chunks, rank i holding chunks i and 2cp-1-i, as torch's "
+                 "context_parallel and Megatron-LM cut them)")
+"""``--cp-chunking``'s help, the same on every surface."""
+
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
     "--strategy": {"default": "ddp", "choices": tuple(STRATEGY_CHOICES),
                    "help": "the data-parallel strategy the ranks run under: ddp (DistributedDataParallel, default), "
@@ -304,13 +309,15 @@ class BatteryOptions:
     meshes: tuple[Mesh, ...] = ()
     """``--mesh``: the shapes the plan's cases run over instead of ``dp=W`` at each world size (the world sizes still
     choose the drawn layouts' and the controls'); empty: ``dp=W``."""
+    chunking: str = "contiguous"
+    """``--cp-chunking``: how the cp ranks of a mesh split the positions (:data:`harness.core.mesh.CHUNKINGS`)."""
 
     @classmethod
     def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
               precision: str = "both", world_sizes: str | Sequence[int] = WORLD_SIZES,
               examples: int | None = DEFAULT_EXAMPLES, deadline: float | None = None, find_unused: str = "auto",
               report: str | None = None, objective: str = "token_mean",
-              mesh: str | Sequence[str] | None = None) -> BatteryOptions:
+              mesh: str | Sequence[str] | None = None, chunking: str | None = "contiguous") -> BatteryOptions:
         """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
         precisions(precision)
         strategies(strategy)
@@ -328,7 +335,7 @@ class BatteryOptions:
                    world_sizes=parse_world_sizes(world_sizes), examples=examples,
                    deadline=DEADLINE if deadline is None else _deadline(deadline),
                    find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective),
-                   meshes=meshes)
+                   meshes=meshes, chunking=_choice(chunking or "contiguous", CHUNKINGS, "--cp-chunking"))
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -347,13 +354,13 @@ class BatteryOptions:
         return RunSpec(recipe, scenario, world_size, precision, model=self.model,
                        batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
                        find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective,
-                       layout=mesh)
+                       layout=mesh, chunking=self.chunking)
 
 
 PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": "strategy", "precision": "precision",
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
                   "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report",
-                  "objective": "objective", "mesh": "mesh"}
+                  "objective": "objective", "mesh": "mesh", "chunking": "cp_chunking"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
 
 _CACHED = "_harness_battery_options"
@@ -372,6 +379,7 @@ def from_pytest(config: Any) -> BatteryOptions:
 
 __all__ = [
     "BATCH_FORMATS",
+    "CHUNKING_HELP",
     "DDP_OVER_TP",
     "DEADLINE",
     "DEFAULT_EXAMPLES",

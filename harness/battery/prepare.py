@@ -23,9 +23,11 @@ from harness.battery.options import RunSpec
 from harness.battery.run import Run, WindowRecord
 from harness.battery.spec import ModelSpec, weights_digest
 from harness.battery.start import start_note, start_weights
+from harness.core.formats import HF
 from harness.core.objectives import PLAIN, Objective
 from harness.distributed import strategies
 from harness.distributed.launcher import LaunchError
+from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.tensor_parallel import plan_of, recipe_plan
 from harness.recipes import load_recipe
 from harness.recipes.contract import clips
@@ -90,6 +92,11 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
     if spec.mesh.size("tp") > 1 and recipe_plan(load_recipe(spec.recipe)) is None:
         plan_of(spec.model)  # a user's model without a tensor-parallel plan is refused here, not in every rank
+    if spec.mesh.size("cp") > 1 and spec.batch_format == HF and sequence_plan_of(spec.model) is not None:
+        msg = (f"model={spec.model!r} shards the sequence (its cp_plan) and the batch format is hf: a cp rank's chunk "
+               "carries its positions in the harness format only (Microbatch.positions, passed as position_ids); run "
+               "it with --batch-format harness")
+        raise ValueError(msg)
     objective = resolve(spec.objective, spec.recipe)
     windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)

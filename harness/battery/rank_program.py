@@ -22,9 +22,10 @@ from harness.battery.run import WindowRecord
 from harness.battery.spec import ModelSpec
 from harness.battery.start import load as load_start
 from harness.battery.window_report import Passes, window_note
-from harness.data.context_parallel import supervise_chunk
+from harness.data.context_parallel import shard_chunk, supervise_chunk
 from harness.distributed import launcher, strategies
 from harness.distributed.device_mesh import RankMesh
+from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.strategies.fsdp2 import local, local_slices
 from harness.distributed.tensor_parallel import apply_plan
 from harness.recipes import load_recipe
@@ -56,6 +57,13 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         # Tensor parallelism first, then the strategy over the token group (torchtitan's 2-D order): the tp ranks
         # of one dp x cp coordinate train on the same microbatches (their data rank and cp rank are the same).
         apply_plan(model, run.model, mesh.submesh(("tp",)), recipe)
+    # A model that shards the sequence itself (its factory's cp_plan) gets only its chunk of each microbatch, with
+    # the chunk's positions, and its attention gathers the other cp ranks' keys and values.
+    cp_plan = sequence_plan_of(run.model) if cp > 1 else None
+    if cp_plan is not None:
+        assert mesh is not None
+        cp_plan(model, mesh.submesh(("cp",)))
+    chunk = supervise_chunk if cp_plan is None else shard_chunk
 
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
@@ -91,7 +99,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     records = []
     shards = local_slices(model) if max_norm is not None else ()  # what a norm over local shards covers
     for k, window in enumerate(windows):
-        mine = [spec.batch(supervise_chunk(mb, cp_rank, cp, run.chunking).to(dev))
+        mine = [spec.batch(chunk(mb, cp_rank, cp, run.chunking).to(dev))
                 for mb in window[run.mesh.data_rank(rank)]]
         for p in model.parameters():
             p.grad = None

@@ -33,6 +33,12 @@ class Microbatch:
     ``weighted_token_mean``, the advantages a policy-gradient recipe asks for: :mod:`harness.core.objectives`), 0 where
     not supervised; None where the objective needs none (then every factor is 1)."""
 
+    positions: torch.Tensor | None = None
+    """int64 ``[B, T]``, each column's position in its full sequence, where the microbatch holds a part of its rows'
+    positions (a cp rank's chunk of a sequence-sharding model: :func:`harness.data.context_parallel.shard_chunk`);
+    None where it holds them all, in order (``0 .. T-1``). A model that shards the sequence reads them as
+    ``position_ids``."""
+
     def __post_init__(self) -> None:
         for name in ("inputs", "labels"):
             t = getattr(self, name)
@@ -50,6 +56,12 @@ class Microbatch:
                               or w.shape != self.labels.shape):
             msg = f"Microbatch.weights must be None or a float tensor of the labels' shape [B, T], got {_describe(w)}"
             raise TypeError(msg)
+        p = self.positions
+        if p is not None and (not isinstance(p, torch.Tensor) or p.dtype != torch.int64
+                              or p.shape != self.labels.shape):
+            msg = (f"Microbatch.positions must be None or an int64 tensor of the labels' shape [B, T], got "
+                   f"{_describe(p)}")
+            raise TypeError(msg)
 
     @property
     def supervised(self) -> int:
@@ -58,12 +70,14 @@ class Microbatch:
 
     def to(self, device: torch.device | str) -> Microbatch:
         weights = None if self.weights is None else self.weights.to(device)
-        return Microbatch(self.inputs.to(device), self.labels.to(device), weights)
+        positions = None if self.positions is None else self.positions.to(device)
+        return Microbatch(self.inputs.to(device), self.labels.to(device), weights, positions)
 
     def row(self, i: int) -> Microbatch:
         """Row ``i`` alone, as a one-row microbatch (its weights with it)."""
         weights = None if self.weights is None else self.weights[i : i + 1]
-        return Microbatch(self.inputs[i : i + 1], self.labels[i : i + 1], weights)
+        positions = None if self.positions is None else self.positions[i : i + 1]
+        return Microbatch(self.inputs[i : i + 1], self.labels[i : i + 1], weights, positions)
 
 
 def _describe(t: object) -> str:

@@ -52,6 +52,19 @@ def positions(length: int, cp_rank: int, cp: int, chunking: str = "contiguous") 
     return mask
 
 
+def shard_chunk(mb: Microbatch, cp_rank: int, cp: int, chunking: str = "contiguous") -> Microbatch:
+    """``mb`` as cp rank ``cp_rank`` of ``cp`` receives it when its model shards the sequence itself: only the
+    positions the rank holds (inputs, labels, per-token factors), with each column's position in the full sequence
+    (``Microbatch.positions``), as real sequence sharding hands a rank its chunk. At ``cp == 1``, ``mb`` itself."""
+    if cp == 1:
+        return mb
+    held = positions(mb.labels.shape[1], cp_rank, cp, chunking).to(mb.labels.device)
+    index = held.nonzero().flatten()
+    where = index.unsqueeze(0).expand(mb.labels.shape[0], -1).contiguous()
+    weights = None if mb.weights is None else mb.weights[:, index]
+    return Microbatch(mb.inputs[:, index], mb.labels[:, index], weights, where)
+
+
 def supervise_chunk(mb: Microbatch, cp_rank: int, cp: int, chunking: str = "contiguous") -> Microbatch:
     """``mb`` as cp rank ``cp_rank`` of ``cp`` receives it: every row and position, supervised only where the rank
     holds the position (labels and per-token factors cleared elsewhere). At ``cp == 1``, ``mb`` itself."""

@@ -50,7 +50,10 @@ def forward_loss_sum(model: nn.Module, mb: Batch, loss_dtype: torch.dtype | None
     if isinstance(mb, Mapping):
         logits = hf_forward(model, mb)
         return shifted_loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb["labels"])
-    logits = logits_of(model(mb.inputs))  # a user's model may return an output object (--model)
+    # A user's model may return an output object (--model); a cp rank's chunk of a sequence-sharding model says
+    # where its columns sit in the full sequence.
+    out = model(mb.inputs) if mb.positions is None else model(mb.inputs, position_ids=mb.positions)
+    logits = logits_of(out)
     return loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb.labels)
 
 

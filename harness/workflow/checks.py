@@ -48,7 +48,8 @@ def battery_options(args: argparse.Namespace) -> BatteryOptions:
             strategy=getattr(args, "strategy", "ddp"), precision=args.precision, world_sizes=args.world_sizes,
             examples=args.examples, deadline=args.deadline,
             find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json,
-            objective=getattr(args, "objective", "token_mean"), mesh=getattr(args, "mesh", None))
+            objective=getattr(args, "objective", "token_mean"), mesh=getattr(args, "mesh", None),
+            chunking=getattr(args, "cp_chunking", "contiguous"))
     except ValueError as exc:
         raise BadInput(str(exc)) from None
 

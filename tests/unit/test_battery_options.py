@@ -17,7 +17,8 @@ from harness.workflow.outputs import BadInput
 
 FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
-         "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean", "--mesh": "dp=2,cp=2"}
+         "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean", "--mesh": "dp=2,cp=2",
+         "--cp-chunking": "load_balanced"}
 
 
 class _Config:
@@ -27,7 +28,8 @@ class _Config:
         self.values: dict[str, object] = {
             "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
             "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
-            "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean", "mesh": None}
+            "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean", "mesh": None,
+            "cp_chunking": "contiguous"}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -47,7 +49,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     assert cli == pytest_side
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
                                  find_unused="off", report="out.json", strategy="both", objective="sequence_mean",
-                                 meshes=(Mesh.parse("dp=2,cp=2"),))
+                                 meshes=(Mesh.parse("dp=2,cp=2"),), chunking="load_balanced")
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
@@ -62,6 +64,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
                             "fixed_normalizer"),
     ("--mesh", "dp=2,pp=2", "--mesh=pp=2,dp=2: the battery runs meshes of data-parallel, cp and tp dimensions"),
     ("--mesh", "dp=2,tp=2", "--strategy='ddp' over the mesh dp=2,tp=2: DDP cannot wrap a tensor-parallel"),
+    ("--cp-chunking", "zigzag", "--cp-chunking='zigzag' must be one of"),
 ])
 def test_a_bad_value_gets_one_message_on_both_surfaces(flag: str, value: str, says: str) -> None:
     """The command line's bad input (exit 2) and pytest's usage error carry the same words, naming the shared
@@ -90,6 +93,8 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
                                                                   case.world_size, case.precision)
     assert spec != BatteryOptions(find_unused="on").spec("harness.recipes:global_token_mean", case.scenario,
                                                          case.world_size, case.precision)
+    assert spec != BatteryOptions(chunking="load_balanced").spec("harness.recipes:global_token_mean", case.scenario,
+                                                                 case.world_size, case.precision)
 
 
 @pytest.mark.parametrize(("fields", "says"), [

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-from harness.data.context_parallel import CHUNKINGS, chunks_of, positions, supervise_chunk
+from harness.data.context_parallel import CHUNKINGS, chunks_of, positions, shard_chunk, supervise_chunk
 from harness.testing.hypothesis_profiles import load_profile
 
 load_profile()
@@ -77,3 +77,30 @@ def test_each_supervised_token_counts_once_over_the_cp_ranks(mb: Microbatch, cp:
 def test_a_bad_chunking_or_rank_is_refused_naming_it(args: tuple[int, int, str], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         chunks_of(*args)
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS)
+@pytest.mark.parametrize("cp", [2, 3])
+def test_the_shards_of_a_microbatch_are_its_columns_once_each_with_their_positions(cp: int, chunking: str) -> None:
+    """``shard_chunk``: every column of the microbatch is in exactly one cp rank's chunk, with its position; the
+    chunk's labels are the whole microbatch's at those positions. Its control: a chunk's positions are not 0..t-1
+    under load balancing (its second chunk sits near the end)."""
+    mb = _microbatch(rows=2, length=11)
+    seen: list[int] = []
+    for r in range(cp):
+        part = shard_chunk(mb, r, cp, chunking)
+        assert part.positions is not None
+        cols = part.positions[0].tolist()
+        seen += cols
+        assert torch.equal(part.labels, mb.labels[:, cols]) and torch.equal(part.inputs, mb.inputs[:, cols])
+    assert sorted(seen) == list(range(11))
+    last = shard_chunk(mb, 0, cp, chunking).positions
+    assert last is not None
+    assert (last[0].tolist() == list(range(last.shape[1]))) == (chunking == "contiguous")
+
+
+def _microbatch(rows: int, length: int) -> Microbatch:
+    inputs = torch.arange(rows * length, dtype=torch.int64).view(rows, length) % 31 + 1
+    labels = inputs.roll(-1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    return Microbatch(inputs, labels)

@@ -132,3 +132,18 @@ def test_one_dimensional_inputs_raise() -> None:
     model = _build(dropout=0.0)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         model(torch.ones(5, dtype=torch.int64))
+
+
+def test_position_ids_in_order_give_the_same_logits_and_a_first_chunk_its_part_of_them() -> None:
+    """``position_ids`` 0..T-1 are the default, bit for bit; a contiguous first chunk with its positions gives the
+    whole sequence's first logits (causal attention: a prefix sees only itself). Its control: a later chunk fed
+    without cross-chunk attention (no cp group) is not the whole sequence's, which is why a sharding model gathers."""
+    model = build_model(BATTERY_CONFIG).eval()
+    x = torch.randint(1, BATTERY_CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    full = model(x)
+    at = torch.arange(12).expand(2, 12)
+    assert torch.equal(full, model(x, position_ids=at))
+    assert torch.allclose(full[:, :5], model(x[:, :5], position_ids=at[:, :5]), atol=1e-6)
+    assert not torch.allclose(full[:, 5:], model(x[:, 5:], position_ids=at[:, 5:]), atol=1e-3)
+    with pytest.raises(ValueError, match=r"position_ids \(2, 3\) must have the shape of the inputs \(2, 12\)"):
+        model(x, position_ids=at[:, :3])
