@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from harness.core.fit import Block, match_tolerance
 from harness.core.mesh import Mesh
-from harness.core.signatures import Signature
+from harness.core.signatures import Signature, scale_fit
 
 
 def dims_words(mesh: Mesh, dims: Sequence[str]) -> str:
@@ -38,16 +38,6 @@ def counts_over(mesh: Mesh, per_token_rank: dict[int, int], dims: Sequence[str])
         members = mesh.group(mesh.holder(t), dims)
         out[t] = sum(per_token_rank.get(mesh.token_rank(r), 0) for r in members)
     return out
-
-
-def _fit_scale(q: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
-    """Best ``c`` with ``q ~ c p`` and the largest deviation relative to ``max |c p|``."""
-    pairs = [(a, b) for a, b in zip(q, p) if math.isfinite(a) and math.isfinite(b)]
-    if not pairs:
-        return math.nan, math.inf
-    c = sum(a * b for a, b in pairs) / sum(b * b for _, b in pairs)
-    top = max(abs(c * b) for _, b in pairs)
-    return (c, math.inf) if top == 0 else (c, max(abs(a - c * b) for a, b in pairs) / top)
 
 
 def _groups(mesh: Mesh) -> list[tuple[str, ...]]:
@@ -109,7 +99,7 @@ def count_group(blocks: Sequence[Block], q: Sequence[float], mesh: Mesh) -> Sign
     for dims in _groups(mesh):
         over = counts_over(mesh, per, dims)
         p = [n / over[b.rank] if over[b.rank] else math.nan for b, _ in live]
-        c, dev = _fit_scale([v for _, v in live], p)
+        c, dev = scale_fit([v for _, v in live], p)
         if dev > match_tolerance() or not math.isfinite(c):
             continue
         distinct = {over[b.rank] for b, _ in live}

@@ -129,7 +129,7 @@ def patterns(blocks: Sequence[Block], world_size: int) -> dict[str, list[float]]
     }
 
 
-def _scale_fit(q: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
+def scale_fit(q: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
     """Best ``c`` with ``q ~ c p`` and the largest deviation relative to ``max |c p|``."""
     pairs = [(a, b) for a, b in zip(q, p) if math.isfinite(a) and math.isfinite(b)]
     if not pairs:
@@ -198,7 +198,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         return unsynced
     found: list[tuple[float, str, float]] = []
     for name, p in patterns(blocks, world_size).items():
-        c, dev = _scale_fit(q, p)
+        c, dev = scale_fit(q, p)
         if dev <= match_tolerance():
             found.append((dev, name, c))
     if found:
@@ -335,7 +335,7 @@ def _subgroup_count(blocks: Sequence[Block], q: Sequence[float], world_size: int
                  for r in per_rank}
         if len({c for c in group.values() if c > 0}) < 2:
             continue
-        c, dev = _scale_fit(q, [n / group[b.rank] if group[b.rank] > 0 else math.nan for b in blocks])
+        c, dev = scale_fit(q, [n / group[b.rank] if group[b.rank] > 0 else math.nan for b in blocks])
         if dev > match_tolerance():
             continue
         parts = []
@@ -435,5 +435,6 @@ __all__ = [
     "classify_sequences",
     "extra_term_sentence",
     "patterns",
+    "scale_fit",
     "scale_tolerance",
 ]
