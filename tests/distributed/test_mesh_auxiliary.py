@@ -1,0 +1,55 @@
+"""An auxiliary term on a device mesh: the reference adds each microbatch's auxiliary value once per data coordinate
+(not once per cp rank), the mesh recipes scale each term for its own unit's group, and the auxiliary readings name
+their mistakes over dp x cp."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.battery import checks, runner
+from harness.battery.options import RunSpec
+from harness.core.mesh import Mesh
+
+M = "harness.recipes.objectives"
+LOAD_BALANCE = f"{M}:mesh_token_mean_with_load_balance"
+Z_LOSS = f"{M}:mesh_token_mean_with_z_loss"
+
+
+def mesh_run(recipe: str, shape: str = "dp=2,cp=2", scenario: str = "uneven") -> runner.Run:
+    mesh = Mesh.parse(shape)
+    return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", layout=mesh))
+
+
+@pytest.mark.parametrize("shape", ["dp=2,cp=2", pytest.param("dp=2", marks=pytest.mark.slow)])
+def test_the_router_loss_scaled_for_its_own_group_passes_over_dp_and_cp(shape: str) -> None:
+    """The load-balancing term scaled by dp's size over the microbatch count weighs each microbatch's value once:
+    parity, the logged loss and one synchronization hold at dp=2,cp=2 and at dp=2."""
+    run = mesh_run(LOAD_BALANCE, shape)
+    for check in (checks.parity, checks.logged_loss, checks.one_sync):
+        assert check(run).passed, check(run).message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [Z_LOSS, f"{M}:token_mean_with_load_balance", f"{M}:token_mean_with_z_loss"])
+def test_the_other_auxiliary_recipes_hold_over_dp_and_cp(recipe: str) -> None:
+    """The z-loss (its unit the token, so its group the main loss's) on a mesh, and the data-parallel recipes, whose
+    world is the token group when the mesh has no tp: every check that judges the gradient and the logged loss."""
+    run = mesh_run(recipe)
+    for check in (checks.parity, checks.logged_loss, checks.one_sync, checks.ranks_agree):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("control", "signature", "words"), [
+    ("auxiliary_token_normalized", "auxiliary_token_normalized", "W/N = 4/"),
+    ("auxiliary_summed_over_ranks", "auxiliary_summed_over_ranks", "the token group's size T=4"),
+    ("auxiliary_divided_twice", "auxiliary_divided_twice", "k=2 twice"),
+])
+def test_the_auxiliary_readings_name_their_mistakes_over_dp_and_cp(control: str, signature: str, words: str) -> None:
+    """The objectives family's auxiliary controls at dp=2,cp=2: each microbatch's term is held by its cp ranks alike,
+    and each reading still names its own mistake, its factors counted over the token group."""
+    verdict = checks.parity(mesh_run(f"harness.recipes:{control}"))
+    assert "fail" == verdict.status and verdict.diagnosis is not None, verdict.message
+    assert signature == verdict.diagnosis["signature"], verdict.diagnosis["line"]
+    assert words in str(verdict.diagnosis["line"]), verdict.diagnosis["line"]
