@@ -351,7 +351,7 @@ class MeshTokenMeanWithLoadBalance(_MeshAuxiliary):
         return load_balance(logits, _inputs(batch))
 
     def auxiliary_scale(self, window: Sequence[Batch], mesh: Any, tokens: int) -> float:
-        return data_group_size(mesh) / _microbatches(window, mesh)
+        return data_group_size(mesh) / data_microbatches(window, mesh)
 
 
 class MeshTokenMeanWithZLoss(_MeshAuxiliary):
@@ -368,7 +368,7 @@ class MeshTokenMeanWithZLoss(_MeshAuxiliary):
         return token_group_size(mesh) / tokens
 
 
-def _microbatches(window: Sequence[Batch], mesh: Any) -> int:
+def data_microbatches(window: Sequence[Batch], mesh: Any) -> int:
     """``M``: the microbatches of every data coordinate's window, each once (counted over the data-parallel group; a
     mesh without a data-parallel dimension: this rank's window)."""
     if mesh is not None and data_group_size(mesh) == 1:
@@ -397,7 +397,8 @@ OBJECTIVE_RECIPES = {
 
 __all__ = ["OBJECTIVE_RECIPES", "FixedNormalizer", "MeshTokenMeanWithLoadBalance", "MeshTokenMeanWithZLoss",
            "PgFixedNormalizer", "PgSequenceMean", "PgTokenMean", "SequenceMean", "TokenMean",
-           "TokenMeanWithLoadBalance", "TokenMeanWithZLoss", "WeightedTokenMean", "fixed_normalizer", "forward",
-           "load_balance", "mesh_token_mean_with_load_balance", "mesh_token_mean_with_z_loss", "pg_fixed_normalizer",
-           "pg_sequence_mean", "pg_token_mean", "sequence_mean", "token_mean", "token_mean_with_load_balance",
-           "token_mean_with_z_loss", "weighted_token_mean", "window_tokens", "z_loss"]
+           "TokenMeanWithLoadBalance", "TokenMeanWithZLoss", "WeightedTokenMean", "data_microbatches",
+           "fixed_normalizer", "forward", "load_balance", "mesh_token_mean_with_load_balance",
+           "mesh_token_mean_with_z_loss", "pg_fixed_normalizer", "pg_sequence_mean", "pg_token_mean", "sequence_mean",
+           "token_mean", "token_mean_with_load_balance", "token_mean_with_z_loss", "weighted_token_mean",
+           "window_tokens", "z_loss"]

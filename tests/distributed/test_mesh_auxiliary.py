@@ -1,6 +1,6 @@
 """An auxiliary term on a device mesh: the reference adds each microbatch's auxiliary value once per data coordinate
-(not once per cp rank), the mesh recipes scale each term for its own unit's group, and the auxiliary readings name
-their mistakes over dp x cp."""
+(not once per cp rank), the mesh recipes scale each term for its own unit's group, and the term scaled for the token
+group where the data-parallel one belongs (Megatron-LM #5047) fails parity over dp x cp, read as cp's size."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from harness.core.mesh import Mesh
 M = "harness.recipes.objectives"
 LOAD_BALANCE = f"{M}:mesh_token_mean_with_load_balance"
 Z_LOSS = f"{M}:mesh_token_mean_with_z_loss"
+CONTROL = "harness.recipes:aux_scaled_for_token_group"
 
 
 def mesh_run(recipe: str, shape: str = "dp=2,cp=2", scenario: str = "uneven") -> runner.Run:
@@ -20,13 +21,27 @@ def mesh_run(recipe: str, shape: str = "dp=2,cp=2", scenario: str = "uneven") ->
     return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", layout=mesh))
 
 
-@pytest.mark.parametrize("shape", ["dp=2,cp=2", pytest.param("dp=2", marks=pytest.mark.slow)])
-def test_the_router_loss_scaled_for_its_own_group_passes_over_dp_and_cp(shape: str) -> None:
-    """The load-balancing term scaled by dp's size over the microbatch count weighs each microbatch's value once:
-    parity, the logged loss and one synchronization hold at dp=2,cp=2 and at dp=2."""
-    run = mesh_run(LOAD_BALANCE, shape)
+def test_the_router_loss_scaled_for_the_token_group_fails_where_the_mesh_recipe_passes() -> None:
+    """At dp=2,cp=2 the load-balancing term scaled by dp x cp over the microbatch count weighs cp times its right
+    weight, and the diagnosis names cp's size; the same term scaled by dp's size passes parity and the logged loss."""
+    verdict = checks.parity(mesh_run(CONTROL))
+    assert "fail" == verdict.status and "numbers" == verdict.cause, verdict.message
+    assert verdict.diagnosis is not None
+    assert "auxiliary_misweighted" == verdict.diagnosis["signature"], verdict.diagnosis["line"]
+    assert "cp's size (2) times the right weight" in str(verdict.diagnosis["line"]), verdict.diagnosis["line"]
+    good = mesh_run(LOAD_BALANCE)
     for check in (checks.parity, checks.logged_loss, checks.one_sync):
-        assert check(run).passed, check(run).message
+        assert check(good).passed, check(good).message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [LOAD_BALANCE, CONTROL])
+@pytest.mark.parametrize("shape", ["dp=2", "dp=3"])
+def test_without_cp_the_token_group_is_the_data_parallel_one_and_both_scalings_pass(recipe: str, shape: str) -> None:
+    """On dp=W the two groups are one: the mesh recipe and the control both pass (every cp mistake vanishes at
+    cp=1)."""
+    verdict = checks.parity(mesh_run(recipe, shape))
+    assert verdict.passed, verdict.message
 
 
 @pytest.mark.slow
