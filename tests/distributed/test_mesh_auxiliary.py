@@ -68,3 +68,14 @@ def test_the_auxiliary_readings_name_their_mistakes_over_dp_and_cp(control: str,
     assert "fail" == verdict.status and verdict.diagnosis is not None, verdict.message
     assert signature == verdict.diagnosis["signature"], verdict.diagnosis["line"]
     assert words in str(verdict.diagnosis["line"]), verdict.diagnosis["line"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [LOAD_BALANCE, Z_LOSS])
+def test_the_mesh_auxiliary_recipes_hold_over_dp_and_tp(recipe: str) -> None:
+    """At dp=2,tp=2 under FSDP2 the tp ranks hold their coordinate's microbatches again and are in neither group: the
+    count over the token group and the microbatch count over the data-parallel group give each term once."""
+    run = runner.run(RunSpec(recipe, "uneven", 4, "fp32", strategy="fsdp2", layout=Mesh.parse("dp=2,tp=2")))
+    for check in (checks.parity, checks.logged_loss):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
