@@ -19,6 +19,7 @@ import torch
 from harness.battery.run import Run
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad
+from harness.core.count_groups import dims_words
 from harness.core.fit import MATCH_TOLERANCE, Block, Fit, explained_residual
 from harness.core.microbatch import Microbatch
 from harness.core.row_weights import read_rows
@@ -225,7 +226,9 @@ def row_reading(run: Run, window: int, rows: Sequence[Block], fit: Fit) -> Signa
 def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> Signature | None:
     """The auxiliary term's fitted weights ``u`` (one per microbatch) read against its unit's ``1/D``: None when
     right, else the signature of the mistake (scaled by the main loss's token normalization, divided by the
-    microbatch count twice, summed over ranks, or another factor, named)."""
+    microbatch count twice, summed over ranks, on a mesh with cp scaled for the token group where the data-parallel
+    one belongs, or another factor, named). On a mesh ``W`` is the token group's size, and the cp ranks of a data
+    coordinate hold the same value of each microbatch's term."""
     windows = run.windows[window]
     d = run.objective.auxiliary_denominator(windows)
     ratios = [float(x) * d for x in u if math.isfinite(float(x))]
@@ -236,7 +239,9 @@ def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> Signature | Non
     if spread <= AUX_TOLERANCE and abs(c - 1) <= AUX_TOLERANCE:
         return None
     unit = run.objective.auxiliary_unit
-    w = len(windows)
+    # The main loss's factor: W on dp=W, the token group's size T = dp x cp on a mesh (windows holds one entry per
+    # data coordinate, each microbatch once).
+    w = run.mesh.token_ranks
     ks = {len(rank) for rank in windows}
     n = sum(mb.supervised for rank in windows for mb in rank)
     head = f"the main loss's weights are right; the auxiliary term (unit {unit}, right weight 1/{d:g}) weighs {c:.4g}x"
@@ -247,22 +252,45 @@ def auxiliary_reading(run: Run, window: int, u: torch.Tensor) -> Signature | Non
                             "microbatches only, or scaled by each microbatch's own count)", c)
     named: list[tuple[float, str, str]] = []
     if unit == ob.MICROBATCH and n > 0:
-        named.append((d / n, "auxiliary_token_normalized", "it was scaled by the main loss's token normalization "
-                      f"(W/N = {w}/{n} on each rank) instead of averaged over the window's microbatches (1/k on each "
-                      "rank: DDP's average does the rest)"))
+        # Every cp rank of a data coordinate holds the same microbatch's value: cp copies reach the average.
+        words = (f"it was scaled by the main loss's token normalization (W/N = {w}/{n} on each rank) instead of "
+                 "averaged over the window's microbatches (1/k on each rank: DDP's average does the rest)")
+        named.append((d * run.mesh.size("cp") / n, "auxiliary_token_normalized", words))
     if len(ks) == 1 and next(iter(ks)) > 1:
         (k,) = ks
         named.append((1 / k, "auxiliary_divided_twice", f"it was divided by the microbatch count k={k} twice (once "
                       "in the loop, once more where it was added)"))
+    named += _mesh_candidates(run)
     if w > 1:
+        sym, factor = ("W", f"W={w}") if len(run.mesh.names) < 2 else ("T", f"the token group's size T={w}")
         named.append((float(w), "auxiliary_summed_over_ranks", f"it was summed over the ranks instead of averaged "
-                      f"(multiplied by W={w} like the main loss, whose W only cancels DDP's division of a global "
-                      "normalizer)"))
+                      f"(multiplied by {factor} like the main loss, whose {sym} only cancels the gradients' average "
+                      "of a global normalizer)"))
     for value, name, words in named:
         if abs(c / value - 1) <= AUX_TOLERANCE:
             return Signature(name, f"{head}: {words}", c)
     factor = _aux_factor(c, w, next(iter(ks)) if len(ks) == 1 else 1)
     return Signature("auxiliary_misweighted", f"{head} the right weight: {factor}", c)
+
+
+def _mesh_candidates(run: Run) -> list[tuple[float, str, str]]:
+    """On a mesh with cp: a per-microbatch term scaled for the token group (dp x cp) where its unit's group, the
+    data-parallel one, belongs. Every cp rank of a data coordinate runs that coordinate's whole forward and holds the
+    same value of its microbatches' term, so the gradients' average over dp x cp keeps cp copies of it: a factor of
+    the token group's size over dp's is cp times the right weight (Megatron-LM #5047)."""
+    mesh = run.mesh
+    cp = mesh.size("cp")
+    if cp < 2 or run.objective.auxiliary_unit != ob.MICROBATCH:
+        return []
+    token = dims_words(mesh, mesh.token_dims)
+    data = dims_words(mesh, [d for d in mesh.token_dims if d != "cp"])
+    many = "s" if mesh.data_ranks > 1 else ""
+    words = (f"cp's size ({cp}) times the right weight; it was scaled for the token group ({token}, "
+             f"{mesh.token_ranks} ranks) like the main loss, where its unit's group is {data} ({mesh.data_ranks} "
+             f"rank{many}): the {cp} cp ranks of a data coordinate hold the same value of each microbatch's term, "
+             f"and the gradients' average over {token} kept each of them; scale it by {data}'s size over the "
+             f"microbatch count of {data} (1/k on each rank)")
+    return [(float(cp), "auxiliary_misweighted", words)]
 
 
 def _aux_factor(c: float, w: int, k: int) -> str:

@@ -35,6 +35,8 @@ from harness.recipes.correct import (
 )
 from harness.recipes.helpers import (
     clip_grad_norm,
+    data_group,
+    data_group_size,
     global_count,
     require_tokens,
     shard_group,
@@ -72,6 +74,8 @@ __all__ = [
     "accumulate",
     "catalog",
     "clip_grad_norm",
+    "data_group",
+    "data_group_size",
     "global_count",
     "global_sum",
     "global_token_mean",

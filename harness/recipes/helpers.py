@@ -28,7 +28,7 @@ from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import check_global_count, global_count
-from harness.core.mesh import TOKEN_DIMS
+from harness.core.mesh import DATA_DIMS, TOKEN_DIMS
 from harness.distributed.device_mesh import flattened
 
 
@@ -124,6 +124,26 @@ def token_group_size(mesh: Any) -> int:
     return int(flattened(mesh, _token_dims(mesh)).size())
 
 
+def data_group(mesh: Any) -> Any:
+    """The process group whose ranks hold distinct microbatches on ``mesh``: its data-parallel dimensions, flattened
+    where several (cp excluded: every cp rank of a data coordinate runs that coordinate's microbatches, supervised on
+    its own chunk of their positions). A term with one value per microbatch (a router's load-balancing loss) is
+    averaged over this group's microbatches, not over the token group's. None (no mesh): None, every rank; a mesh
+    without a data-parallel dimension: ValueError naming it (use :func:`data_group_size`, 1 there)."""
+    if mesh is None:
+        return None
+    return flattened(mesh, _data_dims(mesh)).get_group()
+
+
+def data_group_size(mesh: Any) -> int:
+    """How many ranks :func:`data_group` spans: the data-parallel size, 1 on a mesh without a data-parallel dimension.
+    No mesh: the world size."""
+    if mesh is None:
+        return dist.get_world_size() if dist.is_initialized() else 1
+    dims = tuple(n for n in mesh.mesh_dim_names if n in DATA_DIMS)
+    return int(flattened(mesh, dims).size()) if dims else 1
+
+
 def shard_group(mesh: Any) -> Any:
     """The process group FSDP2 shards a parameter over on ``mesh``: :func:`token_group` less ``dp_replicate`` (under
     HSDP each replica holds every shard once, so a gradient norm's squared shard norms are summed over this group
@@ -137,6 +157,15 @@ def shard_group(mesh: Any) -> Any:
                "rank holds whole parameters, and a norm needs no reduction")
         raise ValueError(msg)
     return flattened(mesh, dims).get_group()
+
+
+def _data_dims(mesh: Any) -> tuple[str, ...]:
+    dims = tuple(n for n in mesh.mesh_dim_names if n in DATA_DIMS)
+    if not dims:
+        msg = (f"mesh={tuple(mesh.mesh_dim_names)!r} has no data-parallel dimension ({', '.join(DATA_DIMS)}): every "
+               "rank runs the same microbatches, and there is no group to average them over")
+        raise ValueError(msg)
+    return dims
 
 
 def _token_dims(mesh: Any) -> tuple[str, ...]:

@@ -35,7 +35,15 @@ from torch import nn
 from harness.core.formats import logits_of
 from harness.core.microbatch import IGNORE_INDEX, PAD
 from harness.recipes.correct import _world_size, global_sum
-from harness.recipes.helpers import global_count, require_tokens, sync_context
+from harness.recipes.helpers import (
+    data_group,
+    data_group_size,
+    global_count,
+    require_tokens,
+    sync_context,
+    token_group,
+    token_group_size,
+)
 
 Batch = Any
 """One microbatch in either batch format (a ``Microbatch``, or the ``hf`` dict)."""
@@ -241,6 +249,14 @@ def load_balance(raw: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     return LOAD_BALANCE * p.shape[-1] * (p * p).sum()
 
 
+def z_loss(raw: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """A z-loss of one microbatch: ``coef * logsumexp(logits)^2`` summed over its supervised positions (a sum over
+    tokens: its unit is the token), :data:`Z_LOSS` the coefficient."""
+    aligned = raw[:, :-1] if isinstance(batch, Mapping) else raw
+    mask = _labels(batch) != IGNORE_INDEX
+    return Z_LOSS * (aligned.logsumexp(dim=-1).pow(2) * mask).sum()
+
+
 def _inputs(mb: Batch) -> torch.Tensor:
     return mb["input_ids"] if isinstance(mb, Mapping) else mb.inputs
 
@@ -269,9 +285,7 @@ class TokenMeanWithZLoss(TokenMean):
     auxiliary_unit = "token"
 
     def auxiliary_loss(self, model: nn.Module, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        aligned = logits[:, :-1] if isinstance(batch, Mapping) else logits
-        mask = _labels(batch) != IGNORE_INDEX
-        return Z_LOSS * (aligned.logsumexp(dim=-1).pow(2) * mask).sum()
+        return z_loss(logits, batch)
 
     def auxiliary(self, model: nn.Module, mb: Batch, raw: torch.Tensor, k: int, tokens: int) -> torch.Tensor | None:
         return self.auxiliary_loss(model, mb, raw) * (_world_size() / tokens)
@@ -279,6 +293,91 @@ class TokenMeanWithZLoss(TokenMean):
 
 token_mean_with_load_balance = TokenMeanWithLoadBalance()
 token_mean_with_z_loss = TokenMeanWithZLoss()
+
+
+# -- auxiliary terms on a device mesh ---------------------------------------------------------------------------------
+
+
+class _MeshAuxiliary:
+    """The token mean plus an auxiliary term on a device mesh (the ``mesh`` the harness passes: dp x cp, or dp=W).
+    The main loss is :class:`harness.recipes.correct.MeshTokenMean`'s: the count all-reduced over the token group
+    (dp x cp), each rank's loss sum times that group's size ``T`` over it. The auxiliary term is scaled by
+    :meth:`auxiliary_scale`, the factor of its own unit's group: the gradients' average over the token group divides
+    every rank's contribution by ``T``, and what a rank's factor must undo depends on which ranks hold distinct
+    values of the term."""
+
+    name = "mesh_auxiliary"
+
+    def auxiliary_loss(self, model: nn.Module, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def auxiliary_scale(self, window: Sequence[Batch], mesh: Any, tokens: int) -> float:
+        """What this rank multiplies a microbatch's auxiliary value by, in a window of ``tokens`` supervised tokens
+        over the token group."""
+        raise NotImplementedError
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch], mesh: Any = None) -> float | None:
+        group, size = token_group(mesh), token_group_size(mesh)
+        tokens = require_tokens(global_count(sum(int((_labels(mb) != IGNORE_INDEX).sum()) for mb in window),
+                                             group=group))
+        scale = self.auxiliary_scale(window, mesh, tokens)
+        local = 0.0
+        for i, mb in enumerate(window):
+            with sync_context(model, i, len(window)):
+                raw, ce, _, _ = forward(model, mb)
+                aux = self.auxiliary_loss(model, mb, raw) * scale
+                (ce.sum() * (size / tokens) + aux).backward()
+            # Each rank's share of the objective's value: the gradients' average over T gives the same sum.
+            local += float(ce.detach().sum()) / tokens + float(aux.detach()) / size
+        return global_sum(local, group)
+
+
+class MeshTokenMeanWithLoadBalance(_MeshAuxiliary):
+    """The token mean plus the load-balancing term (:func:`load_balance`, unit the microbatch) on a mesh.
+
+    The term has one value per microbatch, and its unit's group is the data-parallel one, not the token group: every
+    cp rank of a data coordinate runs that coordinate's whole forward (a router's statistics are gathered over the
+    sequence's chunks), so the cp ranks hold the *same* value of each microbatch's term, and the gradients' average
+    over dp x cp counts it cp times over ``T = dp * cp``: once over dp. The factor is therefore the data-parallel size
+    over the microbatch count of the data-parallel group, ``dp / M`` (``1/k`` with ``k`` microbatches per rank), and
+    the term weighs ``1/M`` once per microbatch. Scaled by the token group's size instead (``T / M``, the main loss's
+    factor), it weighs cp times too much: Megatron-LM #5047's mistake under context parallelism, which the control
+    ``aux_scaled_for_token_group`` makes (:mod:`harness.recipes.controls.context_parallel`)."""
+
+    name = "mesh_token_mean_with_load_balance"
+    auxiliary_unit = "microbatch"
+
+    def auxiliary_loss(self, model: nn.Module, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        return load_balance(logits, _inputs(batch))
+
+    def auxiliary_scale(self, window: Sequence[Batch], mesh: Any, tokens: int) -> float:
+        return data_group_size(mesh) / data_microbatches(window, mesh)
+
+
+class MeshTokenMeanWithZLoss(_MeshAuxiliary):
+    """The token mean plus the z-loss (unit the token) on a mesh: a sum over each rank's own supervised positions (its
+    cp chunk's), so its group is the main loss's, and its factor the main loss's, ``T / N``."""
+
+    name = "mesh_token_mean_with_z_loss"
+    auxiliary_unit = "token"
+
+    def auxiliary_loss(self, model: nn.Module, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        return z_loss(logits, batch)
+
+    def auxiliary_scale(self, window: Sequence[Batch], mesh: Any, tokens: int) -> float:
+        return token_group_size(mesh) / tokens
+
+
+def data_microbatches(window: Sequence[Batch], mesh: Any) -> int:
+    """``M``: the microbatches of every data coordinate's window, each once (counted over the data-parallel group; a
+    mesh without a data-parallel dimension: this rank's window)."""
+    if mesh is not None and data_group_size(mesh) == 1:
+        return len(window)
+    return global_count(len(window), group=data_group(mesh))
+
+
+mesh_token_mean_with_load_balance = MeshTokenMeanWithLoadBalance()
+mesh_token_mean_with_z_loss = MeshTokenMeanWithZLoss()
 
 OBJECTIVE_RECIPES = {
     "harness.recipes.objectives:token_mean": "token_mean",
@@ -290,12 +389,16 @@ OBJECTIVE_RECIPES = {
     "harness.recipes.objectives:pg_fixed_normalizer": "fixed_normalizer",
     "harness.recipes.objectives:token_mean_with_load_balance": "token_mean",
     "harness.recipes.objectives:token_mean_with_z_loss": "token_mean",
+    "harness.recipes.objectives:mesh_token_mean_with_load_balance": "token_mean",
+    "harness.recipes.objectives:mesh_token_mean_with_z_loss": "token_mean",
 }
 """Every correct recipe here and the objective it is right under."""
 
 
-__all__ = ["OBJECTIVE_RECIPES", "FixedNormalizer", "PgFixedNormalizer", "PgSequenceMean", "PgTokenMean",
-           "SequenceMean", "TokenMean", "TokenMeanWithLoadBalance", "TokenMeanWithZLoss", "WeightedTokenMean",
-           "fixed_normalizer", "forward", "load_balance", "pg_fixed_normalizer", "pg_sequence_mean", "pg_token_mean",
-           "sequence_mean", "token_mean", "token_mean_with_load_balance", "token_mean_with_z_loss",
-           "weighted_token_mean", "window_tokens"]
+__all__ = ["OBJECTIVE_RECIPES", "FixedNormalizer", "MeshTokenMeanWithLoadBalance", "MeshTokenMeanWithZLoss",
+           "PgFixedNormalizer", "PgSequenceMean", "PgTokenMean", "SequenceMean", "TokenMean",
+           "TokenMeanWithLoadBalance", "TokenMeanWithZLoss", "WeightedTokenMean", "data_microbatches",
+           "fixed_normalizer", "forward", "load_balance", "mesh_token_mean_with_load_balance",
+           "mesh_token_mean_with_z_loss", "pg_fixed_normalizer", "pg_sequence_mean", "pg_token_mean", "sequence_mean",
+           "token_mean", "token_mean_with_load_balance", "token_mean_with_z_loss", "weighted_token_mean",
+           "window_tokens", "z_loss"]

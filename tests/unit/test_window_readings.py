@@ -151,3 +151,42 @@ def test_a_residue_is_rounding_only_when_the_weights_are_right_and_it_is_one_rou
 def test_an_auxiliary_factor_is_named_as_a_product_of_w_and_k() -> None:
     assert _aux_factor(6.0, 3, 2).startswith("a factor W*k = 6 (W=3, k=2): multiplied by W like the main loss")
     assert "a factor no count of this window names" == _aux_factor(1.37, 3, 2)
+
+
+def _aux_run(shape: str, unit: str = "microbatch") -> object:
+    from harness.battery.options import RunSpec
+    from harness.battery.run import Run
+    from harness.core.mesh import Mesh
+    from harness.core.microbatch import Microbatch
+    from harness.core.objectives import Objective
+
+    mesh = Mesh.parse(shape)
+    mb = Microbatch(torch.ones(1, 4, dtype=torch.long), torch.tensor([[1, 2, -100, 3]]))
+    windows = [[[mb, mb] for _ in range(mesh.data_ranks)]]  # two microbatches on every data coordinate
+    spec = RunSpec("pkg.mod:aux", "uneven", mesh.world_size, "fp32", layout=mesh)
+    return Run("pkg.mod:aux", "uneven", mesh.world_size, "fp32", windows, run_spec=spec,
+               objective=Objective(auxiliary_unit=unit))
+
+
+def test_a_per_microbatch_term_weighing_cp_times_its_right_weight_on_a_mesh_is_named_by_cp() -> None:
+    """At dp=2,cp=2 (D = 4 microbatches), every auxiliary weight 2/D reads as scaled for the token group where dp
+    belongs, naming cp's size; 4/D (the token group's size T) reads as summed over the ranks, with T."""
+    from harness.battery.objective_diagnosis import auxiliary_reading
+
+    run = _aux_run("dp=2,cp=2")
+    cp = auxiliary_reading(run, 0, torch.full((4,), 2 / 4, dtype=torch.float64))  # type: ignore[arg-type]
+    assert cp is not None and "auxiliary_misweighted" == cp.name
+    assert "cp's size (2)" in cp.sentence and "token group (dp x cp, 4 ranks)" in cp.sentence, cp.sentence
+    summed = auxiliary_reading(run, 0, torch.full((4,), 4 / 4, dtype=torch.float64))  # type: ignore[arg-type]
+    assert summed is not None and "auxiliary_summed_over_ranks" == summed.name
+    assert "T=4" in summed.sentence, summed.sentence
+    assert auxiliary_reading(run, 0, torch.full((4,), 1 / 4, dtype=torch.float64)) is None  # type: ignore[arg-type]
+
+
+def test_a_factor_of_two_on_dp_only_reads_as_summed_over_its_two_ranks() -> None:
+    """Its control: without cp, the same factor 2 at dp=2 is W (the term summed over the ranks), never cp's."""
+    from harness.battery.objective_diagnosis import auxiliary_reading
+
+    sig = auxiliary_reading(_aux_run("dp=2"), 0, torch.full((4,), 2 / 4, dtype=torch.float64))  # type: ignore[arg-type]
+    assert sig is not None and "auxiliary_summed_over_ranks" == sig.name
+    assert "W=2" in sig.sentence and "cp" not in sig.sentence, sig.sentence

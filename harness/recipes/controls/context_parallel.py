@@ -1,11 +1,13 @@
 """Negative controls, context-parallel family. Counts reduced over the wrong group of a dp x cp mesh, as the public
 record has them: the count all-reduced over dp alone while DDP averages over dp x cp (verl #5983, #6049), each cp
 shard dividing by its own count (Megatron-LM #7513, #673), the count and the data-parallel size both taken from dp
-(right while the shards hold equal counts), and a rank that skips its backward when its own shard holds no token.
+(right while the shards hold equal counts), a rank that skips its backward when its own shard holds no token, and a
+router's auxiliary loss scaled for the token group where the data-parallel one belongs (Megatron-LM #5047, #3768).
 
 Every one is right on ``dp=W`` (the world is one data-parallel group there); each declares the mesh its mistake shows
 on (``Target(mesh=...)``) and what the diagnosis reads in its gradient (``@control``, :mod:`harness.recipes.catalog`);
-``harness.recipes:<name>`` names it, and ``mesh_token_mean`` is the recipe each is the wrong twin of.
+``harness.recipes:<name>`` names it, and ``mesh_token_mean`` is the recipe each is the wrong twin of
+(``harness.recipes.objectives:mesh_token_mean_with_load_balance`` the auxiliary one's).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from harness.core.microbatch import Microbatch
 from harness.recipes.catalog import Target, control
 from harness.recipes.correct import accumulate
 from harness.recipes.helpers import require_tokens, token_group, token_group_size
+from harness.recipes.objectives import MeshTokenMeanWithLoadBalance, data_microbatches
 
 MESH = "dp=2,cp=2"
 
@@ -97,3 +100,19 @@ class SkipBackwardOnEmptyShard:
         size = token_group_size(mesh)
         accumulate(model, window, lambda s: global_token_loss(s, total, size))
         return None
+
+
+@control(Target("parity", "uneven", mesh=MESH), "auxiliary_misweighted")
+class AuxScaledForTokenGroup(MeshTokenMeanWithLoadBalance):
+    """The load-balancing term (one value per microbatch) scaled like the main loss, by the token group's size over
+    the microbatch count (``dp * cp / M``), where its own unit's group is dp (``dp / M``): every cp rank of a data
+    coordinate holds the same value of a microbatch's term, and the gradients' average over dp x cp then keeps cp
+    copies of it, so the router's gradient is cp times too large. Megatron-LM #5047 (and #3768): an MoE aux loss or
+    z-loss scaled for the wrong group, its gradient depending on the TP/CP size, fixed by scaling with the tp x cp
+    group's size (there the term came out too small; here, scaled for the larger group, it comes out too large).
+    Right at cp=1, where the two groups are one."""
+
+    name = "aux_scaled_for_token_group"
+
+    def auxiliary_scale(self, window: Sequence[Microbatch], mesh: Any, tokens: int) -> float:
+        return token_group_size(mesh) / data_microbatches(window, mesh)
