@@ -25,7 +25,7 @@ from harness.battery.window_report import Passes, window_note
 from harness.data.context_parallel import supervise_chunk
 from harness.distributed import launcher, strategies
 from harness.distributed.device_mesh import RankMesh
-from harness.distributed.strategies.fsdp2 import local, local_slices
+from harness.distributed.strategies.fsdp2 import local, local_slices, sgd_step
 from harness.distributed.tensor_parallel import apply_plan
 from harness.recipes import load_recipe
 from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation, setup_takes_mesh, takes_mesh
@@ -125,10 +125,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         edited = watch.changed_tensors(tensors, model)
         grad = wrapped.full_grad() if error is None else None
         if error is None:
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-LR)
+            sgd_step(model, LR)
         records.append(
             WindowRecord(
                 grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
