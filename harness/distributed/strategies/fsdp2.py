@@ -98,8 +98,8 @@ def sgd_step(model: nn.Module, lr: float) -> None:
     """``p -= lr * p.grad`` for every parameter with a gradient. A sharded parameter whose gradient lies on the same
     mesh with the same placements steps shard by shard, on the local tensors: the elementwise update DTensor's
     ``add_`` runs there, without its sharding propagation, which runs cold in every rank for every parameter shape
-    (0.13 s of a rank's step at ``dp=2,tp=2`` on 2 cores, against under a millisecond); any other pair steps through
-    DTensor's ``add_``."""
+    (at ``dp=2,tp=2`` a rank's first step took 0.04 s of CPU through DTensor, 0.0003 s on the shards, with the same
+    weights after); any other pair steps through DTensor's ``add_``."""
     with torch.no_grad():
         for p in model.parameters():
             g = p.grad
