@@ -26,7 +26,7 @@ from harness.data.context_parallel import shard_chunk, supervise_chunk
 from harness.distributed import launcher, strategies
 from harness.distributed.device_mesh import RankMesh
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
-from harness.distributed.strategies.fsdp2 import local, local_slices
+from harness.distributed.strategies.fsdp2 import local, local_slices, sgd_step
 from harness.distributed.tensor_parallel import apply_plan
 from harness.recipes import load_recipe
 from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation, setup_takes_mesh, takes_mesh
@@ -97,13 +97,16 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         else:
             setup()
     records = []
+    after = None  # the weights the last window stepped to: the next window starts from them
     shards = local_slices(model) if max_norm is not None else ()  # what a norm over local shards covers
     for k, window in enumerate(windows):
         mine = [spec.batch(chunk(mb, cp_rank, cp, run.chunking).to(dev))
                 for mb in window[run.mesh.data_rank(rank)]]
         for p in model.parameters():
             p.grad = None
-        before = wrapped.full_params()
+        # Nothing between two windows moves a weight: the last window's gathered weights after its step are this
+        # one's before (a copy, so that no record shares a tensor with another), without gathering them again.
+        before = wrapped.full_params() if after is None else after.clone()
         tensors = [local(p.detach()).clone() for p in model.parameters()]
         autocast.seen = None
         passes.reset()
@@ -133,13 +136,11 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         edited = watch.changed_tensors(tensors, model)
         grad = wrapped.full_grad() if error is None else None
         if error is None:
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-LR)
+            sgd_step(model, LR)
+        after = wrapped.full_params()
         records.append(
             WindowRecord(
-                grad=grad, params_before=before, params_after=wrapped.full_params(), syncs=wrapped.syncs,
+                grad=grad, params_before=before, params_after=after, syncs=wrapped.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
                 autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(), shards=shards,

@@ -59,7 +59,9 @@ def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: boo
         }
     if sequence_parallel_norms:
         plan |= {name: SequenceParallel() for name in norms}
-    parallelize_module(model, tp_mesh, plan)
+    # Every rank holds the same full weights (the fingerprint and the start the parent sends are checked before), so
+    # each cuts its own shard from them: torch's default scatters rank 0's copy, a collective per parameter.
+    parallelize_module(model, tp_mesh, plan, src_data_rank=None)
     # gloo reduce-scatters equal shards only: each tp rank holds as many positions as the others.
     model.seq_multiple = tp_mesh.size()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness.battery import checks, runner
+from harness.battery.chain import LR
 from harness.battery.options import RunSpec
 from harness.core.mesh import Mesh
 from harness.model import ModelError
@@ -39,6 +40,10 @@ def test_the_mesh_recipe_passes_every_check_over_dp_and_tp() -> None:
     for k, record in enumerate(run.records[0]):
         assert record.grad is not None
         assert all(torch.equal(record.grad, records[k].grad) for records in run.records[1:])
+        # The step each rank took on its shards is the SGD step on the full tensors (up to a fused multiply-add).
+        stepped = record.params_before.add(record.grad, alpha=-LR)
+        assert not torch.equal(record.params_after, record.params_before)
+        torch.testing.assert_close(record.params_after, stepped, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -94,6 +94,21 @@ def test_fsdp2_shards_the_root_alone_when_weights_are_tied() -> None:
     assert [model] == fsdp2.groups(model)
 
 
+def test_the_step_moves_every_weight_with_a_gradient_by_minus_lr_times_it() -> None:
+    """``sgd_step`` on plain tensors (held whole) is ``p.add_(p.grad, alpha=-lr)``; a weight without a gradient stays
+    as it was."""
+    model = _Blocks()
+    before = [p.detach().clone() for p in model.parameters()]
+    generator = torch.Generator().manual_seed(0)
+    for p in list(model.parameters())[1:]:
+        p.grad = torch.randn(p.shape, generator=generator)
+    fsdp2.sgd_step(model, 0.1)
+    for (i, p), b in zip(enumerate(model.parameters()), before, strict=True):
+        expected = b if p.grad is None else b.add(p.grad, alpha=-0.1)
+        assert torch.equal(p.detach(), expected), i
+    assert not torch.equal(list(model.parameters())[1].detach(), before[1])
+
+
 def test_a_recipe_declares_the_reduction_it_is_written_for() -> None:
     """``reduction = "sum"`` is read from the recipe; no declaration is the average; anything else is refused
     naming the fix."""
