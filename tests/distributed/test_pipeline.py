@@ -1,5 +1,6 @@
 """Battery runs over a mesh with pp: the model split into stages, each rank driving its stage through a
-``torch.distributed.pipelining`` schedule, the full gradient gathered over pp and compared with the single-device one."""
+``torch.distributed.pipelining`` schedule, the full gradient gathered over pp and compared with the single-device
+one."""
 
 from __future__ import annotations
 
