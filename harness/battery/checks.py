@@ -178,6 +178,9 @@ def _parity_bf16(run: Run) -> Verdict:
 def one_sync(run: Run) -> Verdict:
     """Exactly one gradient synchronization per window: the earlier microbatches ran inside ``no_sync()``."""
     bad = _single_rank("one_sync", run, "one rank has nothing to synchronize (skipping no_sync() is right here)")
+    if bad is None and run.mesh.size("pp") > 1 and run.mesh.token_ranks == 1:
+        bad = make_verdict("one_sync", run, NOT_APPLICABLE, f"mesh {run.mesh.label}: each pipeline stage has no "
+                           "data-parallel peer, so there is no gradient synchronization to count")
     bad = bad or _broken("one_sync", run)
     if bad:
         return bad

@@ -50,7 +50,14 @@ import torch.distributed as dist
 
 from harness.battery import mesh_scenarios, plan, registry, scenarios
 from harness.battery.objective import windows_for
-from harness.battery.options import CHUNKING_HELP, MESH_HELP, BatteryOptions, RunSpec, parse_meshes
+from harness.battery.options import (
+    CHUNKING_HELP,
+    MESH_HELP,
+    PP_SCHEDULE_HELP,
+    BatteryOptions,
+    RunSpec,
+    parse_meshes,
+)
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
@@ -86,6 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--find-unused-parameters", dest="find_unused", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--mesh", action="append", metavar="DIM=N,...", help=MESH_HELP)
     p.add_argument("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
+    p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
     return p.parse_args(argv)
 
 
@@ -131,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
                                                report=args.report, objective=args.objective,
-                                               chunking=args.cp_chunking),
+                                               chunking=args.cp_chunking, pp_schedule=args.pp_schedule),
                           world_sizes=(world,), meshes=parse_meshes(args.mesh, max_world_size=None))
         _meshes(options, world)
         data_ranks = options.meshes[0].data_ranks if options.meshes else world

@@ -16,7 +16,7 @@ from typing import Any
 
 # --objective: what the recipe's gradient must be the gradient of (the names, pure Python; the formulas are in
 # harness.core.objectives).
-from harness.core.mesh import CHUNKINGS, TOKEN_DIMS, Mesh
+from harness.core.mesh import CHUNKINGS, MULTI_STAGE_SCHEDULES, PP_SCHEDULES, TOKEN_DIMS, Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
 
 DEADLINE = 30.0
@@ -61,16 +61,32 @@ REDUCTIONS = ("mean", "sum")
 
 
 
-MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of dp, or dp_replicate and dp_shard, "
-             "cp and tp: their product is the world size; repeatable; default: dp=W at each world size); each cp rank "
-             "is supervised on its chunk of its data coordinate's positions; tp shards the model (under "
-             "--strategy fsdp2 only) and its ranks get their coordinate's data")
+MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of pp, dp, or dp_replicate and "
+             "dp_shard, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
+             "each cp rank is supervised on its chunk of its data coordinate's positions; tp shards the model (under "
+             "--strategy fsdp2 only) and its ranks get their coordinate's data; pp splits the model into stages "
+             "(with dp only, under --strategy ddp), every stage getting its coordinate's whole window")
 """``--mesh``'s help, the same on the command line and in pytest."""
 
 CHUNKING_HELP = ("how the cp ranks of one data coordinate split its sequences' positions: contiguous (cp chunks in "
                  "order, default) or load_balanced (2cp chunks, rank i holding chunks i and 2cp-1-i, as torch's "
                  "context_parallel and Megatron-LM cut them)")
 """``--cp-chunking``'s help, the same on every surface."""
+
+PP_SCHEDULE_HELP = ("the torch.distributed.pipelining schedule a recipe's pipeline.schedule() builds over pp: "
+                    "gpipe (default) or 1f1b; interleaved1f1b, loopedbfs and interleavedzb (several stages per rank) "
+                    "are not run yet")
+"""``--pp-schedule``'s help, the same on every surface."""
+
+
+def check_pp_schedule(value: object, option: str = "--pp-schedule") -> str:
+    """``value`` if it names a schedule the battery runs; ValueError naming ``option`` otherwise."""
+    name = _choice(value, PP_SCHEDULES, option)
+    if name in MULTI_STAGE_SCHEDULES:
+        msg = (f"{option}={name!r} runs several stages per pp rank, which the harness does not build yet: use gpipe "
+               "or 1f1b")
+        raise ValueError(msg)
+    return name
 
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
     "--strategy": {"default": "ddp", "choices": tuple(STRATEGY_CHOICES),
@@ -197,10 +213,15 @@ def check_layout(layout: object, world_size: int, argument: str = "layout") -> M
         msg = (f"{argument}={layout.label} has {layout.world_size} ranks but world_size={world_size}: the sizes' "
                "product is the world size")
         raise ValueError(msg)
-    other = [n for n in layout.names if n not in (*TOKEN_DIMS, "tp")]
+    other = [n for n in layout.names if n not in (*TOKEN_DIMS, "tp", "pp")]
     if other:
-        msg = (f"{argument}={layout.label}: the battery runs meshes of data-parallel, cp and tp dimensions "
-               f"({', '.join(TOKEN_DIMS)}, tp); {', '.join(other)} is not run yet")
+        msg = (f"{argument}={layout.label}: the battery runs meshes of pp, data-parallel, cp and tp dimensions "
+               f"(pp, {', '.join(TOKEN_DIMS)}, tp); {', '.join(other)} is not run yet")
+        raise ValueError(msg)
+    beside = [n for n in layout.names if n not in ("pp", "dp") and layout.size(n) > 1]
+    if layout.size("pp") > 1 and beside:
+        msg = (f"{argument}={layout.label}: a pipeline (pp > 1) runs beside dp only for now; {', '.join(beside)} "
+               "with pp is not run yet (e.g. pp=2 or dp=2,pp=2)")
         raise ValueError(msg)
     return layout
 
@@ -213,9 +234,14 @@ DDP_OVER_TP = ("DDP cannot wrap a tensor-parallel (DTensor) model: it raises 'at
 
 
 def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str = "strategy") -> None:
-    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1)."""
+    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1; FSDP2 stages of
+    a pipeline, not run yet)."""
     if layout is not None and layout.size("tp") > 1 and "ddp" in names:
         msg = f"{argument}='ddp' over the mesh {layout.label}: {DDP_OVER_TP}"
+        raise ValueError(msg)
+    if layout is not None and layout.size("pp") > 1 and "fsdp2" in names:
+        msg = (f"{argument}='fsdp2' over the mesh {layout.label}: FSDP2-sharded pipeline stages are not run yet; use "
+               "--strategy ddp (each stage DDP over dp, or unwrapped at dp=1)")
         raise ValueError(msg)
 
 
@@ -250,6 +276,8 @@ class RunSpec:
     :attr:`mesh`."""
     chunking: str = "contiguous"
     """How the cp ranks split a sequence's positions (:mod:`harness.data.context_parallel`)."""
+    pp_schedule: str = "gpipe"
+    """The schedule a recipe's ``pipeline.schedule()`` builds on a mesh with pp (:data:`PP_SCHEDULES`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or ":" not in self.recipe:
@@ -272,6 +300,7 @@ class RunSpec:
         if self.chunking not in CHUNKINGS:
             msg = f"chunking={self.chunking!r} must be one of {', '.join(CHUNKINGS)}"
             raise ValueError(msg)
+        check_pp_schedule(self.pp_schedule, "pp_schedule")
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
                 or self.world_size % self.nodes:
             msg = (f"nodes={self.nodes!r} must be a positive number of nodes that divides world_size={self.world_size} "
@@ -311,13 +340,16 @@ class BatteryOptions:
     choose the drawn layouts' and the controls'); empty: ``dp=W``."""
     chunking: str = "contiguous"
     """``--cp-chunking``: how the cp ranks of a mesh split the positions (:data:`harness.core.mesh.CHUNKINGS`)."""
+    pp_schedule: str = "gpipe"
+    """``--pp-schedule``: the schedule of a mesh with pp (:data:`harness.core.mesh.PP_SCHEDULES`)."""
 
     @classmethod
     def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
               precision: str = "both", world_sizes: str | Sequence[int] = WORLD_SIZES,
               examples: int | None = DEFAULT_EXAMPLES, deadline: float | None = None, find_unused: str = "auto",
               report: str | None = None, objective: str = "token_mean",
-              mesh: str | Sequence[str] | None = None, chunking: str | None = "contiguous") -> BatteryOptions:
+              mesh: str | Sequence[str] | None = None, chunking: str | None = "contiguous",
+              pp_schedule: str | None = "gpipe") -> BatteryOptions:
         """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
         precisions(precision)
         strategies(strategy)
@@ -335,7 +367,8 @@ class BatteryOptions:
                    world_sizes=parse_world_sizes(world_sizes), examples=examples,
                    deadline=DEADLINE if deadline is None else _deadline(deadline),
                    find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective),
-                   meshes=meshes, chunking=_choice(chunking or "contiguous", CHUNKINGS, "--cp-chunking"))
+                   meshes=meshes, chunking=_choice(chunking or "contiguous", CHUNKINGS, "--cp-chunking"),
+                   pp_schedule=check_pp_schedule(pp_schedule or "gpipe"))
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -354,13 +387,14 @@ class BatteryOptions:
         return RunSpec(recipe, scenario, world_size, precision, model=self.model,
                        batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
                        find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective,
-                       layout=mesh, chunking=self.chunking)
+                       layout=mesh, chunking=self.chunking, pp_schedule=self.pp_schedule)
 
 
 PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": "strategy", "precision": "precision",
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
                   "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report",
-                  "objective": "objective", "mesh": "mesh", "chunking": "cp_chunking"}
+                  "objective": "objective", "mesh": "mesh", "chunking": "cp_chunking",
+                  "pp_schedule": "pp_schedule"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
 
 _CACHED = "_harness_battery_options"
@@ -388,6 +422,7 @@ __all__ = [
     "MAX_SCENARIO_WORLD_SIZE",
     "MAX_WORLD_SIZE",
     "OBJECTIVES",
+    "PP_SCHEDULE_HELP",
     "PRECISIONS",
     "PRECISION_CHOICES",
     "PYTEST_OPTIONS",
@@ -398,6 +433,7 @@ __all__ = [
     "add_lane_options",
     "check_find_unused",
     "check_objective",
+    "check_pp_schedule",
     "check_strategy_over",
     "check_world_sizes",
     "from_pytest",

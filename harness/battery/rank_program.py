@@ -23,13 +23,20 @@ from harness.battery.spec import ModelSpec
 from harness.battery.start import load as load_start
 from harness.battery.window_report import Passes, window_note
 from harness.data.context_parallel import shard_chunk, supervise_chunk
-from harness.distributed import launcher, strategies
+from harness.distributed import launcher, pipeline, strategies
 from harness.distributed.device_mesh import RankMesh
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.strategies.fsdp2 import local, local_slices, sgd_step
 from harness.distributed.tensor_parallel import apply_plan
 from harness.recipes import load_recipe
-from harness.recipes.contract import COMM_HOOK_OWNED, ContractViolation, setup_takes_mesh, takes_mesh
+from harness.recipes.contract import (
+    COMM_HOOK_OWNED,
+    NEEDS_PIPELINE,
+    ContractViolation,
+    setup_takes_mesh,
+    takes_mesh,
+    takes_pipeline,
+)
 
 
 def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = None,
@@ -71,12 +78,21 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     # The bf16 lane: FSDP2 computes in bf16 through its own policy (reducing in float32); DDP has none, so the
     # recipe runs under autocast, as a bf16 DDP training loop does.
     low = run.precision == "bf16"
-    wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
-                                                reduction=declared_reduction(recipe, run.reduction),
-                                                on_comm_hook=refuse_comm_hook,
-                                                mixed_precision=torch.bfloat16 if low else None,
-                                                mesh=None if run.layout is None else
-                                                mesh_of_reduction(mesh, run.strategy))
+    pipelined = run.mesh.size("pp") > 1
+    wrapped: strategies.Wrapped
+    if pipelined:  # this rank's stage, DDP over dp (harness.distributed.pipeline); the recipe drives the schedule
+        if not takes_pipeline(recipe):
+            raise ContractViolation(NEEDS_PIPELINE)
+        assert mesh is not None
+        wrapped = pipeline.wrap(model, run.model, mesh, dev, schedule=run.pp_schedule, find_unused=find_unused,
+                                reduction=declared_reduction(recipe, run.reduction), on_comm_hook=refuse_comm_hook)
+    else:
+        wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
+                                                    reduction=declared_reduction(recipe, run.reduction),
+                                                    on_comm_hook=refuse_comm_hook,
+                                                    mixed_precision=torch.bfloat16 if low else None,
+                                                    mesh=None if run.layout is None else
+                                                    mesh_of_reduction(mesh, run.strategy))
     autocast_bf16 = low and run.strategy != "fsdp2"
     ddp = wrapped.module
     autocast = watch.AutocastSeen(dev.type)
@@ -90,6 +106,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         keywords["max_norm"] = max_norm
     if mesh is not None and takes_mesh(recipe):
         keywords["mesh"] = mesh.device_mesh
+    if isinstance(wrapped, pipeline.PipelineWrapped):
+        keywords["pipeline"] = wrapped.pipeline
     setup = getattr(recipe, "setup", None)
     if setup is not None:
         if mesh is not None and setup_takes_mesh(recipe):

@@ -26,6 +26,13 @@ DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
 CHUNKINGS = ("contiguous", "load_balanced")
 """How the cp ranks of one data coordinate split its positions (:mod:`harness.data.context_parallel`)."""
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzb")
+"""The pipeline schedules a mesh with ``pp`` runs under (``--pp-schedule``; the ``torch.distributed.pipelining``
+classes are named in :mod:`harness.distributed.pipeline`)."""
+
+MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzb")
+"""The schedules that run several stages per pp rank."""
+
 TOKEN_DIMS = (*DATA_DIMS, "cp")
 """The dimensions a token count is reduced over: each supervised token lies in exactly one coordinate of these (the
 cp ranks of one data coordinate split its positions; tp and pp ranks hold the same tokens)."""

@@ -17,12 +17,14 @@ REDUCTIONS = ("mean", "sum")
 class SyncCounter:
     """State of :func:`counting_hook`: how many backward passes synchronized, and how buckets are reduced."""
 
-    def __init__(self, reduction: str = "mean") -> None:
+    def __init__(self, reduction: str = "mean", group: object = None) -> None:
         if reduction not in REDUCTIONS:
             msg = f"reduction={reduction!r} must be one of {REDUCTIONS} ('mean' is DDP's default)"
             raise ValueError(msg)
         self.reduction = reduction
         self.syncs = 0
+        self.group = group
+        """The process group DDP reduces over (None: every rank)."""
 
 
 # No annotations on the hook: DDP inspects them and rejects anything but the real GradBucket/Future classes, which
@@ -31,15 +33,16 @@ def counting_hook(state, bucket):
     tensor = bucket.buffer()
     if state.reduction == "mean":
         # DDP's default allreduce_hook divides before reducing; so do we, to reproduce its numbers.
-        tensor.div_(dist.get_world_size())
+        tensor.div_(dist.get_world_size(state.group))
     if bucket.is_last():
         state.syncs += 1
-    fut = dist.all_reduce(tensor, async_op=True).get_future()
+    fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
-def attach(model: torch.nn.Module, reduction: str = "mean") -> SyncCounter:
-    """Register the counting hook on a DDP ``model`` and return its counter."""
-    counter = SyncCounter(reduction)
+def attach(model: torch.nn.Module, reduction: str = "mean", group: object = None) -> SyncCounter:
+    """Register the counting hook on a DDP ``model`` reducing over ``group`` (None: every rank) and return its
+    counter."""
+    counter = SyncCounter(reduction, group)
     model.register_comm_hook(counter, counting_hook)  # type: ignore[operator]
     return counter

@@ -45,6 +45,7 @@ from harness.recipes.helpers import (
     token_group,
     token_group_size,
 )
+from harness.recipes.pipelined import PipelineTokenMean, pipeline_token_mean
 
 
 def __getattr__(name: str) -> type:
@@ -66,6 +67,7 @@ __all__ = [
     "GlobalTokenMean",
     "HfGlobalTokenMean",
     "MeshTokenMean",
+    "PipelineTokenMean",
     "ClippedGlobalTokenMean",
     "SummedGlobalTokenMean",
     "Recipe",
@@ -82,6 +84,7 @@ __all__ = [
     "hf_global_token_mean",
     "mesh_token_mean",
     "mesh_clipped_token_mean",
+    "pipeline_token_mean",
     "clipped_global_token_mean",
     "summed_global_token_mean",
     "load_recipe",

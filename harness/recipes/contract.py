@@ -108,6 +108,20 @@ def takes_mesh(recipe: object) -> bool:
     return _takes(getattr(recipe, "backward_window", None), "mesh")
 
 
+def takes_pipeline(recipe: object) -> bool:
+    """Whether ``recipe``'s ``backward_window`` takes a ``pipeline`` keyword: on a mesh with pp > 1 the harness passes
+    the rank's :class:`harness.distributed.pipeline.Pipeline` (its stage, the mesh, the schedule it builds), and a
+    recipe that does not take it cannot run there (:data:`NEEDS_PIPELINE`)."""
+    return _takes(getattr(recipe, "backward_window", None), "pipeline")
+
+
+NEEDS_PIPELINE = ("the run's mesh has pp > 1, and this recipe's backward_window takes no pipeline keyword: on a "
+                  "pipeline each rank holds one stage, which a plain forward cannot run; write "
+                  "backward_window(model, window, pipeline) and drive the window with pipeline.schedule(loss_fn, "
+                  "n_microbatches, scale_grads=...) (harness.recipes:pipeline_token_mean; docs/recipe-contract.md)")
+"""The usage error of a recipe that cannot drive a pipeline."""
+
+
 def setup_takes_mesh(recipe: object) -> bool:
     """Whether ``recipe``'s ``setup`` takes a ``mesh`` keyword (see :func:`takes_mesh`)."""
     return _takes(getattr(recipe, "setup", None), "mesh")

@@ -35,7 +35,8 @@ _PROPERTY = "battery_verdict"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from harness.battery.options import CHUNKING_HELP, MESH_HELP  # pure Python, like every option's parsing
+    # pure Python, like every option's parsing
+    from harness.battery.options import CHUNKING_HELP, MESH_HELP, PP_SCHEDULE_HELP
 
     group = parser.getgroup("ddp-harness", "distributed gradient semantics")
     group.addoption(
@@ -57,6 +58,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--mesh", action="append", default=None, metavar="DIM=N,...", help=MESH_HELP)
     group.addoption("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
+    group.addoption("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
     group.addoption(
         "--strategy", default="ddp", choices=("ddp", "fsdp2", "both"),
         help="the data-parallel strategy the battery's ranks run under: ddp (DistributedDataParallel, default), fsdp2 "

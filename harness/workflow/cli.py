@@ -17,7 +17,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from harness.battery.options import CHUNKING_HELP, MESH_HELP, add_lane_options
+from harness.battery.options import CHUNKING_HELP, MESH_HELP, PP_SCHEDULE_HELP, add_lane_options
 from harness.workflow import explain, resume
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
 from harness.workflow.commands import (
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", action="append", metavar="DIM=N,...",
                    help=MESH_HELP)
     p.add_argument("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
+    p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
     add_lane_options(p)  # --strategy, --precision, --objective: explain declares the same
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model to check the recipes on: a zero-argument callable returning a torch.nn.Module (or "

@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "product is the world size; the battery's --mesh, one shape)")
     p.add_argument("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced",
                    help="how the cp ranks split the positions (the battery's --cp-chunking)")
+    p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...",
+                   help="the pipeline schedule on a mesh with pp (the battery's --pp-schedule)")
     add_lane_options(p, precision="fp32")  # the battery's --strategy, --precision, --objective
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
@@ -161,7 +163,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise BadInput(f"--world-size={args.world_size} must be between 1 and {scenarios.MAX_WORLD_SIZE}")
     try:  # the battery's own validation, so a bad value gets the battery's message
         options = BatteryOptions.parse(strategy=args.strategy, precision=args.precision, objective=args.objective,
-                                       batch_format=args.batch_format, chunking=args.cp_chunking)
+                                       batch_format=args.batch_format, chunking=args.cp_chunking,
+                                       pp_schedule=args.pp_schedule)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     try:
@@ -201,7 +204,8 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     start = time.monotonic()
     spec = RunSpec(args.recipe, args.scenario, args.world_size, precision, model=model,
                    batch_format=args.batch_format, strategy=strategy, deadline=args.deadline, objective=args.objective,
-                   layout=getattr(args, "layout", None), chunking=getattr(args, "cp_chunking", "contiguous"))
+                   layout=getattr(args, "layout", None), chunking=getattr(args, "cp_chunking", "contiguous"),
+                   pp_schedule=getattr(args, "pp_schedule", "gpipe"))
     run = runner.run(spec)
     ran = time.monotonic() - start
     if run.failure is not None:

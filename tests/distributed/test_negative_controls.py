@@ -33,7 +33,7 @@ def control(name: str) -> str:
     return f"harness.recipes:{name}"
 
 
-SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp", "tensor_parallel")
+SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp", "tensor_parallel", "pipeline")
 """Families whose controls past the first run in the slow tier only."""
 
 

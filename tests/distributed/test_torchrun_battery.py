@@ -106,6 +106,17 @@ def test_a_mesh_runs_across_two_agents_with_cp_within_each(tmp_path: Path) -> No
     assert ("fail", "numbers") == (parity["status"], parity["cause"]), parity["message"]
 
 
+def test_a_pipeline_runs_across_two_agents_with_pp_between_them(tmp_path: Path) -> None:
+    """``--mesh dp=2,pp=2 --pp-schedule 1f1b`` on 2 agents x 2 workers: ranks 0-1 (one agent) hold stage 0 and ranks
+    2-3 stage 1, so the pipeline's sends cross the agents. The pipeline recipe passes every check."""
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:pipeline_token_mean", "--precision", "fp32",
+                              "--mesh", "dp=2,pp=2", "--pp-schedule", "1f1b")
+    assert [0, 0] == codes, text[-3000:]
+    assert report is not None and 0 == report["exit_status"]
+    assert report["expected"] == report["run"] == report["counts"]["pass"] + report["counts"]["n/a"]
+    assert {"pp=2,dp=2"} == {c["mesh"] for c in report["checks"]}, report["checks"][:1]
+
+
 @pytest.mark.parametrize(("mesh", "words"), [
     ("dp=2,cp=x", "--mesh='dp=2,cp=x': 'cp=x' is not NAME=SIZE"),
     ("dp=2,cp=2", "--mesh=dp=2,cp=2 has 4 ranks but torchrun started 2"),

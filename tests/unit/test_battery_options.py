@@ -18,7 +18,7 @@ from harness.workflow.outputs import BadInput
 FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
          "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean", "--mesh": "dp=2,cp=2",
-         "--cp-chunking": "load_balanced"}
+         "--cp-chunking": "load_balanced", "--pp-schedule": "1f1b"}
 
 
 class _Config:
@@ -29,7 +29,7 @@ class _Config:
             "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
             "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
             "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean", "mesh": None,
-            "cp_chunking": "contiguous"}
+            "cp_chunking": "contiguous", "pp_schedule": "gpipe"}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -49,7 +49,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     assert cli == pytest_side
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
                                  find_unused="off", report="out.json", strategy="both", objective="sequence_mean",
-                                 meshes=(Mesh.parse("dp=2,cp=2"),), chunking="load_balanced")
+                                 meshes=(Mesh.parse("dp=2,cp=2"),), chunking="load_balanced",
+                                 pp_schedule="1f1b")
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
@@ -62,7 +63,9 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     ("--battery-deadline", "0", "--battery-deadline=0.0 must be a positive number of seconds"),
     ("--objective", "mean", "--objective='mean' must be one of token_mean, sequence_mean, weighted_token_mean, "
                             "fixed_normalizer"),
-    ("--mesh", "dp=2,pp=2", "--mesh=pp=2,dp=2: the battery runs meshes of data-parallel, cp and tp dimensions"),
+    ("--mesh", "pp=2,cp=2", "--mesh=pp=2,cp=2: a pipeline (pp > 1) runs beside dp only for now; cp with pp"),
+    ("--pp-schedule", "zigzag", "--pp-schedule='zigzag' must be one of gpipe, 1f1b"),
+    ("--pp-schedule", "interleaved1f1b", "--pp-schedule='interleaved1f1b' runs several stages per pp rank"),
     ("--mesh", "dp=2,tp=2", "--strategy='ddp' over the mesh dp=2,tp=2: DDP cannot wrap a tensor-parallel"),
     ("--cp-chunking", "zigzag", "--cp-chunking='zigzag' must be one of"),
 ])

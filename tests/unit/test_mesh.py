@@ -144,7 +144,8 @@ def test_a_bad_mesh_is_refused_naming_the_argument_and_the_fix(text: str, says: 
 
 @pytest.mark.parametrize(("fields", "says"), [
     ({"world_size": 2, "layout": Mesh.parse("dp=2,cp=2")}, "layout=dp=2,cp=2 has 4 ranks but world_size=2"),
-    ({"world_size": 4, "layout": Mesh.parse("dp=2,pp=2")}, "pp is not run yet"),
+    ({"world_size": 4, "layout": Mesh.parse("pp=2,tp=2")}, "tp with pp is not run yet"),
+    ({"world_size": 4, "layout": Mesh.parse("dp=2,pp=2"), "strategy": "fsdp2"}, "FSDP2-sharded pipeline stages"),
     ({"world_size": 4, "layout": Mesh.parse("dp=2,tp=2")}, "strategy='ddp' over the mesh dp=2,tp=2"),
     ({"world_size": 4, "layout": "dp=2,cp=2"}, "must be a harness.core.mesh.Mesh"),
     ({"world_size": 4, "layout": Mesh.parse("dp=2,cp=2"), "chunking": "striped"}, "chunking='striped' must be one of"),
@@ -179,7 +180,7 @@ def test_mesh_options_give_the_cases_their_shapes() -> None:
 
 
 @pytest.mark.parametrize(("value", "says"), [
-    ("dp=2,pp=2", "--mesh=pp=2,dp=2: the battery runs meshes of data-parallel, cp and tp dimensions"),
+    ("pp=2,dp_replicate=2", "--mesh=pp=2,dp_replicate=2: a pipeline (pp > 1) runs beside dp only for now"),
     ("dp=2,tp=2", "--strategy='ddp' over the mesh dp=2,tp=2: DDP cannot wrap"),
     ("dp=4,cp=4", "--mesh='dp=4,cp=4' has 16 ranks: at most 8 run in one process"),
     ("dp=2 cp", "--mesh='cp': 'cp' is not NAME=SIZE"),

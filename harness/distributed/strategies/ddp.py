@@ -27,10 +27,11 @@ class DDPWrapped:
     def __init__(self, model: nn.Module, device: torch.device, *, find_unused: bool, reduction: str,
                  count_syncs: bool, on_comm_hook: Callable[[], None] | None, mesh: Any = None) -> None:
         self.local: nn.Module = model
+        group = None if mesh is None else mesh.get_group()
         self.module: DDP = DDP(model, device_ids=[device] if device.type == "cuda" else None,
-                               find_unused_parameters=find_unused,
-                               process_group=None if mesh is None else mesh.get_group())
-        self._counter: SyncCounter | None = attach(self.module, reduction) if count_syncs else None
+                               find_unused_parameters=find_unused, process_group=group)
+        # The hook reduces over DDP's own group: a pipeline stage's DDP spans the ranks of its stage only.
+        self._counter: SyncCounter | None = attach(self.module, reduction, group) if count_syncs else None
         self.no_sync: str = "model.no_sync()"
         if on_comm_hook is not None:
             def refuse(*args: object, **kwargs: object) -> None:

@@ -9,7 +9,8 @@ FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong mo
 (clipping), counts reduced over the wrong group of a dp x cp mesh (context_parallel), mistakes that need HSDP's
 two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas), and the
 groups of a tensor-parallel mesh (tensor_parallel: a count over tp too, the world size for the dp size, norms'
-gradients not reduced over tp, a clipping norm from local shards). A control is one
+gradients not reduced over tp, a clipping norm from local shards), and the schedules of a pipeline (pipeline:
+``scale_grads`` left on with accumulation over schedule steps). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -34,6 +35,7 @@ from harness.recipes.controls import (
     hygiene,
     normalization,
     objectives,
+    pipeline,
     strategies,
     sync,
     tensor_parallel,
@@ -41,7 +43,7 @@ from harness.recipes.controls import (
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping,
-            context_parallel, hsdp, tensor_parallel)
+            context_parallel, hsdp, tensor_parallel, pipeline)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()

@@ -1,0 +1,313 @@
+"""Pipeline parallelism over a mesh's ``pp`` dimension: the model split into stages, each pp rank holding one, run by a
+``torch.distributed.pipelining`` schedule the recipe builds and steps itself.
+
+- **The split.** The built-in model splits into its units in order: ``tok`` (the token and position embeddings),
+  ``blocks.0`` ... ``blocks.{n-1}``, ``ln`` (the final norm and the head); :func:`builtin_split` cuts that list at
+  split points, unit names where a stage starts (torchtitan's ``pipeline_parallel_split_points``), by default as
+  evenly as the units allow. A user's model declares its split beside its factory, ``factory.pp_split``: either a
+  list of split points naming top-level children of a model whose forward applies its children in order, or a
+  callable ``split(model, n_stages) -> [stage modules]``. Stage modules hold the full model's own submodules under
+  their own names, so each parameter keeps its name, and each lies in exactly one stage.
+- **The wrap.** :func:`wrap` builds this rank's stage, DDP over the data-parallel group when there is one (the harness's
+  DDP, counting synchronizations), and returns a :class:`PipelineWrapped`: the strategy protocol's object, whose full
+  gradient and parameters are gathered over the pp group (each parameter from the rank whose stage holds it).
+- **The recipe's keyword.** A recipe's ``backward_window`` takes ``pipeline`` (a :class:`Pipeline`): the rank's
+  stage, the mesh, :meth:`Pipeline.schedule` (a schedule of ``--pp-schedule`` with the recipe's ``loss_fn`` and
+  ``scale_grads``), :meth:`Pipeline.batch` (a window's microbatches as one step's inputs and labels) and
+  :meth:`Pipeline.step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.core.compare import flat_grad, flat_params
+from harness.core.mesh import Mesh
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
+
+SPLIT_ATTRIBUTE = "pp_split"
+"""The attribute of a ``--model`` factory that declares its pipeline split: split points (names of top-level children
+where a stage starts) or a callable ``split(model, n_stages) -> [stage modules]``."""
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
+                    "loopedbfs": "ScheduleLoopedBFS", "interleavedzb": "ScheduleInterleavedZeroBubble"}
+"""``--pp-schedule``'s names and the ``torch.distributed.pipelining`` classes they build."""
+
+Split = Callable[[nn.Module, int], list[nn.Module]]
+
+
+class BuiltinStage(nn.Module):
+    """A stage of :class:`harness.model.TinyCausalLM`: its embeddings when ``first``, the blocks of ``blocks`` (under
+    ``blocks.<i>``, the full model's index), its final norm and head when ``last``."""
+
+    def __init__(self, model: nn.Module, units: Sequence[str]) -> None:
+        super().__init__()
+        self.first, self.last = "tok" in units, "ln" in units
+        parts: dict[str, nn.Module] = dict(model.named_children())
+        blocks: Any = parts["blocks"]
+        if self.first:
+            self.tok, self.pos, self.drop = parts["tok"], parts["pos"], parts["drop"]
+        self.blocks = nn.ModuleDict({u.split(".")[1]: blocks[int(u.split(".")[1])]
+                                     for u in units if u.startswith("blocks.")})
+        if self.last:
+            self.ln, self.head = parts["ln"], parts["head"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln(x)) if self.last else x
+
+
+class SequentialStage(nn.Module):
+    """A stage of a model whose forward applies its top-level children in order: the children ``names``, applied in
+    order, under their own names."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        for name in names:
+            self.add_module(name, getattr(model, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for child in self.children():
+            x = child(x)
+        return x
+
+
+def builtin_units(model: nn.Module) -> list[str]:
+    """The built-in model's units in order: ``tok``, ``blocks.0`` ... ``blocks.{n-1}``, ``ln``."""
+    return ["tok", *(f"blocks.{i}" for i in range(len(model.blocks))), "ln"]  # type: ignore[arg-type]
+
+
+def cut(units: Sequence[str], n_stages: int, points: Sequence[str] | None = None,
+        argument: str = "pp_split") -> list[list[str]]:
+    """``units`` cut into ``n_stages`` consecutive groups at ``points`` (the units where stages 1.. start; None: as
+    evenly as the units allow, the earlier stages holding the extra units); ValueError naming ``argument`` otherwise."""
+    if n_stages > len(units):
+        msg = (f"{argument}: {n_stages} pipeline stages but the model has {len(units)} units to split "
+               f"({', '.join(units)}): use pp <= {len(units)}, or a model with more blocks")
+        raise ValueError(msg)
+    if points is None:
+        starts = [len(units) - (len(units) * (n_stages - i)) // n_stages for i in range(1, n_stages)]
+    else:
+        unknown = [p for p in points if p not in units]
+        if unknown or len(points) != n_stages - 1:
+            msg = (f"{argument}={list(points)!r} must name {n_stages - 1} of the units {', '.join(units)} where "
+                   f"stages 1..{n_stages - 1} start, in order")
+            raise ValueError(msg)
+        starts = [units.index(p) for p in points]
+        if starts != sorted(set(starts)) or starts[0] == 0:
+            msg = f"{argument}={list(points)!r} must be increasing units after the first ({units[0]})"
+            raise ValueError(msg)
+    bounds = [0, *starts, len(units)]
+    return [list(units[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def builtin_split(model: nn.Module, n_stages: int, points: Sequence[str] | None = None) -> list[nn.Module]:
+    """The built-in model's ``n_stages`` stage modules, cut at ``points`` (:func:`cut`)."""
+    return [BuiltinStage(model, group) for group in cut(builtin_units(model), n_stages, points)]
+
+
+def split_of(model_path: str | None) -> Split:
+    """How the run's model splits: the built-in split without ``--model``, else its factory's :data:`SPLIT_ATTRIBUTE`
+    (split points or a callable); :class:`harness.model.ModelError` naming what to add when there is none."""
+    if model_path is None:
+        return builtin_split
+    from harness.model import ModelError, load_model_factory
+
+    declared = getattr(load_model_factory(model_path), SPLIT_ATTRIBUTE, None)
+    if declared is None:
+        msg = (f"model={model_path!r} runs over a mesh with pp > 1 but its factory declares no pipeline split: set "
+               f"factory.{SPLIT_ATTRIBUTE} = ['layer3', ...] (the top-level children where stages 1.. start, for a "
+               "model whose forward applies its children in order) or a callable split(model, n_stages) returning "
+               "the stage modules")
+        raise ModelError(msg)
+    if callable(declared):
+        return declared
+    points = [str(p) for p in declared]
+
+    def by_points(model: nn.Module, n_stages: int) -> list[nn.Module]:
+        units = [name for name, _ in model.named_children()]
+        return [SequentialStage(model, group)
+                for group in cut(units, n_stages, points, f"{model_path}.{SPLIT_ATTRIBUTE}")]
+
+    return by_points
+
+
+def check_split(model: nn.Module, stages: Sequence[nn.Module], argument: str = "pp_split") -> None:
+    """ValueError unless every parameter of ``model`` lies in exactly one of ``stages``, under its own name."""
+    owners: dict[int, list[int]] = {}
+    for i, stage in enumerate(stages):
+        for p in stage.parameters():
+            owners.setdefault(id(p), []).append(i)
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [n for key, n in names.items() if key not in owners]
+    twice = [names.get(key, "?") for key, where in owners.items() if len(where) > 1]
+    foreign = [key for key in owners if key not in names]
+    if missing or twice or foreign:
+        msg = (f"{argument}: every parameter must lie in exactly one stage; missing: {missing[:3]}, in several "
+               f"stages: {twice[:3]}, not the model's: {len(foreign)}")
+        raise ValueError(msg)
+
+
+def _pp_group_of(rank_mesh: Any) -> Any:
+    return rank_mesh.submesh(("pp",)).get_group()
+
+
+class Pipeline:
+    """What a recipe drives a pipelined window with (its ``pipeline`` keyword): this rank's ``stage`` (the
+    ``PipelineStage``), ``mesh`` (the ranks' ``DeviceMesh``), the schedule's name, and the groups a count is reduced
+    over (:attr:`token_group`, None when the mesh has no data-parallel dimension: the count is then this rank's own)."""
+
+    def __init__(self, stage: Any, device_mesh: Any, mesh: Mesh, schedule_name: str, token_group: Any) -> None:
+        self.stage = stage
+        self.mesh = device_mesh
+        self.layout = mesh
+        self.schedule_name = schedule_name
+        self.token_group = token_group
+        self.token_group_size = 1 if token_group is None else dist.get_world_size(token_group)
+        self.pp_group = device_mesh["pp"].get_group()
+        self.is_first, self.is_last = stage.is_first, stage.is_last
+
+    def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int, *,
+                 scale_grads: bool = True) -> Any:
+        """A new schedule of ``--pp-schedule`` over this rank's stage: ``n_microbatches`` per step, ``loss_fn(output,
+        target)`` on each microbatch of the last stage, ``scale_grads`` as torch's (its default, True, divides the
+        gradients by ``n_microbatches`` at the end of every step)."""
+        from torch.distributed import pipelining
+
+        cls = getattr(pipelining, SCHEDULE_CLASSES[self.schedule_name])
+        return cls(self.stage, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+    @staticmethod
+    def batch(window: Sequence[Microbatch], n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``window``'s microbatches as one schedule step's ``(inputs, labels)``: their rows stacked, padded on the
+        right to the longest (``PAD`` inputs, ignored labels: causal attention keeps the padding out of every real
+        position), and padded with wholly ignored rows to a multiple of ``n_microbatches`` (a schedule splits a step
+        into equal microbatches). The same tokens are supervised, so a loss sum over it is the window's."""
+        if not window:
+            msg = "a pipelined window needs at least one microbatch"
+            raise ValueError(msg)
+        longest = max(mb.inputs.shape[1] for mb in window)
+        rows = sum(mb.inputs.shape[0] for mb in window)
+        total = -(-rows // n_microbatches) * n_microbatches
+        ref = window[0].inputs
+        inputs = torch.full((total, longest), PAD, dtype=ref.dtype, device=ref.device)
+        labels = torch.full((total, longest), IGNORE_INDEX, dtype=ref.dtype, device=ref.device)
+        at = 0
+        for mb in window:
+            b, t = mb.inputs.shape
+            inputs[at:at + b, :t] = mb.inputs
+            labels[at:at + b, :t] = mb.labels
+            at += b
+        return inputs, labels
+
+    def step(self, schedule: Any, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One ``schedule.step``: the first stage passes ``inputs``, the last ``labels`` as the target; returns the
+        last stage's per-microbatch losses (empty on the others)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        # A new schedule's first step infers the shapes with a forward and backward of its own; under DDP that
+        # backward would all-reduce placeholder gradients (a synchronization more per step). Inside no_sync() the
+        # inference's forward prepares no reduction, and the schedule's last backward prepares DDP's one itself.
+        submod = self.stage.submod
+        quiet = submod.no_sync() if isinstance(submod, DistributedDataParallel) else contextlib.nullcontext()
+        with quiet:
+            if self.is_last:
+                schedule.step(*args, target=labels, losses=losses)
+            else:
+                schedule.step(*args)
+        return losses
+
+    def from_last(self, value: float) -> float:
+        """``value`` as the last stage of this rank's pipeline holds it, on every stage (a broadcast over pp)."""
+        t = torch.tensor(float(value), dtype=torch.float64)
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        dist.broadcast(t, src=ranks[-1], group=self.pp_group)
+        return float(t)
+
+
+class PipelineWrapped:
+    """One rank's stage under the strategy protocol (:class:`harness.distributed.strategies.base.Wrapped`):
+    ``module`` is the stage (DDP over the data-parallel group when there is one), ``local`` the full model; the full
+    gradient and parameters are gathered over the pp group, each parameter from the rank whose stage holds it."""
+
+    def __init__(self, model: nn.Module, stage_module: nn.Module, inner: Any, pipeline: Pipeline) -> None:
+        self.local: nn.Module = model
+        self.stage_module = stage_module
+        self._inner = inner
+        self.module: nn.Module = stage_module if inner is None else inner.module
+        self.pipeline = pipeline
+        self.no_sync: str = "model.no_sync()"
+        held = {id(p) for p in stage_module.parameters()}
+        self._held = [id(p) in held for p in model.parameters()]
+
+    @property
+    def syncs(self) -> int:
+        return 0 if self._inner is None else int(self._inner.syncs)
+
+    def reset_syncs(self) -> None:
+        if self._inner is not None:
+            self._inner.reset_syncs()
+
+    def notes(self) -> tuple[str, ...]:
+        return ()
+
+    def _gathered(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.clone()
+        at = 0
+        for p, held in zip(self.local.parameters(), self._held, strict=True):
+            if not held:
+                out[at:at + p.numel()] = 0
+            at += p.numel()
+        dist.all_reduce(out, group=self.pipeline.pp_group)  # each parameter from its one holder, zeros elsewhere
+        return out
+
+    def full_grad(self) -> torch.Tensor:
+        return self._gathered(flat_grad(self.local))
+
+    def full_params(self) -> torch.Tensor:
+        return self._gathered(flat_params(self.local))
+
+
+def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch.device, *, schedule: str,
+         reduction: str = "mean", find_unused: bool = False,
+         on_comm_hook: Callable[[], None] | None = None) -> PipelineWrapped:
+    """This rank's stage of ``model`` over ``rank_mesh`` (a :class:`harness.distributed.device_mesh.RankMesh` with a
+    ``pp`` dimension and at most ``dp`` besides), DDP over dp when dp > 1, in a ``PipelineStage`` over the pp group."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from harness.distributed import strategies
+
+    mesh: Mesh = rank_mesh.mesh
+    pp, me = mesh.size("pp"), mesh.coords(dist.get_rank())["pp"]
+    stages = split_of(model_path)(model, pp)
+    if len(stages) != pp:
+        msg = f"the pipeline split of model={model_path!r} returned {len(stages)} stages for pp={pp}"
+        raise ValueError(msg)
+    check_split(model, stages, f"{model_path or 'the built-in model'}'s pipeline split")
+    stage_module = stages[me]
+    inner = None
+    token_group = None
+    if mesh.token_dims:
+        dp_mesh = rank_mesh.submesh(mesh.token_dims)
+        inner = strategies.get("ddp").wrap(stage_module, device, find_unused=find_unused, reduction=reduction,
+                                           on_comm_hook=on_comm_hook, mesh=dp_mesh)
+        token_group = dp_mesh.get_group()
+    submod = stage_module if inner is None else inner.module
+    stage = PipelineStage(submod, me, pp, device, group=_pp_group_of(rank_mesh))
+    pipeline = Pipeline(stage, rank_mesh.device_mesh, mesh, schedule, token_group)
+    return PipelineWrapped(model, stage_module, inner, pipeline)
+
+
+__all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "BuiltinStage", "Pipeline", "PipelineWrapped", "SequentialStage",
+           "builtin_split", "builtin_units", "check_split", "cut", "split_of", "wrap"]

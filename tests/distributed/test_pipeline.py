@@ -1,0 +1,68 @@
+"""Battery runs over a mesh with pp: the model split into stages, each rank driving its stage through a
+``torch.distributed.pipelining`` schedule, the full gradient gathered over pp and compared with the single-device
+one."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.battery import checks, runner
+from harness.battery.options import RunSpec
+from harness.battery.verdict import NOT_APPLICABLE
+from harness.core.mesh import Mesh
+
+CORRECT = "harness.recipes:pipeline_token_mean"
+SCALE_GRADS = "harness.recipes:pp_scale_grads_with_accumulation"
+
+
+def pp_run(recipe: str, shape: str = "pp=2", schedule: str = "gpipe", precision: str = "fp32") -> runner.Run:
+    mesh = Mesh.parse(shape)
+    return runner.run(RunSpec(recipe, "uneven", mesh.world_size, precision, layout=mesh, pp_schedule=schedule))
+
+
+@pytest.mark.parametrize(("shape", "schedule"), [
+    ("pp=2", "gpipe"),
+    pytest.param("pp=2", "1f1b", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "gpipe", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "1f1b", marks=pytest.mark.slow),
+])
+def test_the_pipeline_recipe_passes_parity_the_logged_loss_and_ranks_agree(shape: str, schedule: str) -> None:
+    """``pipeline_token_mean`` (the count over dp, the loss sum times dp over it, ``scale_grads=False``, one schedule
+    step per window): the gathered gradient is the single-device one, the logged loss the global token mean on every
+    rank, the gathered parameters the same on every rank; one synchronization per window per stage where there is a
+    dp to synchronize over, and none to count (not applicable) at pp alone."""
+    run = pp_run(CORRECT, shape, schedule)
+    for check in (checks.parity, checks.logged_loss, checks.ranks_agree):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+    sync = checks.one_sync(run)
+    if Mesh.parse(shape).size("dp") > 1:
+        assert sync.passed, sync.message
+    else:
+        assert NOT_APPLICABLE == sync.status, sync.message
+
+
+@pytest.mark.slow
+def test_the_pipeline_recipe_passes_in_float64() -> None:
+    """The float64 lane: the gathered gradient matches to float64 tolerances."""
+    verdict = checks.parity(pp_run(CORRECT, precision="fp64"))
+    assert verdict.passed, verdict.message
+    assert verdict.max_error is not None and verdict.max_error < 1e-15
+
+
+@pytest.mark.slow
+def test_scale_grads_left_on_over_two_steps_fails_parity_at_dp2() -> None:
+    """torchtitan #1733 over dp=2,pp=2: the first step's gradient kept at 1/M fails parity on the numbers (the
+    control's own test, at pp=2, is in test_negative_controls)."""
+    verdict = checks.parity(pp_run(SCALE_GRADS, "dp=2,pp=2"))
+    assert not verdict.passed
+    assert "numbers" == verdict.cause
+
+
+@pytest.mark.slow
+def test_a_recipe_that_takes_no_pipeline_is_refused_with_the_fix() -> None:
+    """A plain recipe on a pp mesh cannot run a stage: the run fails with the contract's message naming
+    ``pipeline``."""
+    run = pp_run("harness.recipes:global_token_mean")
+    assert run.failure is not None
+    assert "takes no pipeline keyword" in " ".join(run.failure.details.values())
