@@ -126,11 +126,13 @@ def _sentence(mesh: Mesh, dims: tuple[str, ...], c: float, over: dict[int, int],
                         "no group at all (each rank's own count: these counts cannot tell the two apart)"
                         for d in alike)
     local_means = not dims and _close(c, 1 / mesh.token_ranks)
+    shard = " (its cp shard's)" if mesh.size("cp") > 1 else ""
     if local_means:
-        head = (f"each rank divided its loss sum by its own count (its cp shard's), never reduced, and the gradients' "
-                f"average over {dims_words(mesh, mesh.token_dims)} made a mean of the shards' local means")
+        head = (f"each rank divided its loss sum by its own count{shard}, never reduced, and the gradients' "
+                f"average over {dims_words(mesh, mesh.token_dims)} made a mean of the "
+                f"{'shards' if shard else 'ranks'}' local means")
     else:
-        head = ("the count was not all-reduced: each rank divided by its own (its cp shard's) count" if not dims
+        head = (f"the count was not all-reduced: each rank divided by its own count{shard}" if not dims
                 else f"the count was reduced over {named}")
     spread = f"; this window's tokens are spread over {right} ({mesh.token_ranks} ranks)"
     extra = [d for d in dims if d not in mesh.token_dims]
