@@ -65,7 +65,7 @@ MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes o
              "dp_shard, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
              "each cp rank is supervised on its chunk of its data coordinate's positions; tp shards the model (under "
              "--strategy fsdp2 only) and its ranks get their coordinate's data; pp splits the model into stages "
-             "(with dp only, under --strategy ddp), every stage getting its coordinate's whole window")
+             "(with dp only; each stage DDP or FSDP2 over dp), every stage getting its coordinate's whole window")
 """``--mesh``'s help, the same on the command line and in pytest."""
 
 CHUNKING_HELP = ("how the cp ranks of one data coordinate split its sequences' positions: contiguous (cp chunks in "
@@ -234,14 +234,10 @@ DDP_OVER_TP = ("DDP cannot wrap a tensor-parallel (DTensor) model: it raises 'at
 
 
 def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str = "strategy") -> None:
-    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1; FSDP2 stages of
-    a pipeline, not run yet)."""
+    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1). Either wraps a
+    pipeline's stages over dp (:func:`harness.distributed.pipeline.wrap`)."""
     if layout is not None and layout.size("tp") > 1 and "ddp" in names:
         msg = f"{argument}='ddp' over the mesh {layout.label}: {DDP_OVER_TP}"
-        raise ValueError(msg)
-    if layout is not None and layout.size("pp") > 1 and "fsdp2" in names:
-        msg = (f"{argument}='fsdp2' over the mesh {layout.label}: FSDP2-sharded pipeline stages are not run yet; use "
-               "--strategy ddp (each stage DDP over dp, or unwrapped at dp=1)")
         raise ValueError(msg)
 
 

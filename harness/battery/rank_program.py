@@ -80,12 +80,14 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     low = run.precision == "bf16"
     pipelined = run.mesh.size("pp") > 1
     wrapped: strategies.Wrapped
-    if pipelined:  # this rank's stage, DDP over dp (harness.distributed.pipeline); the recipe drives the schedule
+    if pipelined:  # this rank's stage, DDP or FSDP2 over dp (harness.distributed.pipeline); the recipe drives it
         if not takes_pipeline(recipe):
             raise ContractViolation(NEEDS_PIPELINE)
         assert mesh is not None
-        wrapped = pipeline.wrap(model, run.model, mesh, dev, schedule=run.pp_schedule, find_unused=find_unused,
-                                reduction=declared_reduction(recipe, run.reduction), on_comm_hook=refuse_comm_hook)
+        wrapped = pipeline.wrap(model, run.model, mesh, dev, schedule=run.pp_schedule, strategy=run.strategy,
+                                find_unused=find_unused, reduction=declared_reduction(recipe, run.reduction),
+                                on_comm_hook=refuse_comm_hook,
+                                mixed_precision=torch.bfloat16 if low and run.strategy == "fsdp2" else None)
     else:
         wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
                                                     reduction=declared_reduction(recipe, run.reduction),

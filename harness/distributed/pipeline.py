@@ -8,9 +8,12 @@
   list of split points naming top-level children of a model whose forward applies its children in order, or a
   callable ``split(model, n_stages) -> [stage modules]``. Stage modules hold the full model's own submodules under
   their own names, so each parameter keeps its name, and each lies in exactly one stage.
-- **The wrap.** :func:`wrap` builds this rank's stage, DDP over the data-parallel group when there is one (the harness's
-  DDP, counting synchronizations), and returns a :class:`PipelineWrapped`: the strategy protocol's object, whose full
-  gradient and parameters are gathered over the pp group (each parameter from the rank whose stage holds it).
+- **The wrap.** :func:`wrap` builds this rank's stage, wrapped over the data-parallel group when there is one by the
+  run's strategy (the harness's DDP, or its FSDP2 sharding of the stage's blocks and the stage over the dp submesh;
+  either counts synchronizations), and returns a :class:`PipelineWrapped`: the strategy protocol's object, whose full
+  gradient and parameters are gathered over dp where sharded (``full_tensor``), then over the pp group (each
+  parameter from the rank whose stage holds it). torch's schedules drive an FSDP2 stage themselves: the gradient
+  sync off for every microbatch's backward, one reduce-scatter at the end of each step.
 - **The recipe's keyword.** A recipe's ``backward_window`` takes ``pipeline`` (a :class:`Pipeline`): the rank's
   stage, the mesh, :meth:`Pipeline.schedule` (a schedule of ``--pp-schedule`` with the recipe's ``loss_fn`` and
   ``scale_grads``), :meth:`Pipeline.batch` (a window's microbatches as one step's inputs and labels) and
@@ -29,7 +32,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.core.compare import flat_grad, flat_params
 from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 
@@ -238,8 +240,9 @@ class Pipeline:
 
 class PipelineWrapped:
     """One rank's stage under the strategy protocol (:class:`harness.distributed.strategies.base.Wrapped`):
-    ``module`` is the stage (DDP over the data-parallel group when there is one), ``local`` the full model; the full
-    gradient and parameters are gathered over the pp group, each parameter from the rank whose stage holds it."""
+    ``module`` is the stage (DDP or FSDP2 over the data-parallel group when there is one), ``local`` the full model; the
+    full gradient and parameters are gathered over dp where sharded, then over the pp group, each parameter from the
+    rank whose stage holds it."""
 
     def __init__(self, model: nn.Module, stage_module: nn.Module, inner: Any, pipeline: Pipeline) -> None:
         self.local: nn.Module = model
@@ -247,7 +250,7 @@ class PipelineWrapped:
         self._inner = inner
         self.module: nn.Module = stage_module if inner is None else inner.module
         self.pipeline = pipeline
-        self.no_sync: str = "model.no_sync()"
+        self.no_sync: str = "model.no_sync()" if inner is None else inner.no_sync
         held = {id(p) for p in stage_module.parameters()}
         self._held = [id(p) in held for p in model.parameters()]
 
@@ -260,30 +263,36 @@ class PipelineWrapped:
             self._inner.reset_syncs()
 
     def notes(self) -> tuple[str, ...]:
-        return ()
+        return () if self._inner is None else tuple(self._inner.notes())
 
-    def _gathered(self, flat: torch.Tensor) -> torch.Tensor:
-        out = flat.clone()
-        at = 0
-        for p, held in zip(self.local.parameters(), self._held, strict=True):
-            if not held:
-                out[at:at + p.numel()] = 0
-            at += p.numel()
-        dist.all_reduce(out, group=self.pipeline.pp_group)  # each parameter from its one holder, zeros elsewhere
+    def _gathered(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        # A sharded (FSDP2) tensor is gathered over dp first (full_tensor: a collective the dp ranks of one stage call
+        # alike, in model order), then each parameter comes from its one holder over pp, zeros elsewhere.
+        parts = []
+        for p, t, held in zip(self.local.parameters(), tensors, self._held, strict=True):
+            if not held or t is None:
+                parts.append(torch.zeros(p.numel(), dtype=p.dtype))
+                continue
+            full = getattr(t, "full_tensor", None)
+            parts.append((full() if full is not None else t).detach().reshape(-1).cpu())
+        out = torch.cat(parts)
+        dist.all_reduce(out, group=self.pipeline.pp_group)
         return out
 
     def full_grad(self) -> torch.Tensor:
-        return self._gathered(flat_grad(self.local))
+        return self._gathered([p.grad for p in self.local.parameters()])
 
     def full_params(self) -> torch.Tensor:
-        return self._gathered(flat_params(self.local))
+        return self._gathered(list(self.local.parameters()))
 
 
 def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch.device, *, schedule: str,
-         reduction: str = "mean", find_unused: bool = False,
-         on_comm_hook: Callable[[], None] | None = None) -> PipelineWrapped:
+         strategy: str = "ddp", reduction: str = "mean", find_unused: bool = False,
+         on_comm_hook: Callable[[], None] | None = None,
+         mixed_precision: torch.dtype | None = None) -> PipelineWrapped:
     """This rank's stage of ``model`` over ``rank_mesh`` (a :class:`harness.distributed.device_mesh.RankMesh` with a
-    ``pp`` dimension and at most ``dp`` besides), DDP over dp when dp > 1, in a ``PipelineStage`` over the pp group."""
+    ``pp`` dimension and at most ``dp`` besides), wrapped by ``strategy`` over dp when dp > 1 (DDP, or FSDP2: each
+    block and the stage sharded over dp, ``mixed_precision`` its policy), in a ``PipelineStage`` over the pp group."""
     from torch.distributed.pipelining import PipelineStage
 
     from harness.distributed import strategies
@@ -300,8 +309,9 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
     token_group = None
     if mesh.token_dims:
         dp_mesh = rank_mesh.submesh(mesh.token_dims)
-        inner = strategies.get("ddp").wrap(stage_module, device, find_unused=find_unused, reduction=reduction,
-                                           on_comm_hook=on_comm_hook, mesh=dp_mesh)
+        inner = strategies.get(strategy).wrap(stage_module, device, find_unused=find_unused, reduction=reduction,
+                                              on_comm_hook=on_comm_hook, mesh=dp_mesh,
+                                              mixed_precision=mixed_precision)
         token_group = dp_mesh.get_group()
     submod = stage_module if inner is None else inner.module
     stage = PipelineStage(submod, me, pp, device, group=_pp_group_of(rank_mesh))

@@ -13,25 +13,33 @@ from harness.core.mesh import Mesh
 
 CORRECT = "harness.recipes:pipeline_token_mean"
 SCALE_GRADS = "harness.recipes:pp_scale_grads_with_accumulation"
+REINITIALISED = "harness.recipes:pp_reinitialised_stages"
 
 
-def pp_run(recipe: str, shape: str = "pp=2", schedule: str = "gpipe", precision: str = "fp32") -> runner.Run:
+def pp_run(recipe: str, shape: str = "pp=2", schedule: str = "gpipe", precision: str = "fp32",
+           strategy: str = "ddp") -> runner.Run:
     mesh = Mesh.parse(shape)
-    return runner.run(RunSpec(recipe, "uneven", mesh.world_size, precision, layout=mesh, pp_schedule=schedule))
+    return runner.run(RunSpec(recipe, "uneven", mesh.world_size, precision, layout=mesh, pp_schedule=schedule,
+                              strategy=strategy))
 
 
-@pytest.mark.parametrize(("shape", "schedule"), [
-    ("pp=2", "gpipe"),
-    pytest.param("pp=2", "1f1b", marks=pytest.mark.slow),
-    pytest.param("dp=2,pp=2", "gpipe", marks=pytest.mark.slow),
-    pytest.param("dp=2,pp=2", "1f1b", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("shape", "schedule", "strategy"), [
+    ("pp=2", "gpipe", "ddp"),
+    pytest.param("pp=2", "1f1b", "ddp", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "gpipe", "ddp", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "1f1b", "ddp", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "gpipe", "fsdp2", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "1f1b", "fsdp2", marks=pytest.mark.slow),
 ])
-def test_the_pipeline_recipe_passes_parity_the_logged_loss_and_ranks_agree(shape: str, schedule: str) -> None:
+def test_the_pipeline_recipe_passes_parity_the_logged_loss_and_ranks_agree(shape: str, schedule: str,
+                                                                           strategy: str) -> None:
     """``pipeline_token_mean`` (the count over dp, the loss sum times dp over it, ``scale_grads=False``, one schedule
     step per window): the gathered gradient is the single-device one, the logged loss the global token mean on every
     rank, the gathered parameters the same on every rank; one synchronization per window per stage where there is a
-    dp to synchronize over, and none to count (not applicable) at pp alone."""
-    run = pp_run(CORRECT, shape, schedule)
+    dp to synchronize over (DDP's all-reduce, or FSDP2's reduce-scatter: the schedule's shape inference reduces
+    nothing), and none to count (not applicable) at pp alone. Under FSDP2 each stage is sharded over dp and its
+    gradient gathered with full_tensor before the gather over pp."""
+    run = pp_run(CORRECT, shape, schedule, strategy=strategy)
     for check in (checks.parity, checks.logged_loss, checks.ranks_agree):
         verdict = check(run)
         assert verdict.passed, verdict.message
@@ -66,3 +74,15 @@ def test_a_recipe_that_takes_no_pipeline_is_refused_with_the_fix() -> None:
     run = pp_run("harness.recipes:global_token_mean")
     assert run.failure is not None
     assert "takes no pipeline keyword" in " ".join(run.failure.details.values())
+
+
+@pytest.mark.slow
+def test_reinitialised_stages_keep_every_step_on_ddp_stages_and_only_the_last_on_fsdp2() -> None:
+    """NVIDIA-NeMo Automodel #3530: a new schedule per step re-infers the stage's shapes, and torch's cleanup after
+    that sets the ``.grad`` of FSDP2-sharded parameters to None. On DDP stages the same recipe passes parity; on FSDP2
+    stages the first step's gradient is lost and parity fails on the numbers (its control's own test, with its
+    diagnosis, is in test_negative_controls)."""
+    assert checks.parity(pp_run(REINITIALISED, "dp=2,pp=2")).passed
+    verdict = checks.parity(pp_run(REINITIALISED, "dp=2,pp=2", strategy="fsdp2"))
+    assert not verdict.passed
+    assert "numbers" == verdict.cause

@@ -145,7 +145,6 @@ def test_a_bad_mesh_is_refused_naming_the_argument_and_the_fix(text: str, says: 
 @pytest.mark.parametrize(("fields", "says"), [
     ({"world_size": 2, "layout": Mesh.parse("dp=2,cp=2")}, "layout=dp=2,cp=2 has 4 ranks but world_size=2"),
     ({"world_size": 4, "layout": Mesh.parse("pp=2,tp=2")}, "tp with pp is not run yet"),
-    ({"world_size": 4, "layout": Mesh.parse("dp=2,pp=2"), "strategy": "fsdp2"}, "FSDP2-sharded pipeline stages"),
     ({"world_size": 4, "layout": Mesh.parse("dp=2,tp=2")}, "strategy='ddp' over the mesh dp=2,tp=2"),
     ({"world_size": 4, "layout": "dp=2,cp=2"}, "must be a harness.core.mesh.Mesh"),
     ({"world_size": 4, "layout": Mesh.parse("dp=2,cp=2"), "chunking": "striped"}, "chunking='striped' must be one of"),
@@ -155,6 +154,13 @@ def test_a_run_over_a_mesh_it_cannot_run_is_refused_naming_the_field(fields: dic
     layout given as text and an unknown chunking, each naming the field."""
     with pytest.raises(ValueError, match=re.escape(says)):
         RunSpec("harness.recipes:global_token_mean", "uneven", **fields)  # type: ignore[arg-type]
+
+
+def test_fsdp2_stages_of_a_pipeline_over_dp_are_accepted() -> None:
+    """FSDP2 wraps a pipeline's stages over dp as DDP does: the spec keeps the strategy and the mesh."""
+    spec = RunSpec("harness.recipes:pipeline_token_mean", "uneven", 4, layout=Mesh.parse("dp=2,pp=2"),
+                   strategy="fsdp2")
+    assert ("fsdp2", 2, 2) == (spec.strategy, spec.mesh.size("dp"), spec.mesh.size("pp"))
 
 
 def test_a_run_without_a_layout_is_data_parallel_over_its_world() -> None:
