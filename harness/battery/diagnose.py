@@ -19,6 +19,7 @@ from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
 from harness.battery import run_readings as rr
 from harness.battery.diagnosis_result import Diagnosis
+from harness.battery.pipeline_diagnosis import pipeline_reading
 from harness.battery.run import Run
 from harness.core.compare import compare, flat_grad, tolerances
 from harness.core.count_groups import count_group, mesh_factor
@@ -365,7 +366,7 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     mesh = run.mesh
     token_world, token_rank = mesh.token_ranks, mesh.token_rank(rank)
     sig = classify(blocks, read, token_world, run.precision, rank=token_rank, other_counts=others)
-    sig = _on_the_mesh(sig, blocks, read, mesh)
+    sig = pipeline_reading(run, window, blocks, read, _on_the_mesh(sig, blocks, read, mesh))
     if (sig.name == "unexplained" and fit.residual > EXPLAINED_RESIDUAL and fit.condition <= MAX_CONDITION
             and aux_cols is None):
         split = _split_extra_term(a, g, fit, blocks, names, sizes, run, rank, others)

@@ -135,6 +135,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         error = None
         logged = None
         norm = None
+        if isinstance(wrapped, pipeline.PipelineWrapped):
+            wrapped.pipeline.watch(mine)  # the window's schedule steps, recorded by pipeline.step
         try:
             with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
                 out = recipe.backward_window(ddp, mine, **keywords)  # type: ignore[arg-type]
@@ -164,6 +166,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
                 autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(), shards=shards,
+                pipeline_steps=tuple(wrapped.pipeline.steps) if isinstance(wrapped, pipeline.PipelineWrapped) else (),
             )
         )
         if error is not None:

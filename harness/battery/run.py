@@ -21,6 +21,7 @@ from harness.core.microbatch import Microbatch
 from harness.core.objectives import PLAIN, Objective
 from harness.core.reference import Reference
 from harness.distributed.launcher import LaunchError
+from harness.distributed.pipeline import ScheduleStep
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class WindowRecord:
     shards: tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...] = ()
     """Each parameter's local shard on this rank as ``(shape, global offset)`` (None: the rank holds it whole), in
     model order: what a norm over ``grad.to_local()`` covers (:mod:`harness.battery.clipping_diagnosis`)."""
+    pipeline_steps: tuple[ScheduleStep, ...] = ()
+    """On a mesh with pp: the window's schedule steps in order, each with its microbatch count, ``scale_grads`` and the
+    window's rows it held (:class:`harness.distributed.pipeline.ScheduleStep`); read by
+    :mod:`harness.battery.pipeline_diagnosis`."""
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,10 @@ SIGNATURES: dict[str, str] = {
                    "alone under cp, each shard's own, across tp ranks that hold the same tokens",
     "not_reduced_over_group": "on a mesh, some tensors' synchronized gradients differ between ranks along one "
                               "dimension: replicated parameters never all-reduced over it (tp's norms)",
+    "pp_scale_grads": "scale_grads rescaled each pipeline step: step a of A weighs 1/M^(A-1-a), an exponential moving "
+                      "average over the window's steps (torchtitan #1733)",
+    "pp_last_step_only": "only the last pipeline step's gradient survived: every earlier step's blocks weigh 0",
+    "pp_divided_by_microbatches": "a global-count loss under scale_grads=True: each step's blocks also divided by M",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }

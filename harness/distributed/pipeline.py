@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -165,6 +165,37 @@ def _pp_group_of(rank_mesh: Any) -> Any:
     return rank_mesh.submesh(("pp",)).get_group()
 
 
+class ScheduleStep(NamedTuple):
+    """One ``schedule.step`` of a window as :meth:`Pipeline.step` recorded it: the schedule's microbatch count and
+    ``scale_grads``, and the window's rows the step's batch held, as ``(microbatch, row)`` in the step's order (a
+    row matched by its inputs and labels; wholly ignored padding rows are not listed). ``foreign``: the step's rows
+    with a supervised token that match no row of the window."""
+
+    n_microbatches: int
+    scale_grads: bool
+    rows: tuple[tuple[int, int], ...]
+    foreign: int = 0
+
+
+def rows_of(window: Sequence[Any], inputs: torch.Tensor, labels: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """Which of ``window``'s rows a step's ``(inputs, labels)`` hold (each window row once, the first unused match),
+    and how many of its supervised rows match none."""
+    candidates = [(i, j, mb.inputs[j], mb.labels[j]) for i, mb in enumerate(window) if hasattr(mb, "inputs")
+                  for j in range(mb.inputs.shape[0])]
+    used: set[tuple[int, int]] = set()
+    rows, foreign = [], 0
+    for r in range(labels.shape[0]):
+        found = next(((i, j) for i, j, x, y in candidates if (i, j) not in used and x.shape[0] <= labels.shape[1]
+                      and torch.equal(inputs[r, :x.shape[0]], x) and torch.equal(labels[r, :y.shape[0]], y)
+                      and bool((labels[r, y.shape[0]:] == IGNORE_INDEX).all())), None)
+        if found is not None:
+            used.add(found)
+            rows.append(found)
+        elif bool((labels[r] != IGNORE_INDEX).any()):
+            foreign += 1
+    return rows, foreign
+
+
 class Pipeline:
     """What a recipe drives a pipelined window with (its ``pipeline`` keyword): this rank's ``stage`` (the
     ``PipelineStage``), ``mesh`` (the ranks' ``DeviceMesh``), the schedule's name, and the groups a count is reduced
@@ -179,6 +210,13 @@ class Pipeline:
         self.token_group_size = 1 if token_group is None else dist.get_world_size(token_group)
         self.pp_group = device_mesh["pp"].get_group()
         self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.window: Sequence[Any] = ()
+        self.steps: list[ScheduleStep] = []
+        """The window's schedule steps so far (:meth:`watch` starts a window)."""
+
+    def watch(self, window: Sequence[Any]) -> None:
+        """Start recording the schedule steps of ``window`` (the harness calls it before each window)."""
+        self.window, self.steps = window, []
 
     def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int, *,
                  scale_grads: bool = True) -> Any:
@@ -215,7 +253,7 @@ class Pipeline:
 
     def step(self, schedule: Any, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """One ``schedule.step``: the first stage passes ``inputs``, the last ``labels`` as the target; returns the
-        last stage's per-microbatch losses (empty on the others)."""
+        last stage's per-microbatch losses (empty on the others). The step is recorded on :attr:`steps`."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         # A new schedule's first step infers the shapes with a forward and backward of its own; under DDP that
@@ -228,6 +266,9 @@ class Pipeline:
                 schedule.step(*args, target=labels, losses=losses)
             else:
                 schedule.step(*args)
+        rows, foreign = rows_of(self.window, inputs, labels)
+        self.steps.append(ScheduleStep(int(getattr(schedule, "_n_microbatches", 0)),
+                                       bool(getattr(schedule, "scale_grads", True)), tuple(rows), foreign))
         return losses
 
     def from_last(self, value: float) -> float:
@@ -319,5 +360,5 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
     return PipelineWrapped(model, stage_module, inner, pipeline)
 
 
-__all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "BuiltinStage", "Pipeline", "PipelineWrapped", "SequentialStage",
-           "builtin_split", "builtin_units", "check_split", "cut", "split_of", "wrap"]
+__all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "BuiltinStage", "Pipeline", "PipelineWrapped", "ScheduleStep",
+           "SequentialStage", "builtin_split", "builtin_units", "check_split", "cut", "rows_of", "split_of", "wrap"]

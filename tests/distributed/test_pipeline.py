@@ -60,11 +60,13 @@ def test_the_pipeline_recipe_passes_in_float64() -> None:
 
 @pytest.mark.slow
 def test_scale_grads_left_on_over_two_steps_fails_parity_at_dp2() -> None:
-    """torchtitan #1733 over dp=2,pp=2: the first step's gradient kept at 1/M fails parity on the numbers (the
-    control's own test, at pp=2, is in test_negative_controls)."""
+    """torchtitan #1733 over dp=2,pp=2: the first step's gradient kept at 1/M fails parity on the numbers, and the
+    diagnosis names it by its formula over both data ranks' recorded steps (the control's own test, at pp=2, is in
+    test_negative_controls)."""
     verdict = checks.parity(pp_run(SCALE_GRADS, "dp=2,pp=2"))
     assert not verdict.passed
     assert "numbers" == verdict.cause
+    assert verdict.diagnosis is not None and "pp_scale_grads" == verdict.diagnosis["signature"], verdict.message
 
 
 @pytest.mark.slow

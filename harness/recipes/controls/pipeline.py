@@ -23,12 +23,12 @@ from harness.recipes.pipelined import drive
 MESH = "pp=2"
 
 
-@control(Target("parity", "uneven", mesh=MESH), "double_counted")
+@control(Target("parity", "uneven", mesh=MESH), "pp_scale_grads")
 class ScaleGradsWithAccumulation:
     """Accumulates the window over 2 schedule steps of 2 microbatches with ``scale_grads`` left True, its loss scaled
     by the microbatch count to undo the schedule's division (right for one step): the division at the end of the
     first step applies to its gradient again at the end of the second, so the first step's gradient is kept at 1/M
-    (torchtitan #1733)."""
+    (torchtitan #1733); the diagnosis names it by that formula over the recorded steps."""
 
     name = "pp_scale_grads_with_accumulation"
     n_microbatches = 2
