@@ -161,6 +161,26 @@ def check_split(model: nn.Module, stages: Sequence[nn.Module], argument: str = "
         raise ValueError(msg)
 
 
+def check_composes(model: nn.Module, stages: Sequence[nn.Module], inputs: torch.Tensor,
+                   argument: str = "pp_split") -> None:
+    """ValueError unless ``stages`` applied in order to ``inputs`` give ``model``'s own logits: a forward that does
+    more than apply its children in order (a function between two of them) loses it in a split by points."""
+    from harness.core.formats import logits_of
+
+    with torch.no_grad():
+        whole = logits_of(model(inputs))
+        x: Any = inputs
+        for stage in stages:
+            x = stage(x)
+        staged = logits_of(x)
+    if staged.shape != whole.shape or not torch.allclose(staged, whole, rtol=1e-5, atol=1e-6):
+        gap = float((staged - whole).abs().max()) if staged.shape == whole.shape else float("inf")
+        msg = (f"{argument}: the stages applied in order do not give the model's own output (they differ by up to "
+               f"{gap:.3e}): its forward does more than apply its children in order (a function called between two "
+               "of them is lost); declare a callable split(model, n_stages) returning stage modules that compute it")
+        raise ValueError(msg)
+
+
 def _pp_group_of(rank_mesh: Any) -> Any:
     return rank_mesh.submesh(("pp",)).get_group()
 
@@ -361,4 +381,5 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
 
 
 __all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "BuiltinStage", "Pipeline", "PipelineWrapped", "ScheduleStep",
-           "SequentialStage", "builtin_split", "builtin_units", "check_split", "cut", "rows_of", "split_of", "wrap"]
+           "SequentialStage", "builtin_split", "builtin_units", "check_composes", "check_split", "cut", "rows_of",
+           "split_of", "wrap"]

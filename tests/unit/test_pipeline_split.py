@@ -113,3 +113,33 @@ def test_every_schedule_name_is_a_torch_schedule() -> None:
     assert tuple(pipeline.SCHEDULE_CLASSES) == PP_SCHEDULES
     for cls in pipeline.SCHEDULE_CLASSES.values():
         assert hasattr(pipelining, cls), cls
+
+
+class _Gapped(nn.Module):
+    """Children applied in order, but with a function between two of them: a split by points loses it."""
+
+    def __init__(self, gap: bool) -> None:
+        super().__init__()
+        self.gap = gap
+        self.emb = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(torch.tanh(h) if self.gap else h)
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_a_split_whose_stages_lose_part_of_the_forward_is_refused(gap: bool) -> None:
+    """The stages of a split by points must compute the model's own output; a function called between two children
+    is lost, and the split is refused naming it. Its control: the same model without the function passes."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _Gapped(gap)
+    stages = [pipeline.SequentialStage(model, ["emb"]), pipeline.SequentialStage(model, ["head"])]
+    ids = torch.tensor([[1, 2, 3]])
+    if not gap:
+        pipeline.check_composes(model, stages, ids)
+        return
+    with pytest.raises(ValueError, match="the stages applied in order do not give the model's own output"):
+        pipeline.check_composes(model, stages, ids)
