@@ -17,7 +17,7 @@ Nothing here names a recipe: these are properties of the model, reported as such
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -28,6 +28,7 @@ from harness.battery.backward_check import BackwardCheck, check_backward, dtypes
 from harness.battery.finite_difference import RANK
 from harness.battery.spec import ModelSpec
 from harness.core.formats import HARNESS, HF
+from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 
 THREADS = 1
@@ -258,4 +259,32 @@ def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
     return found
 
 
-__all__ = ["THREADS", "ModelFacts", "probe", "probe_model", "rank_threads", "small_battery_microbatch"]
+def probe_meshes(path: str | None, meshes: Sequence[Mesh], batch_format: str = HARNESS) -> None:
+    """What ``--model`` (None: the built-in model) must declare to run over ``meshes``, refused before any rank starts
+    as :class:`harness.model.ModelError` naming the model and the fix, once for the session rather than in every
+    verdict: a mesh with ``tp`` needs its tensor-parallel plan (:func:`harness.distributed.tensor_parallel.plan_of`); a
+    mesh with ``pp`` needs a split whose stages hold every parameter once and, applied in order to a battery
+    microbatch, give the model's own logits (:func:`harness.distributed.pipeline.check_split`,
+    :func:`~harness.distributed.pipeline.check_composes`)."""
+    from harness.distributed import pipeline
+    from harness.distributed.tensor_parallel import plan_of
+    from harness.model import ModelError
+
+    if path is not None and any(m.size("tp") > 1 for m in meshes):
+        plan_of(path)
+    argument = f"model={path!r}" if path is not None else "the built-in model"
+    for pp in sorted({m.size("pp") for m in meshes if m.size("pp") > 1}):
+        model = ModelSpec(path, batch_format).build()
+        try:
+            stages = pipeline.split_of(path)(model, pp)
+            if len(stages) != pp:
+                msg = f"its pipeline split returned {len(stages)} stages for pp={pp}"
+                raise ValueError(msg)
+            with rank_threads(), torch.random.fork_rng(devices=[]):
+                pipeline.check_split(model, stages, "its pipeline split")
+                pipeline.check_composes(model, stages, small_battery_microbatch().inputs, "its pipeline split")
+        except ValueError as exc:
+            raise ModelError(f"{argument} over a mesh with pp={pp}: {exc}") from None
+
+
+__all__ = ["THREADS", "ModelFacts", "probe", "probe_meshes", "probe_model", "rank_threads", "small_battery_microbatch"]

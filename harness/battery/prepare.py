@@ -16,7 +16,7 @@ import torch
 
 from harness.battery import bf16, scenarios
 from harness.battery.chain import Chain, compute_chain
-from harness.battery.facts import probe_model
+from harness.battery.facts import probe_meshes, probe_model
 from harness.battery.gradless import unused_notes
 from harness.battery.objective import resolve, windows_for
 from harness.battery.options import RunSpec
@@ -25,7 +25,7 @@ from harness.battery.spec import ModelSpec, weights_digest
 from harness.battery.start import start_note, start_weights
 from harness.core.formats import HF
 from harness.core.objectives import PLAIN, Objective
-from harness.distributed import pipeline, strategies
+from harness.distributed import strategies
 from harness.distributed.launcher import LaunchError
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.tensor_parallel import plan_of, recipe_plan
@@ -98,11 +98,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                "it with --batch-format harness")
         raise ValueError(msg)
     if spec.mesh.size("pp") > 1:  # a split that loses part of the forward is refused here, not in every rank
-        whole = ModelSpec.of(spec).build()
-        stages = pipeline.split_of(spec.model)(whole, spec.mesh.size("pp"))
-        argument = f"{spec.model or 'the built-in model'}'s pipeline split"
-        pipeline.check_split(whole, stages, argument)
-        pipeline.check_composes(whole, stages, windows[0][0][0].inputs, argument)
+        probe_meshes(spec.model, [spec.mesh], spec.batch_format)
     objective = resolve(spec.objective, spec.recipe)
     windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)

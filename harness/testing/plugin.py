@@ -158,14 +158,14 @@ def pytest_configure(config: pytest.Config) -> None:
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}" if model is not None else str(exc)) from None
     options = options_from(config)  # bad options are a usage error now, before collection (parsed once: kept)
-    if options.model is not None and any(m.size("tp") > 1 for m in options.meshes):
-        from harness.distributed.tensor_parallel import plan_of
+    if any(m.size("tp") > 1 or m.size("pp") > 1 for m in options.meshes):
+        from harness.battery.facts import probe_meshes
         from harness.model import ModelError
 
-        try:
-            plan_of(options.model)
+        try:  # a model without a tp plan or a pp split it can run is refused once, before any verdict
+            probe_meshes(options.model, options.meshes, options.batch_format)
         except ModelError as exc:
-            raise pytest.UsageError(f"--model: {exc}") from None
+            raise pytest.UsageError(f"--model: {exc}" if options.model is not None else str(exc)) from None
     _check_required_gpus()
     _CONTROLLER_VERDICTS.clear()
     _ERRORS.clear()

@@ -66,14 +66,14 @@ def cmd_battery(args: argparse.Namespace) -> int:
     from harness.recipes import CONTROLS, RecipeError, load_recipe
 
     options = battery_options(args)
-    if options.model is not None and any(m.size("tp") > 1 for m in options.meshes):
-        from harness.distributed.tensor_parallel import plan_of
+    if any(m.size("tp") > 1 or m.size("pp") > 1 for m in options.meshes):
+        from harness.battery.facts import probe_meshes
         from harness.model import ModelError
 
-        try:
-            plan_of(options.model)
+        try:  # a model without a tp plan or a pp split it can run is refused once, before any case
+            probe_meshes(options.model, options.meshes, options.batch_format)
         except ModelError as exc:
-            raise BadInput(f"--model: {exc}") from None
+            raise BadInput(f"--model: {exc}" if options.model is not None else str(exc)) from None
     cases = plan.session_cases(options)
     worlds, model, batch_format = options.world_sizes, options.model, options.batch_format
     if args.controls is None:

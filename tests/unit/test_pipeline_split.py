@@ -5,17 +5,21 @@ microbatches as one schedule step's batch."""
 from __future__ import annotations
 
 import re
+import sys
+import types
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from harness.battery import scenarios
+from harness.battery.facts import probe_meshes
 from harness.core.loss import loss_sum
-from harness.core.mesh import PP_SCHEDULES
+from harness.core.mesh import PP_SCHEDULES, Mesh
 from harness.core.microbatch import Microbatch
 from harness.distributed import pipeline
-from harness.model import build_model
+from harness.model import ModelError, build_model
 
 G = torch.Generator().manual_seed(0)
 """The tests' draws: the global generator stays untouched (tests/conftest.py checks)."""
@@ -78,9 +82,6 @@ def test_a_sequential_models_split_points_name_its_children() -> None:
         return model
 
     factory.pp_split = ["out"]  # type: ignore[attr-defined]
-    import sys
-    import types
-
     module = types.ModuleType("pp_split_probe")
     module.factory = factory  # type: ignore[attr-defined]
     sys.modules["pp_split_probe"] = module
@@ -118,11 +119,11 @@ def test_every_schedule_name_is_a_torch_schedule() -> None:
 class _Gapped(nn.Module):
     """Children applied in order, but with a function between two of them: a split by points loses it."""
 
-    def __init__(self, gap: bool) -> None:
+    def __init__(self, gap: bool, vocab: int = 8) -> None:
         super().__init__()
         self.gap = gap
-        self.emb = nn.Embedding(8, 4)
-        self.head = nn.Linear(4, 8)
+        self.emb = nn.Embedding(vocab, 4)
+        self.head = nn.Linear(4, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
@@ -143,3 +144,38 @@ def test_a_split_whose_stages_lose_part_of_the_forward_is_refused(gap: bool) -> 
         return
     with pytest.raises(ValueError, match="the stages applied in order do not give the model's own output"):
         pipeline.check_composes(model, stages, ids)
+
+
+def _gapped_factory(gap: bool) -> Any:
+    def factory() -> nn.Module:
+        return _Gapped(gap, scenarios.BATTERY_CONFIG.vocab_size)
+
+    factory.pp_split = ["head"]  # type: ignore[attr-defined]
+    return factory
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_a_model_whose_split_cannot_run_is_refused_once_before_any_rank_starts(gap: bool) -> None:
+    """:func:`harness.battery.facts.probe_meshes` (what the pytest plugin and the command line call before the first
+    case) refuses a split that loses part of the forward as a usage error naming the model and the pp size; the same
+    model without the function between its children passes, and a mesh without pp asks nothing of the split."""
+    name = f"pp_gap_probe_{gap}:factory"  # a module of its own per case: factories are loaded once per path
+    module = types.ModuleType(name.split(":")[0])
+    module.factory = _gapped_factory(gap)  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        probe_meshes(name, [Mesh.parse("dp=2")])
+        if not gap:
+            probe_meshes(name, [Mesh.parse("pp=2"), Mesh.parse("dp=2,pp=2")])
+            return
+        with pytest.raises(ModelError, match=r"model='pp_gap_probe_True:factory' over a mesh with pp=2: its pipeline "
+                                             r"split: the stages applied in order do not give"):
+            probe_meshes(name, [Mesh.parse("dp=2"), Mesh.parse("pp=2")])
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_the_builtin_model_over_more_stages_than_units_is_refused_up_front() -> None:
+    """The built-in model has ``tok``, its blocks and ``ln`` to split: a pp beyond that is refused naming the units."""
+    with pytest.raises(ModelError, match=r"the built-in model over a mesh with pp=16: .*use pp <="):
+        probe_meshes(None, [Mesh.parse("pp=16")])
