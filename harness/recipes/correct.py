@@ -91,11 +91,17 @@ def global_sum(value: float, group: Any = None) -> float:
 
 
 class GlobalTokenMean:
-    """The correct recipe: sums, one all-reduced count before any backward, ``no_sync`` around all but the last."""
+    """The correct recipe: sums, one all-reduced count before any backward, ``no_sync`` around all but the last. On a
+    mesh with pp (``pipeline`` given) it is :data:`harness.recipes.pipelined.pipeline_token_mean`, so that the
+    battery's default recipe runs on every mesh the harness runs."""
 
     name = "global_token_mean"
 
-    def backward_window(self, model: nn.Module, window: Sequence[Batch]) -> float | None:
+    def backward_window(self, model: nn.Module, window: Sequence[Batch], pipeline: Any = None) -> float | None:
+        if pipeline is not None:
+            from harness.recipes.pipelined import pipeline_token_mean
+
+            return pipeline_token_mean.backward_window(model, window, pipeline=pipeline)
         total, world = window_count(window), _world_size()
         local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
         # The logged loss must be the global token mean on every rank, not this rank's share of it.

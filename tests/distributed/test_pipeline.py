@@ -73,7 +73,7 @@ def test_scale_grads_left_on_over_two_steps_fails_parity_at_dp2() -> None:
 def test_a_recipe_that_takes_no_pipeline_is_refused_with_the_fix() -> None:
     """A plain recipe on a pp mesh cannot run a stage: the run fails with the contract's message naming
     ``pipeline``."""
-    run = pp_run("harness.recipes:global_token_mean")
+    run = pp_run("harness.recipes:mesh_token_mean")
     assert run.failure is not None
     assert "takes no pipeline keyword" in " ".join(run.failure.details.values())
 
@@ -88,3 +88,15 @@ def test_reinitialised_stages_keep_every_step_on_ddp_stages_and_only_the_last_on
     verdict = checks.parity(pp_run(REINITIALISED, "dp=2,pp=2", strategy="fsdp2"))
     assert not verdict.passed
     assert "numbers" == verdict.cause
+
+
+@pytest.mark.slow
+def test_the_batterys_default_recipe_drives_the_pipeline_on_a_pp_mesh() -> None:
+    """Without ``--recipe`` the battery judges ``harness.recipes:global_token_mean``; on a mesh with pp it drives the
+    schedule as ``pipeline_token_mean`` does, so the default runs on every mesh and passes."""
+    from harness.recipes import CORRECT_RECIPE
+
+    run = pp_run(CORRECT_RECIPE)
+    for check in (checks.parity, checks.logged_loss):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
