@@ -59,3 +59,30 @@ def test_the_installed_battery_rejects_a_wrong_recipe_in_a_separate_directory(tm
     )
     assert 1 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert "check parity FAILED" in done.stdout
+
+
+@pytest.mark.slow
+@requires_installed_plugin
+@pytest.mark.parametrize("scale_grads", ["False", "True"])
+def test_the_pipeline_example_passes_on_a_pp_mesh_and_its_scale_grads_twin_is_named(tmp_path: Path,
+                                                                                    scale_grads: str) -> None:
+    """``examples/pipeline_recipe.py`` from another directory at ``--mesh pp=2 --pp-schedule 1f1b``: it passes every
+    check of the uneven scenario; the same file with ``scale_grads=True`` (torch's default, with a loss already
+    divided by the window's count and two steps per window) fails parity, read by its formula."""
+    user = tmp_path / "userproject"
+    user.mkdir()
+    source = (ROOT / "examples" / "pipeline_recipe.py").read_text()
+    edited = source.replace("scale_grads=False)", f"scale_grads={scale_grads})")
+    assert 1 == edited.count(f"scale_grads={scale_grads})")
+    (user / "pp_recipe.py").write_text(edited)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "harness.battery", "-q",
+         "--recipe=pp_recipe:recipe", "--mesh", "pp=2", "--pp-schedule", "1f1b", "-k", "uneven and not drawn"],
+        cwd=user, env={**os.environ, "PYTHONPATH": str(user)}, capture_output=True, text=True, timeout=600,
+    )
+    if scale_grads == "False":
+        assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+        return
+    assert 1 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "check parity FAILED" in done.stdout
+    assert "diagnosis (pp_divided_by_microbatches)" in done.stdout
