@@ -53,7 +53,9 @@ from harness.battery.objective import windows_for
 from harness.battery.options import (
     CHUNKING_HELP,
     MESH_HELP,
+    PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
+    PP_STEPS_HELP,
     BatteryOptions,
     RunSpec,
     parse_meshes,
@@ -94,6 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", action="append", metavar="DIM=N,...", help=MESH_HELP)
     p.add_argument("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
     p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
+    p.add_argument("--pp-steps", default="1", metavar="A", help=PP_STEPS_HELP)
+    p.add_argument("--pp-microbatches", default="2", metavar="M", help=PP_MICROBATCHES_HELP)
     return p.parse_args(argv)
 
 
@@ -139,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                precision=args.precision, world_sizes=[1], examples=0,
                                                deadline=args.deadline, find_unused=args.find_unused,
                                                report=args.report, objective=args.objective,
-                                               chunking=args.cp_chunking, pp_schedule=args.pp_schedule),
+                                               chunking=args.cp_chunking, pp_schedule=args.pp_schedule,
+                                               pp_steps=args.pp_steps, pp_microbatches=args.pp_microbatches),
                           world_sizes=(world,), meshes=parse_meshes(args.mesh, max_world_size=None))
         _meshes(options, world)
         data_ranks = options.meshes[0].data_ranks if options.meshes else world

@@ -10,6 +10,16 @@ has, where the cp shards of one data coordinate (:mod:`harness.data.context_para
 
 and the base scenario ``uneven`` already gives cp shards unequal counts (its prompts sit in the first chunk, its
 padding in the last), ``one_empty`` an empty dp coordinate.
+
+A pipeline (pp > 1) drives a window as A schedule steps (``--pp-steps``), each taking at least one of the window's
+microbatches, so its scenarios hold :data:`PP_WINDOW` microbatches per data rank, enough for A = 1, 2 or 3:
+
+- ``pp_uneven``: the uneven draw (unequal rows, lengths and counts per rank and microbatch);
+- ``pp_balanced``: every data rank the same count, microbatch by microbatch (a count taken from one step, or one
+  data rank, is then exact: what the uneven one exists to show);
+- ``pp_empty_step``: ``pp_uneven`` with data rank 0's first microbatch and the last data rank's last one holding no
+  supervised token: the first schedule step at A = 2 or 3 holds none on rank 0, the last at A = 3 none on the last
+  data rank, and every stage must still step (a stage that skips a step leaves its peers waiting on a send).
 """
 
 from __future__ import annotations
@@ -85,10 +95,37 @@ def empty_shard(mesh: Mesh, chunking: str) -> Windows:
     return [window]
 
 
+PP_WINDOW = 3
+"""Microbatches per data rank in a pipeline scenario's window: the most schedule steps (``--pp-steps``) it takes."""
+
+
+def pp_uneven(mesh: Mesh, chunking: str) -> Windows:
+    """One window of :data:`PP_WINDOW` microbatches of about 3 rows per data rank, drawn as ``uneven`` is."""
+    return scenarios.plan_windows(mesh.data_ranks, [PP_WINDOW], rows_per_microbatch=3, seed_offset=5)
+
+
+def pp_balanced(mesh: Mesh, chunking: str) -> Windows:
+    """The balanced window with :data:`PP_WINDOW` microbatches of 3 rows per data rank."""
+    return scenarios.balanced(mesh.data_ranks, PP_WINDOW, 3)
+
+
+def pp_empty_step(mesh: Mesh, chunking: str) -> Windows:
+    """``pp_uneven`` with no supervised token in data rank 0's first microbatch and the last data rank's last one
+    (both on rank 0 at dp = 1, its middle microbatch supervised): the count is the window's, and a step that holds
+    none still runs forward and backward on every stage."""
+    window = pp_uneven(mesh, chunking)[0]
+    window[0][0] = scenarios.unsupervised(window[0][0])
+    window[-1][-1] = scenarios.unsupervised(window[-1][-1])
+    return [window]
+
+
 MESH_SCENARIOS: dict[str, tuple[Callable[[Mesh, str], Windows], Callable[[Mesh], bool]]] = {
     "cp_balanced": (cp_balanced, lambda m: m.size("cp") > 1),
     "one_token": (one_token, lambda m: len(m.names) > 1),
     "empty_shard": (empty_shard, lambda m: m.size("cp") > 1),
+    "pp_uneven": (pp_uneven, lambda m: m.size("pp") > 1),
+    "pp_balanced": (pp_balanced, lambda m: m.size("pp") > 1),
+    "pp_empty_step": (pp_empty_step, lambda m: m.size("pp") > 1),
 }
 """Each mesh scenario's builder and the meshes it is offered on."""
 
@@ -107,10 +144,12 @@ def build(name: str, mesh: Mesh, chunking: str = "contiguous") -> Windows:
         return scenarios.build(name, mesh.data_ranks)
     fn, offered = MESH_SCENARIOS[name]
     if not offered(mesh):
-        msg = (f"scenario={name!r} needs a mesh with {'cp > 1' if name != 'one_token' else 'two dimensions or more'} "
-               f"(got {mesh.label}); give --mesh, e.g. dp=2,cp=2")
+        need, example = (("pp > 1", "dp=2,pp=2") if name.startswith("pp_") else
+                         ("cp > 1", "dp=2,cp=2") if name != "one_token" else ("two dimensions or more", "dp=2,cp=2"))
+        msg = f"scenario={name!r} needs a mesh with {need} (got {mesh.label}); give --mesh, e.g. {example}"
         raise ValueError(msg)
     return fn(mesh, chunking)
 
 
-__all__ = ["MESH_SCENARIOS", "build", "cp_balanced", "empty_shard", "for_mesh", "one_token"]
+__all__ = ["MESH_SCENARIOS", "PP_WINDOW", "build", "cp_balanced", "empty_shard", "for_mesh", "one_token",
+           "pp_balanced", "pp_empty_step", "pp_uneven"]

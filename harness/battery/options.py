@@ -88,6 +88,49 @@ def check_pp_schedule(value: object, option: str = "--pp-schedule") -> str:
         raise ValueError(msg)
     return name
 
+
+PP_STEPS_HELP = ("the schedule steps a pipelined recipe accumulates a window over (A; pipeline.accumulation_steps, "
+                 "default 1): the window's microbatches cut into A consecutive parts, one schedule step each; at most "
+                 "the window's microbatch count")
+"""``--pp-steps``' help, the same on every surface."""
+
+PP_MICROBATCHES_HELP = ("the microbatches each schedule step of a pipelined recipe is split into (M; "
+                        "pipeline.n_microbatches, default 2)")
+"""``--pp-microbatches``' help, the same on every surface."""
+
+PP_MAX_MICROBATCHES = 64
+"""The most schedule microbatches a step may be split into: past it a step is mostly wholly ignored padding rows."""
+
+
+def check_pp_count(value: object, option: str, default: int) -> int:
+    """``value`` (a positive number, or its digits as a string, None for ``default``) as an int; ValueError naming
+    ``option``, the value and the rule otherwise. ``--pp-steps`` and ``--pp-microbatches`` (:class:`RunSpec`'s
+    ``pp_steps`` and ``pp_microbatches``) are a training config's accumulation plan, not data: whether A steps fit
+    a window is checked against its windows (:func:`check_pp_plan`)."""
+    if value is None:
+        return default
+    count = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= PP_MAX_MICROBATCHES:
+        example = f"{option} 2" if option.startswith("--") else f"{option}=2"
+        msg = (f"{option}={value!r} must be a whole number from 1 to {PP_MAX_MICROBATCHES} (default {default}), e.g. "
+               f"{example}")
+        raise ValueError(msg)
+    return count
+
+
+def check_pp_plan(windows: Sequence[Sequence[Sequence[Any]]], steps: int, scenario: str,
+                  option: str = "--pp-steps") -> None:
+    """ValueError naming ``option`` when a window of ``windows`` holds fewer microbatches per rank than ``steps``:
+    every schedule step takes at least one of the window's microbatches."""
+    short = min((len(rank) for window in windows for rank in window), default=steps)
+    if steps > short:
+        fix = f"{option} {short}" if option.startswith("--") else f"{option}={short}"
+        msg = (f"{option}={steps} schedule steps but scenario {scenario!r} has a window of {short} microbatch"
+               f"{'es' if short != 1 else ''} per rank: each step takes at least one; use {fix} or less, "
+               "or a scenario of longer windows (pp_uneven, pp_balanced, pp_empty_step: 3 microbatches)")
+        raise ValueError(msg)
+
+
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
     "--strategy": {"default": "ddp", "choices": tuple(STRATEGY_CHOICES),
                    "help": "the data-parallel strategy the ranks run under: ddp (DistributedDataParallel, default), "
@@ -274,6 +317,10 @@ class RunSpec:
     """How the cp ranks split a sequence's positions (:mod:`harness.data.context_parallel`)."""
     pp_schedule: str = "gpipe"
     """The schedule a recipe's ``pipeline.schedule()`` builds on a mesh with pp (:data:`PP_SCHEDULES`)."""
+    pp_steps: int = 1
+    """A: the schedule steps a pipelined recipe accumulates each window over (``pipeline.accumulation_steps``)."""
+    pp_microbatches: int = 2
+    """M: the microbatches of each schedule step (``pipeline.n_microbatches``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or ":" not in self.recipe:
@@ -297,6 +344,11 @@ class RunSpec:
             msg = f"chunking={self.chunking!r} must be one of {', '.join(CHUNKINGS)}"
             raise ValueError(msg)
         check_pp_schedule(self.pp_schedule, "pp_schedule")
+        for field, default in (("pp_steps", 1), ("pp_microbatches", 2)):
+            value = getattr(self, field)
+            if isinstance(value, str) or check_pp_count(value, field, default) != value:
+                msg = f"{field}={value!r} must be an int from 1 to {PP_MAX_MICROBATCHES}, e.g. {field}={default}"
+                raise ValueError(msg)
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 \
                 or self.world_size % self.nodes:
             msg = (f"nodes={self.nodes!r} must be a positive number of nodes that divides world_size={self.world_size} "
@@ -338,6 +390,10 @@ class BatteryOptions:
     """``--cp-chunking``: how the cp ranks of a mesh split the positions (:data:`harness.core.mesh.CHUNKINGS`)."""
     pp_schedule: str = "gpipe"
     """``--pp-schedule``: the schedule of a mesh with pp (:data:`harness.core.mesh.PP_SCHEDULES`)."""
+    pp_steps: int = 1
+    """``--pp-steps``: the schedule steps of each pipelined window (A)."""
+    pp_microbatches: int = 2
+    """``--pp-microbatches``: the microbatches of each schedule step (M)."""
 
     @classmethod
     def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
@@ -345,7 +401,8 @@ class BatteryOptions:
               examples: int | None = DEFAULT_EXAMPLES, deadline: float | None = None, find_unused: str = "auto",
               report: str | None = None, objective: str = "token_mean",
               mesh: str | Sequence[str] | None = None, chunking: str | None = "contiguous",
-              pp_schedule: str | None = "gpipe") -> BatteryOptions:
+              pp_schedule: str | None = "gpipe", pp_steps: int | str | None = 1,
+              pp_microbatches: int | str | None = 2) -> BatteryOptions:
         """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
         precisions(precision)
         strategies(strategy)
@@ -364,7 +421,9 @@ class BatteryOptions:
                    deadline=DEADLINE if deadline is None else _deadline(deadline),
                    find_unused=check_find_unused(find_unused), report=report, objective=check_objective(objective),
                    meshes=meshes, chunking=_choice(chunking or "contiguous", CHUNKINGS, "--cp-chunking"),
-                   pp_schedule=check_pp_schedule(pp_schedule or "gpipe"))
+                   pp_schedule=check_pp_schedule(pp_schedule or "gpipe"),
+                   pp_steps=check_pp_count(pp_steps, "--pp-steps", 1),
+                   pp_microbatches=check_pp_count(pp_microbatches, "--pp-microbatches", 2))
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -383,14 +442,15 @@ class BatteryOptions:
         return RunSpec(recipe, scenario, world_size, precision, model=self.model,
                        batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
                        find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective,
-                       layout=mesh, chunking=self.chunking, pp_schedule=self.pp_schedule)
+                       layout=mesh, chunking=self.chunking, pp_schedule=self.pp_schedule, pp_steps=self.pp_steps,
+                       pp_microbatches=self.pp_microbatches)
 
 
 PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": "strategy", "precision": "precision",
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
                   "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report",
                   "objective": "objective", "mesh": "mesh", "chunking": "cp_chunking",
-                  "pp_schedule": "pp_schedule"}
+                  "pp_schedule": "pp_schedule", "pp_steps": "pp_steps", "pp_microbatches": "pp_microbatches"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
 
 _CACHED = "_harness_battery_options"
@@ -418,7 +478,10 @@ __all__ = [
     "MAX_SCENARIO_WORLD_SIZE",
     "MAX_WORLD_SIZE",
     "OBJECTIVES",
+    "PP_MAX_MICROBATCHES",
+    "PP_MICROBATCHES_HELP",
     "PP_SCHEDULE_HELP",
+    "PP_STEPS_HELP",
     "PRECISIONS",
     "PRECISION_CHOICES",
     "PYTEST_OPTIONS",
@@ -429,6 +492,8 @@ __all__ = [
     "add_lane_options",
     "check_find_unused",
     "check_objective",
+    "check_pp_count",
+    "check_pp_plan",
     "check_pp_schedule",
     "check_strategy_over",
     "check_world_sizes",

@@ -87,7 +87,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         wrapped = pipeline.wrap(model, run.model, mesh, dev, schedule=run.pp_schedule, strategy=run.strategy,
                                 find_unused=find_unused, reduction=declared_reduction(recipe, run.reduction),
                                 on_comm_hook=refuse_comm_hook,
-                                mixed_precision=torch.bfloat16 if low and run.strategy == "fsdp2" else None)
+                                mixed_precision=torch.bfloat16 if low and run.strategy == "fsdp2" else None,
+                                accumulation_steps=run.pp_steps, n_microbatches=run.pp_microbatches)
     else:
         wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
                                                     reduction=declared_reduction(recipe, run.reduction),

@@ -246,8 +246,9 @@ def all_empty(world_size: int) -> Windows:
     return [[[unsupervised(mb) for mb in rank] for rank in uneven(world_size)[0]]]
 
 
-def balanced(world_size: int) -> Windows:
-    """One window where every rank holds exactly the same supervised count (different rows of equal shape).
+def balanced(world_size: int, microbatches: int | None = None, rows: int | None = None) -> Windows:
+    """One window where every rank holds exactly the same supervised count (different rows of equal shape):
+    ``microbatches`` of ``rows`` rows per rank (the battery config's accumulation and rows per rank by default).
 
     Not a battery scenario: it is where the mean of local means is right, kept to show why equal counts prove nothing.
     """
@@ -257,7 +258,7 @@ def balanced(world_size: int) -> Windows:
         if r.split == "train":
             groups[(len(r.tokens), r.prompt_len)].append(r)
     usable = [g for _, g in sorted(groups.items()) if len(g) >= world_size]
-    bs, acc = config.batch_size_per_rank, config.accumulation
+    bs, acc = rows or config.batch_size_per_rank, microbatches or config.accumulation
     if len(usable) < bs * acc:
         msg = f"world_size={world_size}: the corpus has too few rows of equal shape to build a balanced window"
         raise ValueError(msg)

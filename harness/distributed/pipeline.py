@@ -219,9 +219,14 @@ def rows_of(window: Sequence[Any], inputs: torch.Tensor, labels: torch.Tensor) -
 class Pipeline:
     """What a recipe drives a pipelined window with (its ``pipeline`` keyword): this rank's ``stage`` (the
     ``PipelineStage``), ``mesh`` (the ranks' ``DeviceMesh``), the schedule's name, and the groups a count is reduced
-    over (:attr:`token_group`, None when the mesh has no data-parallel dimension: the count is then this rank's own)."""
+    over (:attr:`token_group`, None when the mesh has no data-parallel dimension: the count is then this rank's own).
 
-    def __init__(self, stage: Any, device_mesh: Any, mesh: Mesh, schedule_name: str, token_group: Any) -> None:
+    The run's accumulation plan, as a training config gives it to the loop (``--pp-steps``, ``--pp-microbatches``):
+    :attr:`accumulation_steps` (A) schedule steps per window, :attr:`n_microbatches` (M) microbatches per step. The
+    correct recipe drives its windows by it; a recipe may choose its own."""
+
+    def __init__(self, stage: Any, device_mesh: Any, mesh: Mesh, schedule_name: str, token_group: Any, *,
+                 accumulation_steps: int = 1, n_microbatches: int = 2) -> None:
         self.stage = stage
         self.mesh = device_mesh
         self.layout = mesh
@@ -233,6 +238,10 @@ class Pipeline:
         self.window: Sequence[Any] = ()
         self.steps: list[ScheduleStep] = []
         """The window's schedule steps so far (:meth:`watch` starts a window)."""
+        self.accumulation_steps = accumulation_steps
+        """A: the schedule steps of each window in the run's plan (``--pp-steps``; :attr:`steps` is what ran)."""
+        self.n_microbatches = n_microbatches
+        """M: the microbatches of each schedule step in the run's plan (``--pp-microbatches``)."""
 
     def watch(self, window: Sequence[Any]) -> None:
         """Start recording the schedule steps of ``window`` (the harness calls it before each window)."""
@@ -350,10 +359,12 @@ class PipelineWrapped:
 def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch.device, *, schedule: str,
          strategy: str = "ddp", reduction: str = "mean", find_unused: bool = False,
          on_comm_hook: Callable[[], None] | None = None,
-         mixed_precision: torch.dtype | None = None) -> PipelineWrapped:
+         mixed_precision: torch.dtype | None = None, accumulation_steps: int = 1,
+         n_microbatches: int = 2) -> PipelineWrapped:
     """This rank's stage of ``model`` over ``rank_mesh`` (a :class:`harness.distributed.device_mesh.RankMesh` with a
     ``pp`` dimension and at most ``dp`` besides), wrapped by ``strategy`` over dp when dp > 1 (DDP, or FSDP2: each
-    block and the stage sharded over dp, ``mixed_precision`` its policy), in a ``PipelineStage`` over the pp group."""
+    block and the stage sharded over dp, ``mixed_precision`` its policy), in a ``PipelineStage`` over the pp group;
+    the :class:`Pipeline` carries the run's plan (``accumulation_steps``, ``n_microbatches``)."""
     from torch.distributed.pipelining import PipelineStage
 
     from harness.distributed import strategies
@@ -376,7 +387,8 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
         token_group = dp_mesh.get_group()
     submod = stage_module if inner is None else inner.module
     stage = PipelineStage(submod, me, pp, device, group=_pp_group_of(rank_mesh))
-    pipeline = Pipeline(stage, rank_mesh.device_mesh, mesh, schedule, token_group)
+    pipeline = Pipeline(stage, rank_mesh.device_mesh, mesh, schedule, token_group,
+                        accumulation_steps=accumulation_steps, n_microbatches=n_microbatches)
     return PipelineWrapped(model, stage_module, inner, pipeline)
 
 

@@ -3,13 +3,24 @@
 A pipelined recipe's ``backward_window`` takes ``pipeline`` (:class:`harness.distributed.pipeline.Pipeline`): every pp
 rank receives its data coordinate's whole window, counts its supervised tokens over the token group (dp, never pp: the
 pp ranks of one coordinate hold the same tokens) before any backward, then drives the window as ``steps`` schedule
-steps of ``n_microbatches`` microbatches each, choosing the loss function and ``scale_grads`` itself.
+steps of ``n_microbatches`` microbatches each, choosing the loss function and ``scale_grads`` itself. The correct
+recipe takes both from the run's plan, ``pipeline.accumulation_steps`` and ``pipeline.n_microbatches``
+(``--pp-steps``, ``--pp-microbatches``), as a training loop takes its accumulation steps from its config.
 
 How a window maps to schedule steps: a schedule splits one step's batch into microbatches of equal shape, and the
 harness's microbatches differ in rows and length. So the window's microbatches are cut into ``steps`` consecutive
-parts, and each part's rows are stacked into one step's batch, padded on the right to the part's longest row and with
-wholly ignored rows to a multiple of ``n_microbatches`` (:meth:`~harness.distributed.pipeline.Pipeline.batch`). The
-supervised tokens are the window's own, so a loss sum over the steps is the window's loss sum.
+parts, and each part's rows are stacked into one step's batch, padded on the right to the window's longest row and
+with wholly ignored rows to the most rows of any part, a multiple of ``n_microbatches``
+(:meth:`~harness.distributed.pipeline.Pipeline.batch`): one schedule drives every step, and it infers the stage's
+shapes on its first step only. The supervised tokens are the window's own, so a loss sum over the steps is the
+window's loss sum; a step that holds none has loss 0 and still runs forward and backward on every stage (a stage that
+skipped it would leave its neighbours waiting on a send).
+
+Synchronizations: torch's schedules reduce a data-parallel stage's gradient at the end of every step (a DDP stage's
+last backward prepares its all-reduce itself, inside ``no_sync()`` or not; an FSDP2 stage's ``perform_reduce_grad``
+turns gradient sync back on and reduce-scatters), so a window of A steps synchronizes A times, as torchtitan's
+accumulation over PP steps does. A reduced gradient plus the next step's is reduced again to the same sum, so the
+result is exact; ``checks.one_sync`` counts one synchronization per recorded schedule step on a pipeline.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import global_token_loss, loss_sum
-from harness.core.microbatch import Microbatch
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.recipes.correct import global_sum
 from harness.recipes.helpers import global_count, require_tokens
 
@@ -32,8 +43,8 @@ NO_PIPELINE = ("this recipe drives a pipeline schedule and got no pipeline: run 
 
 
 def parts(window: Sequence[Microbatch], steps: int) -> list[list[Microbatch]]:
-    """``window``'s microbatches in ``steps`` consecutive non-empty parts (the earlier parts one longer where they do
-    not divide evenly); ValueError when the window has fewer microbatches than steps."""
+    """``window``'s microbatches in ``steps`` consecutive non-empty parts (the later parts one longer where they do
+    not divide evenly: 3 in 2 steps are 1 and 2); ValueError when the window has fewer microbatches than steps."""
     if len(window) < steps:
         msg = f"a window of {len(window)} microbatches cannot run as {steps} schedule steps"
         raise ValueError(msg)
@@ -41,12 +52,24 @@ def parts(window: Sequence[Microbatch], steps: int) -> list[list[Microbatch]]:
     return [list(window[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
+def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's batch grown to ``rows`` x ``length`` with ``PAD`` inputs and ignored labels (right and below)."""
+    b, t = inputs.shape
+    if (b, t) == (rows, length):
+        return inputs, labels
+    grown_inputs = torch.full((rows, length), PAD, dtype=inputs.dtype, device=inputs.device)
+    grown_labels = torch.full((rows, length), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    grown_inputs[:b, :t], grown_labels[:b, :t] = inputs, labels
+    return grown_inputs, grown_labels
+
+
 def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, steps: int = 1,
-          scale_grads: bool = False, loss_factor: float = 1.0) -> float:
+          scale_grads: bool = False, loss_factor: float = 1.0, reinitialise: bool = False) -> float:
     """Run ``window`` through ``pipeline`` as ``steps`` schedule steps of ``n_microbatches`` each, with the loss of
     each microbatch ``loss_sum * token_group_size / global_count * loss_factor`` and the schedule's ``scale_grads``;
     returns the window's token mean (the last stage's loss sums, broadcast over pp, summed over the token group, over
-    the count): the same on every rank. The correct recipe is ``scale_grads=False``, ``loss_factor=1``."""
+    the count): the same on every rank. The correct recipe is ``scale_grads=False``, ``loss_factor=1``, one schedule
+    for every step; ``reinitialise`` builds a new schedule per step (the stage's shapes inferred again before each)."""
     if pipeline is None:
         raise RuntimeError(NO_PIPELINE)
     group = pipeline.token_group
@@ -61,10 +84,13 @@ def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, s
         sums.append(float(s.detach()))
         return global_token_loss(s, total, size) * loss_factor
 
+    batches = [pipeline.batch(part, n_microbatches) for part in parts(window, steps)]
+    rows, length = max(i.shape[0] for i, _ in batches), max(i.shape[1] for i, _ in batches)
     window_sum = 0.0
-    for part in parts(window, steps):
-        schedule = pipeline.schedule(loss_fn, n_microbatches, scale_grads=scale_grads)
-        inputs, labels = pipeline.batch(part, n_microbatches)
+    schedule = None
+    for inputs, labels in (_padded(i, lab, rows, length) for i, lab in batches):
+        if schedule is None or reinitialise:
+            schedule = pipeline.schedule(loss_fn, n_microbatches, scale_grads=scale_grads)
         sums.clear()
         pipeline.step(schedule, inputs, labels)
         # The step's own microbatches: the schedule's first step also calls loss_fn on the placeholder output it
@@ -78,13 +104,16 @@ class PipelineTokenMean:
     """The correct recipe on a pipeline: the count over the token group before any backward, each microbatch's loss
     sum times the token group's size over that count (DDP's average over dp undoes the factor), and
     ``scale_grads=False``: the loss is already divided by the window's count, so the schedule must not divide the
-    gradients by the number of microbatches again. One schedule step per window (one synchronization)."""
+    gradients by the number of microbatches again. The window runs as the run's plan says: ``accumulation_steps``
+    schedule steps (A, ``--pp-steps``, default 1) of ``n_microbatches`` (M, ``--pp-microbatches``, default 2), all
+    by one schedule; one synchronization per step."""
 
     name = "pipeline_token_mean"
-    n_microbatches = 2
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch], pipeline: Any = None) -> float:
-        return drive(pipeline, window, self.n_microbatches)
+        if pipeline is None:
+            raise RuntimeError(NO_PIPELINE)
+        return drive(pipeline, window, pipeline.n_microbatches, steps=pipeline.accumulation_steps)
 
 
 pipeline_token_mean = PipelineTokenMean()

@@ -36,7 +36,13 @@ _PROPERTY = "battery_verdict"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # pure Python, like every option's parsing
-    from harness.battery.options import CHUNKING_HELP, MESH_HELP, PP_SCHEDULE_HELP
+    from harness.battery.options import (
+        CHUNKING_HELP,
+        MESH_HELP,
+        PP_MICROBATCHES_HELP,
+        PP_SCHEDULE_HELP,
+        PP_STEPS_HELP,
+    )
 
     group = parser.getgroup("ddp-harness", "distributed gradient semantics")
     group.addoption(
@@ -59,6 +65,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mesh", action="append", default=None, metavar="DIM=N,...", help=MESH_HELP)
     group.addoption("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
     group.addoption("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
+    group.addoption("--pp-steps", default="1", metavar="A", help=PP_STEPS_HELP)
+    group.addoption("--pp-microbatches", default="2", metavar="M", help=PP_MICROBATCHES_HELP)
     group.addoption(
         "--strategy", default="ddp", choices=("ddp", "fsdp2", "both"),
         help="the data-parallel strategy the battery's ranks run under: ddp (DistributedDataParallel, default), fsdp2 "

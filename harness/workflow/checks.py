@@ -49,7 +49,8 @@ def battery_options(args: argparse.Namespace) -> BatteryOptions:
             examples=args.examples, deadline=args.deadline,
             find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json,
             objective=getattr(args, "objective", "token_mean"), mesh=getattr(args, "mesh", None),
-            chunking=getattr(args, "cp_chunking", "contiguous"), pp_schedule=getattr(args, "pp_schedule", "gpipe"))
+            chunking=getattr(args, "cp_chunking", "contiguous"), pp_schedule=getattr(args, "pp_schedule", "gpipe"),
+            pp_steps=getattr(args, "pp_steps", 1), pp_microbatches=getattr(args, "pp_microbatches", 2))
     except ValueError as exc:
         raise BadInput(str(exc)) from None
 

@@ -17,7 +17,14 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from harness.battery.options import CHUNKING_HELP, MESH_HELP, PP_SCHEDULE_HELP, add_lane_options
+from harness.battery.options import (
+    CHUNKING_HELP,
+    MESH_HELP,
+    PP_MICROBATCHES_HELP,
+    PP_SCHEDULE_HELP,
+    PP_STEPS_HELP,
+    add_lane_options,
+)
 from harness.workflow import explain, resume
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
 from harness.workflow.commands import (
@@ -110,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=MESH_HELP)
     p.add_argument("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
     p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
+    p.add_argument("--pp-steps", default="1", metavar="A", help=PP_STEPS_HELP)
+    p.add_argument("--pp-microbatches", default="2", metavar="M", help=PP_MICROBATCHES_HELP)
     add_lane_options(p)  # --strategy, --precision, --objective: explain declares the same
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model to check the recipes on: a zero-argument callable returning a torch.nn.Module (or "

@@ -40,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="how the cp ranks split the positions (the battery's --cp-chunking)")
     p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...",
                    help="the pipeline schedule on a mesh with pp (the battery's --pp-schedule)")
+    p.add_argument("--pp-steps", default="1", metavar="A",
+                   help="the schedule steps of each pipelined window (the battery's --pp-steps)")
+    p.add_argument("--pp-microbatches", default="2", metavar="M",
+                   help="the microbatches of each schedule step (the battery's --pp-microbatches)")
     add_lane_options(p, precision="fp32")  # the battery's --strategy, --precision, --objective
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
@@ -164,7 +168,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     try:  # the battery's own validation, so a bad value gets the battery's message
         options = BatteryOptions.parse(strategy=args.strategy, precision=args.precision, objective=args.objective,
                                        batch_format=args.batch_format, chunking=args.cp_chunking,
-                                       pp_schedule=args.pp_schedule)
+                                       pp_schedule=args.pp_schedule, pp_steps=args.pp_steps,
+                                       pp_microbatches=args.pp_microbatches)
+        args.pp_steps, args.pp_microbatches = options.pp_steps, options.pp_microbatches
+        if args.layout is not None and args.layout.size("pp") > 1:  # A steps must fit the scenario's windows
+            from harness.battery.options import check_pp_plan
+
+            check_pp_plan(mesh_scenarios.build(args.scenario, args.layout), options.pp_steps, args.scenario)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     try:
@@ -205,7 +215,8 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     spec = RunSpec(args.recipe, args.scenario, args.world_size, precision, model=model,
                    batch_format=args.batch_format, strategy=strategy, deadline=args.deadline, objective=args.objective,
                    layout=getattr(args, "layout", None), chunking=getattr(args, "cp_chunking", "contiguous"),
-                   pp_schedule=getattr(args, "pp_schedule", "gpipe"))
+                   pp_schedule=getattr(args, "pp_schedule", "gpipe"), pp_steps=getattr(args, "pp_steps", 1),
+                   pp_microbatches=getattr(args, "pp_microbatches", 2))
     run = runner.run(spec)
     ran = time.monotonic() - start
     if run.failure is not None:

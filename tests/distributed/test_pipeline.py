@@ -4,6 +4,8 @@ one."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from harness.battery import checks, runner
@@ -17,10 +19,72 @@ REINITIALISED = "harness.recipes:pp_reinitialised_stages"
 
 
 def pp_run(recipe: str, shape: str = "pp=2", schedule: str = "gpipe", precision: str = "fp32",
-           strategy: str = "ddp") -> runner.Run:
+           strategy: str = "ddp", scenario: str = "uneven", steps: int = 1, microbatches: int = 2) -> runner.Run:
     mesh = Mesh.parse(shape)
-    return runner.run(RunSpec(recipe, "uneven", mesh.world_size, precision, layout=mesh, pp_schedule=schedule,
-                              strategy=strategy))
+    return runner.run(RunSpec(recipe, scenario, mesh.world_size, precision, layout=mesh, pp_schedule=schedule,
+                              strategy=strategy, pp_steps=steps, pp_microbatches=microbatches))
+
+
+PLANS = [  # (schedule, A, M, strategy, scenario): every pair of two factors' values in some row (11 of the 72)
+    ("gpipe", 1, 2, "ddp", "pp_uneven"),
+    ("gpipe", 2, 4, "fsdp2", "pp_balanced"),
+    ("1f1b", 3, 2, "fsdp2", "pp_empty_step"),
+    ("1f1b", 1, 4, "ddp", "pp_balanced"),
+    ("gpipe", 3, 4, "ddp", "pp_empty_step"),
+    ("1f1b", 2, 2, "ddp", "pp_uneven"),
+    ("gpipe", 1, 4, "fsdp2", "pp_uneven"),
+    ("gpipe", 3, 2, "ddp", "pp_balanced"),
+    ("gpipe", 1, 2, "ddp", "pp_empty_step"),
+    ("gpipe", 2, 2, "ddp", "pp_empty_step"),
+    ("gpipe", 3, 2, "ddp", "pp_uneven"),
+]
+"""The slow tier's plans over dp=2,pp=2: schedule {gpipe, 1f1b} x A {1, 2, 3} x M {2, 4} x strategy {ddp, fsdp2} x
+scenario {pp_uneven, pp_balanced, pp_empty_step} pruned to pairwise coverage (a greedy cover; the full product is 72
+runs); ``test_the_plans_cover_every_pair`` holds it to that."""
+
+
+def _passes_the_plan(run: runner.Run, steps: int) -> None:
+    for check in (checks.parity, checks.logged_loss, checks.ranks_agree):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+    sync = checks.one_sync(run)
+    if run.mesh.size("dp") > 1:
+        assert sync.passed, sync.message
+        # Visible: A steps synchronize A times (torch's schedules reduce at the end of every step).
+        assert run.records is not None
+        assert {steps} == {rec.syncs for records in run.records for rec in records}
+    else:
+        assert NOT_APPLICABLE == sync.status, sync.message
+
+
+def test_the_pipeline_recipe_accumulates_a_window_over_two_schedule_steps() -> None:
+    """``--pp-steps 2 --pp-microbatches 2`` at pp=2 on ``uneven``: the correct recipe takes the plan from its
+    ``pipeline``, drives both steps by one schedule, and the gathered gradient, the logged loss and the ranks'
+    parameters are right; both steps were recorded, each with M=2."""
+    run = pp_run(CORRECT, steps=2, microbatches=2)
+    _passes_the_plan(run, 2)
+    assert run.records is not None
+    assert [(2, False)] * 2 == [(s.n_microbatches, s.scale_grads) for s in run.records[0][0].pipeline_steps]
+
+
+def test_the_plans_cover_every_pair() -> None:
+    """Every value pair of any two of the matrix's factors is in some plan of :data:`PLANS`."""
+    factors = [("gpipe", "1f1b"), (1, 2, 3), (2, 4), ("ddp", "fsdp2"), ("pp_uneven", "pp_balanced", "pp_empty_step")]
+    for i, j in itertools.combinations(range(len(factors)), 2):
+        wanted = set(itertools.product(factors[i], factors[j]))
+        assert wanted == {(plan[i], plan[j]) for plan in PLANS}, (i, j)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "steps", "microbatches", "strategy", "scenario"), PLANS,
+                         ids=[f"{p[0]}-A{p[1]}-M{p[2]}-{p[3]}-{p[4]}" for p in PLANS])
+def test_the_pipeline_recipe_passes_every_plan(schedule: str, steps: int, microbatches: int, strategy: str,
+                                               scenario: str) -> None:
+    """Over dp=2,pp=2, A schedule steps of M microbatches: parity, the logged loss and ranks_agree hold, and
+    one_sync counts exactly A synchronizations per window on every rank (one per step, DDP's all-reduce or FSDP2's
+    reduce-scatter). On ``pp_empty_step`` a step without a token still steps every stage: the run ends."""
+    _passes_the_plan(pp_run(CORRECT, "dp=2,pp=2", schedule, strategy=strategy, scenario=scenario, steps=steps,
+                            microbatches=microbatches), steps)
 
 
 @pytest.mark.parametrize(("shape", "schedule", "strategy"), [

@@ -18,7 +18,8 @@ from harness.workflow.outputs import BadInput
 FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examples": "4",
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
          "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean", "--mesh": "dp=2,cp=2",
-         "--cp-chunking": "load_balanced", "--pp-schedule": "1f1b"}
+         "--cp-chunking": "load_balanced", "--pp-schedule": "1f1b",
+         "--pp-steps": "3", "--pp-microbatches": "4"}
 
 
 class _Config:
@@ -29,7 +30,7 @@ class _Config:
             "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
             "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
             "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean", "mesh": None,
-            "cp_chunking": "contiguous", "pp_schedule": "gpipe"}
+            "cp_chunking": "contiguous", "pp_schedule": "gpipe", "pp_steps": "1", "pp_microbatches": "2"}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -50,7 +51,7 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
                                  find_unused="off", report="out.json", strategy="both", objective="sequence_mean",
                                  meshes=(Mesh.parse("dp=2,cp=2"),), chunking="load_balanced",
-                                 pp_schedule="1f1b")
+                                 pp_schedule="1f1b", pp_steps=3, pp_microbatches=4)
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
@@ -68,6 +69,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     ("--pp-schedule", "interleaved1f1b", "--pp-schedule='interleaved1f1b' runs several stages per pp rank"),
     ("--mesh", "dp=2,tp=2", "--strategy='ddp' over the mesh dp=2,tp=2: DDP cannot wrap a tensor-parallel"),
     ("--cp-chunking", "zigzag", "--cp-chunking='zigzag' must be one of"),
+    ("--pp-steps", "0", "--pp-steps='0' must be a whole number from 1 to 64 (default 1), e.g. --pp-steps 2"),
+    ("--pp-microbatches", "two", "--pp-microbatches='two' must be a whole number from 1 to 64 (default 2)"),
 ])
 def test_a_bad_value_gets_one_message_on_both_surfaces(flag: str, value: str, says: str) -> None:
     """The command line's bad input (exit 2) and pytest's usage error carry the same words, naming the shared
@@ -98,6 +101,8 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
                                                          case.world_size, case.precision)
     assert spec != BatteryOptions(chunking="load_balanced").spec("harness.recipes:global_token_mean", case.scenario,
                                                                  case.world_size, case.precision)
+    assert spec != BatteryOptions(pp_steps=2).spec("harness.recipes:global_token_mean", case.scenario,
+                                                   case.world_size, case.precision)
 
 
 @pytest.mark.parametrize(("fields", "says"), [
@@ -110,6 +115,8 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
     ({"nodes": 3}, "nodes=3 must be a positive number of nodes that divides world_size=2"),
     ({"nodes": 0}, "nodes=0 must be a positive number of nodes"),
     ({"objective": "tokens"}, "objective='tokens' must be one of token_mean, sequence_mean"),
+    ({"pp_steps": 0}, "pp_steps=0 must be a whole number from 1 to 64 (default 1), e.g. pp_steps=2"),
+    ({"pp_microbatches": "4"}, "pp_microbatches='4' must be an int from 1 to 64, e.g. pp_microbatches=2"),
 ])
 def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], says: str) -> None:
     base: dict[str, object] = {"recipe": "harness.recipes:global_token_mean"}

@@ -43,3 +43,40 @@ def test_a_mesh_scenario_is_offered_where_its_dimension_is() -> None:
     assert () == mesh_scenarios.for_mesh(Mesh.parse("dp=4")) == mesh_scenarios.for_mesh(None)
     with pytest.raises(ValueError, match=r"scenario='empty_shard' needs a mesh with cp > 1 \(got dp=4\)"):
         mesh_scenarios.build("empty_shard", Mesh.parse("dp=4"))
+
+
+def test_the_pipeline_scenarios_are_offered_on_a_mesh_with_pp_only() -> None:
+    """``pp_uneven``, ``pp_balanced`` and ``pp_empty_step`` run where there is a pipeline; elsewhere the error names
+    the dimension and a mesh that has it."""
+    assert ("one_token", "pp_uneven", "pp_balanced", "pp_empty_step") == mesh_scenarios.for_mesh(
+        Mesh.parse("dp=2,pp=2"))
+    assert ("pp_uneven", "pp_balanced", "pp_empty_step") == mesh_scenarios.for_mesh(Mesh.parse("pp=2"))
+    with pytest.raises(ValueError, match=r"scenario='pp_empty_step' needs a mesh with pp > 1 \(got dp=2\); give "
+                                         r"--mesh, e.g. dp=2,pp=2"):
+        mesh_scenarios.build("pp_empty_step", Mesh.parse("dp=2"))
+
+
+def step_counts(name: str, shape: str, steps: int) -> list[list[int]]:
+    """Each data rank's supervised count in each of ``steps`` schedule steps of the scenario's window."""
+    from harness.recipes.pipelined import parts
+
+    (window,) = mesh_scenarios.build(name, Mesh.parse(shape))
+    return [[sum(mb.supervised for mb in part) for part in parts(rank, steps)] for rank in window]
+
+
+@pytest.mark.parametrize("shape", ["pp=2", "dp=2,pp=2"])
+def test_the_pipeline_windows_hold_the_counts_they_are_written_for(shape: str) -> None:
+    """Every pipeline window holds 3 microbatches per data rank; at A = 2 and 3 ``pp_empty_step``'s first step holds
+    no token on data rank 0 and, at A = 3, its last none on the last data rank, while no rank's window is empty;
+    ``pp_balanced`` holds one count per data rank and step, ``pp_uneven`` different ones (its negative control)."""
+    for name in ("pp_uneven", "pp_balanced", "pp_empty_step"):
+        (window,) = mesh_scenarios.build(name, Mesh.parse(shape))
+        assert {mesh_scenarios.PP_WINDOW} == {len(rank) for rank in window}
+    for steps in (2, 3):
+        empty = step_counts("pp_empty_step", shape, steps)
+        assert 0 == empty[0][0] and all(sum(rank) > 0 for rank in empty)
+        assert steps < 3 or 0 == empty[-1][-1]
+    balanced = step_counts("pp_balanced", shape, 3)
+    assert all(rank == balanced[0] for rank in balanced)
+    uneven = step_counts("pp_uneven", shape, 3)
+    assert len({n for rank in uneven for n in rank}) == sum(len(rank) for rank in uneven)

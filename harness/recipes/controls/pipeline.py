@@ -50,4 +50,4 @@ class ReinitialisedStages:
     n_microbatches = 2
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch], pipeline: Any = None) -> float:
-        return drive(pipeline, window, self.n_microbatches, steps=2)
+        return drive(pipeline, window, self.n_microbatches, steps=2, reinitialise=True)
