@@ -99,7 +99,8 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         raise ValueError(msg)
     if spec.mesh.size("pp") > 1:  # a split that loses part of the forward is refused here, not in every rank
         whole = ModelSpec.of(spec).build()
-        stages = pipeline.split_of(spec.model)(whole, spec.mesh.size("pp"))
+        n_stages = spec.mesh.size("pp") * pipeline.stages_per_rank(spec.pp_schedule)
+        stages = pipeline.split_of(spec.model)(whole, n_stages)
         argument = f"{spec.model or 'the built-in model'}'s pipeline split"
         pipeline.check_split(whole, stages, argument)
         pipeline.check_composes(whole, stages, windows[0][0][0].inputs, argument)
