@@ -259,13 +259,15 @@ def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
     return found
 
 
-def probe_meshes(path: str | None, meshes: Sequence[Mesh], batch_format: str = HARNESS) -> None:
+def probe_meshes(path: str | None, meshes: Sequence[Mesh], batch_format: str = HARNESS,
+                 pp_schedule: str = "gpipe") -> None:
     """What ``--model`` (None: the built-in model) must declare to run over ``meshes``, refused before any rank starts
     as :class:`harness.model.ModelError` naming the model and the fix, once for the session rather than in every
     verdict: a mesh with ``tp`` needs its tensor-parallel plan (:func:`harness.distributed.tensor_parallel.plan_of`); a
     mesh with ``pp`` needs a split whose stages hold every parameter once and, applied in order to a battery
     microbatch, give the model's own logits (:func:`harness.distributed.pipeline.check_split`,
-    :func:`~harness.distributed.pipeline.check_composes`)."""
+    :func:`~harness.distributed.pipeline.check_composes`), cut into pp stages, or pp x 2 under an interleaved
+    ``pp_schedule``."""
     from harness.distributed import pipeline
     from harness.distributed.tensor_parallel import plan_of
     from harness.model import ModelError
@@ -275,10 +277,11 @@ def probe_meshes(path: str | None, meshes: Sequence[Mesh], batch_format: str = H
     argument = f"model={path!r}" if path is not None else "the built-in model"
     for pp in sorted({m.size("pp") for m in meshes if m.size("pp") > 1}):
         model = ModelSpec(path, batch_format).build()
+        n_stages = pp * pipeline.stages_per_rank(pp_schedule)
         try:
-            stages = pipeline.split_of(path)(model, pp)
-            if len(stages) != pp:
-                msg = f"its pipeline split returned {len(stages)} stages for pp={pp}"
+            stages = pipeline.split_of(path)(model, n_stages)
+            if len(stages) != n_stages:
+                msg = f"its pipeline split returned {len(stages)} stages for {n_stages} (pp={pp}, {pp_schedule})"
                 raise ValueError(msg)
             with rank_threads(), torch.random.fork_rng(devices=[]):
                 pipeline.check_split(model, stages, "its pipeline split")

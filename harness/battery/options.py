@@ -16,7 +16,7 @@ from typing import Any
 
 # --objective: what the recipe's gradient must be the gradient of (the names, pure Python; the formulas are in
 # harness.core.objectives).
-from harness.core.mesh import CHUNKINGS, MULTI_STAGE_SCHEDULES, PP_SCHEDULES, TOKEN_DIMS, Mesh
+from harness.core.mesh import CHUNKINGS, PP_SCHEDULES, REFUSED_PP_SCHEDULES, TOKEN_DIMS, Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
 
 DEADLINE = 30.0
@@ -73,20 +73,23 @@ CHUNKING_HELP = ("how the cp ranks of one data coordinate split its sequences' p
                  "context_parallel and Megatron-LM cut them)")
 """``--cp-chunking``'s help, the same on every surface."""
 
-PP_SCHEDULE_HELP = ("the torch.distributed.pipelining schedule a recipe's pipeline.schedule() builds over pp: "
-                    "gpipe (default) or 1f1b; interleaved1f1b, loopedbfs and interleavedzb (several stages per rank) "
-                    "are not run yet")
+PP_SCHEDULE_HELP = ("the torch.distributed.pipelining schedule a recipe's pipeline.schedule() builds over pp: gpipe "
+                    "(default: every microbatch's forward, then every backward), 1f1b (one forward, one backward in "
+                    "steady state), interleaved1f1b (1f1b over 2 stages per rank, depth first) or loopedbfs (2 stages "
+                    "per rank, breadth first: each local stage runs all its microbatches before the next); under the "
+                    "interleaved ones the model is cut into pp*2 stages, rank r holding stages r and r+pp; "
+                    "interleavedzb is refused (its split weight backward reduces no gradient over dp): use "
+                    "interleaved1f1b")
 """``--pp-schedule``'s help, the same on every surface."""
 
 
 def check_pp_schedule(value: object, option: str = "--pp-schedule") -> str:
     """``value`` if it names a schedule the battery runs; ValueError naming ``option`` otherwise."""
-    name = _choice(value, PP_SCHEDULES, option)
-    if name in MULTI_STAGE_SCHEDULES:
-        msg = (f"{option}={name!r} runs several stages per pp rank, which the harness does not build yet: use gpipe "
-               "or 1f1b")
+    if isinstance(value, str) and value in REFUSED_PP_SCHEDULES:
+        msg = f"{option}={value!r} is not run by the harness: {REFUSED_PP_SCHEDULES[value]}"
         raise ValueError(msg)
-    return name
+    return _choice(value, [s for s in PP_SCHEDULES if s not in REFUSED_PP_SCHEDULES], option)
+
 
 
 PP_STEPS_HELP = ("the schedule steps a pipelined recipe accumulates a window over (A; pipeline.accumulation_steps, "

@@ -98,7 +98,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                "it with --batch-format harness")
         raise ValueError(msg)
     if spec.mesh.size("pp") > 1:  # a split that loses part of the forward is refused here, not in every rank
-        probe_meshes(spec.model, [spec.mesh], spec.batch_format)
+        probe_meshes(spec.model, [spec.mesh], spec.batch_format, spec.pp_schedule)
         check_pp_plan(windows, spec.pp_steps, spec.scenario)  # A steps fit every window, checked before any rank
     objective = resolve(spec.objective, spec.recipe)
     windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none

@@ -33,6 +33,14 @@ classes are named in :mod:`harness.distributed.pipeline`)."""
 MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzb")
 """The schedules that run several stages per pp rank."""
 
+REFUSED_PP_SCHEDULES = {
+    "interleavedzb": "its weight backward (torch.autograd.grad, the result assigned to .grad) bypasses DDP's reducer "
+                     "hooks and FSDP2's reduce-scatter, so a stage's gradients over dp are never reduced (at "
+                     "dp=2,pp=2 one stage synchronizes 0 times and parity fails); use interleaved1f1b, the same "
+                     "placement of 2 stages per rank",
+}
+"""The schedules of :data:`PP_SCHEDULES` the harness refuses (``--pp-schedule``), with why."""
+
 TOKEN_DIMS = (*DATA_DIMS, "cp")
 """The dimensions a token count is reduced over: each supervised token lies in exactly one coordinate of these (the
 cp ranks of one data coordinate split its positions; tp and pp ranks hold the same tokens)."""

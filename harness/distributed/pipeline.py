@@ -2,14 +2,18 @@
 ``torch.distributed.pipelining`` schedule the recipe builds and steps itself.
 
 - **The split.** The built-in model splits into its units in order: ``tok`` (the token and position embeddings),
-  ``blocks.0`` ... ``blocks.{n-1}``, ``ln`` (the final norm and the head); :func:`builtin_split` cuts that list at
+  ``blocks.0`` ... ``blocks.{n-1}``, ``ln`` (the final norm), ``head``; :func:`builtin_split` cuts that list at
   split points, unit names where a stage starts (torchtitan's ``pipeline_parallel_split_points``), by default as
   evenly as the units allow. A user's model declares its split beside its factory, ``factory.pp_split``: either a
   list of split points naming top-level children of a model whose forward applies its children in order, or a
   callable ``split(model, n_stages) -> [stage modules]``. Stage modules hold the full model's own submodules under
   their own names, so each parameter keeps its name, and each lies in exactly one stage.
-- **The wrap.** :func:`wrap` builds this rank's stage, wrapped over the data-parallel group when there is one by the
-  run's strategy (the harness's DDP, or its FSDP2 sharding of the stage's blocks and the stage over the dp submesh;
+- **Stages per rank.** gpipe and 1f1b run one stage per pp rank (pp stages). The interleaved schedules
+  (:data:`harness.core.mesh.MULTI_STAGE_SCHEDULES`) run :data:`STAGES_PER_RANK` = 2 stages per rank, so the model is
+  cut into pp*2 stages placed in loops, as torch's interleaved schedules expect: rank r holds stages r and r + pp
+  (:func:`local_stages`).
+- **The wrap.** :func:`wrap` builds this rank's stages, each wrapped over the data-parallel group when there is one by
+  the run's strategy (the harness's DDP, or its FSDP2 sharding of the stage's blocks and the stage over the dp submesh;
   either counts synchronizations), and returns a :class:`PipelineWrapped`: the strategy protocol's object, whose full
   gradient and parameters are gathered over dp where sharded (``full_tensor``), then over the pp group (each
   parameter from the rank whose stage holds it). torch's schedules drive an FSDP2 stage themselves: the gradient
@@ -43,31 +47,39 @@ SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleav
                     "loopedbfs": "ScheduleLoopedBFS", "interleavedzb": "ScheduleInterleavedZeroBubble"}
 """``--pp-schedule``'s names and the ``torch.distributed.pipelining`` classes they build."""
 
+STAGES_PER_RANK = 2
+"""How many stages each pp rank holds under a schedule of :data:`harness.core.mesh.MULTI_STAGE_SCHEDULES` (v): two,
+the fewest that interleave, so that the built-in one-block model (four units) still runs at pp=2."""
+
 Split = Callable[[nn.Module, int], list[nn.Module]]
 
 
 class BuiltinStage(nn.Module):
     """A stage of :class:`harness.model.TinyCausalLM`: its embeddings when ``first``, the blocks of ``blocks`` (under
-    ``blocks.<i>``, the full model's index), its final norm and head when ``last``."""
+    ``blocks.<i>``, the full model's index), its final norm when the units hold ``ln``, its head when ``last``."""
 
     def __init__(self, model: nn.Module, units: Sequence[str]) -> None:
         super().__init__()
-        self.first, self.last = "tok" in units, "ln" in units
+        self.first, self.norm, self.last = "tok" in units, "ln" in units, "head" in units
         parts: dict[str, nn.Module] = dict(model.named_children())
         blocks: Any = parts["blocks"]
         if self.first:
             self.tok, self.pos, self.drop = parts["tok"], parts["pos"], parts["drop"]
         self.blocks = nn.ModuleDict({u.split(".")[1]: blocks[int(u.split(".")[1])]
                                      for u in units if u.startswith("blocks.")})
+        if self.norm:
+            self.ln = parts["ln"]
         if self.last:
-            self.ln, self.head = parts["ln"], parts["head"]
+            self.head = parts["head"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln(x)) if self.last else x
+        if self.norm:
+            x = self.ln(x)
+        return self.head(x) if self.last else x
 
 
 class SequentialStage(nn.Module):
@@ -86,8 +98,9 @@ class SequentialStage(nn.Module):
 
 
 def builtin_units(model: nn.Module) -> list[str]:
-    """The built-in model's units in order: ``tok``, ``blocks.0`` ... ``blocks.{n-1}``, ``ln``."""
-    return ["tok", *(f"blocks.{i}" for i in range(len(model.blocks))), "ln"]  # type: ignore[arg-type]
+    """The built-in model's units in order: ``tok``, ``blocks.0`` ... ``blocks.{n-1}``, ``ln``, ``head`` (the norm
+    and the head apart, so that a one-block model still cuts into the four stages of pp=2 interleaved)."""
+    return ["tok", *(f"blocks.{i}" for i in range(len(model.blocks))), "ln", "head"]  # type: ignore[arg-type]
 
 
 def cut(units: Sequence[str], n_stages: int, points: Sequence[str] | None = None,
@@ -95,8 +108,10 @@ def cut(units: Sequence[str], n_stages: int, points: Sequence[str] | None = None
     """``units`` cut into ``n_stages`` consecutive groups at ``points`` (the units where stages 1.. start; None: as
     evenly as the units allow, the earlier stages holding the extra units); ValueError naming ``argument`` otherwise."""
     if n_stages > len(units):
-        msg = (f"{argument}: {n_stages} pipeline stages but the model has {len(units)} units to split "
-               f"({', '.join(units)}): use pp <= {len(units)}, or a model with more blocks")
+        msg = (f"{argument}: {n_stages} pipeline stages (pp, or pp*{STAGES_PER_RANK} under an interleaved schedule) "
+               f"but the model has {len(units)} units to split ({', '.join(units)}): use pp <= {len(units)} with "
+               f"gpipe or 1f1b, pp <= {len(units) // STAGES_PER_RANK} with an interleaved schedule, or a model with "
+               "more blocks")
         raise ValueError(msg)
     if points is None:
         starts = [len(units) - (len(units) * (n_stages - i)) // n_stages for i in range(1, n_stages)]
@@ -104,7 +119,8 @@ def cut(units: Sequence[str], n_stages: int, points: Sequence[str] | None = None
         unknown = [p for p in points if p not in units]
         if unknown or len(points) != n_stages - 1:
             msg = (f"{argument}={list(points)!r} must name {n_stages - 1} of the units {', '.join(units)} where "
-                   f"stages 1..{n_stages - 1} start, in order")
+                   f"stages 1..{n_stages - 1} start, in order ({n_stages} stages: pp, or pp*{STAGES_PER_RANK} under "
+                   "an interleaved schedule)")
             raise ValueError(msg)
         starts = [units.index(p) for p in points]
         if starts != sorted(set(starts)) or starts[0] == 0:
@@ -181,6 +197,20 @@ def check_composes(model: nn.Module, stages: Sequence[nn.Module], inputs: torch.
         raise ValueError(msg)
 
 
+def stages_per_rank(schedule: str) -> int:
+    """How many stages each pp rank holds under ``schedule``: :data:`STAGES_PER_RANK` for the interleaved schedules,
+    one otherwise."""
+    from harness.core.mesh import MULTI_STAGE_SCHEDULES
+
+    return STAGES_PER_RANK if schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def local_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stages pp rank ``pp_rank`` holds out of ``pp * per_rank``, in order: ``pp_rank``, ``pp_rank + pp``, ...
+    (the looped placement torch's interleaved schedules compute their order for: stage s on rank s % pp)."""
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
 def _pp_group_of(rank_mesh: Any) -> Any:
     return rank_mesh.submesh(("pp",)).get_group()
 
@@ -217,24 +247,28 @@ def rows_of(window: Sequence[Any], inputs: torch.Tensor, labels: torch.Tensor) -
 
 
 class Pipeline:
-    """What a recipe drives a pipelined window with (its ``pipeline`` keyword): this rank's ``stage`` (the
-    ``PipelineStage``), ``mesh`` (the ranks' ``DeviceMesh``), the schedule's name, and the groups a count is reduced
-    over (:attr:`token_group`, None when the mesh has no data-parallel dimension: the count is then this rank's own).
+    """What a recipe drives a pipelined window with (its ``pipeline`` keyword): this rank's ``stages`` (its
+    ``PipelineStage`` objects in stage order; ``stage`` is the first), ``mesh`` (the ranks' ``DeviceMesh``), the
+    schedule's name, and the groups a count is reduced over (:attr:`token_group`, None when the mesh has no
+    data-parallel dimension: the count is then this rank's own). ``is_first``: this rank holds stage 0 and passes the
+    inputs; ``is_last``: it holds the last stage, computes the losses and passes the target.
 
     The run's accumulation plan, as a training config gives it to the loop (``--pp-steps``, ``--pp-microbatches``):
     :attr:`accumulation_steps` (A) schedule steps per window, :attr:`n_microbatches` (M) microbatches per step. The
     correct recipe drives its windows by it; a recipe may choose its own."""
 
-    def __init__(self, stage: Any, device_mesh: Any, mesh: Mesh, schedule_name: str, token_group: Any, *,
+    def __init__(self, stages: Sequence[Any], device_mesh: Any, mesh: Mesh, schedule_name: str, token_group: Any, *,
                  accumulation_steps: int = 1, n_microbatches: int = 2) -> None:
-        self.stage = stage
+        self.stages = list(stages)
+        self.stage = self.stages[0]
         self.mesh = device_mesh
         self.layout = mesh
         self.schedule_name = schedule_name
         self.token_group = token_group
         self.token_group_size = 1 if token_group is None else dist.get_world_size(token_group)
         self.pp_group = device_mesh["pp"].get_group()
-        self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.is_first = any(stage.is_first for stage in self.stages)
+        self.is_last = any(stage.is_last for stage in self.stages)
         self.window: Sequence[Any] = ()
         self.steps: list[ScheduleStep] = []
         """The window's schedule steps so far (:meth:`watch` starts a window)."""
@@ -249,13 +283,21 @@ class Pipeline:
 
     def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int, *,
                  scale_grads: bool = True) -> Any:
-        """A new schedule of ``--pp-schedule`` over this rank's stage: ``n_microbatches`` per step, ``loss_fn(output,
+        """A new schedule of ``--pp-schedule`` over this rank's stages: ``n_microbatches`` per step, ``loss_fn(output,
         target)`` on each microbatch of the last stage, ``scale_grads`` as torch's (its default, True, divides the
-        gradients by ``n_microbatches`` at the end of every step)."""
+        gradients by ``n_microbatches`` at the end of every step). A schedule of several stages per rank takes the list
+        of them, the others the one stage."""
         from torch.distributed import pipelining
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         cls = getattr(pipelining, SCHEDULE_CLASSES[self.schedule_name])
-        return cls(self.stage, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        multi = issubclass(cls, PipelineScheduleMulti)
+        if multi != (len(self.stages) > 1):  # wrap() builds as many stages as stages_per_rank(schedule) says
+            msg = (f"--pp-schedule={self.schedule_name!r} ({cls.__name__}) over {len(self.stages)} stage(s) per rank: "
+                   "build the pipeline with wrap(), which places stages_per_rank(schedule) stages on each rank")
+            raise ValueError(msg)
+        stages = self.stages if multi else self.stage
+        return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
     @staticmethod
     def batch(window: Sequence[Microbatch], n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,9 +330,11 @@ class Pipeline:
         # A new schedule's first step infers the shapes with a forward and backward of its own; under DDP that
         # backward would all-reduce placeholder gradients (a synchronization more per step). Inside no_sync() the
         # inference's forward prepares no reduction, and the schedule's last backward prepares DDP's one itself.
-        submod = self.stage.submod
-        quiet = submod.no_sync() if isinstance(submod, DistributedDataParallel) else contextlib.nullcontext()
-        with quiet:
+        # Every local stage's DDP is quieted alike: the interleaved schedules infer each one's shapes.
+        with contextlib.ExitStack() as quiet:
+            for stage in self.stages:
+                if isinstance(stage.submod, DistributedDataParallel):
+                    quiet.enter_context(stage.submod.no_sync())
             if self.is_last:
                 schedule.step(*args, target=labels, losses=losses)
             else:
@@ -309,31 +353,42 @@ class Pipeline:
 
 
 class PipelineWrapped:
-    """One rank's stage under the strategy protocol (:class:`harness.distributed.strategies.base.Wrapped`):
-    ``module`` is the stage (DDP or FSDP2 over the data-parallel group when there is one), ``local`` the full model; the
-    full gradient and parameters are gathered over dp where sharded, then over the pp group, each parameter from the
-    rank whose stage holds it."""
+    """One rank's stages under the strategy protocol (:class:`harness.distributed.strategies.base.Wrapped`):
+    ``module`` is the stage (DDP or FSDP2 over the data-parallel group when there is one; with several stages per
+    rank, an ``nn.ModuleList`` of them), ``local`` the full model; the full gradient and parameters are gathered over
+    dp where sharded, then over the pp group, each parameter from the rank whose stage holds it. ``inners``: each
+    stage's strategy wrap, in stage order (empty without dp)."""
 
-    def __init__(self, model: nn.Module, stage_module: nn.Module, inner: Any, pipeline: Pipeline) -> None:
+    def __init__(self, model: nn.Module, stage_modules: Sequence[nn.Module], inners: Sequence[Any],
+                 pipeline: Pipeline) -> None:
         self.local: nn.Module = model
-        self.stage_module = stage_module
-        self._inner = inner
-        self.module: nn.Module = stage_module if inner is None else inner.module
+        self.stage_modules = list(stage_modules)
+        self.stage_module = self.stage_modules[0]
+        self._inners = list(inners)
+        wrapped = [inner.module for inner in self._inners] if self._inners else self.stage_modules
+        self.module: nn.Module = wrapped[0] if len(wrapped) == 1 else nn.ModuleList(wrapped)
         self.pipeline = pipeline
-        self.no_sync: str = "model.no_sync()" if inner is None else inner.no_sync
-        held = {id(p) for p in stage_module.parameters()}
+        self.no_sync: str = "model.no_sync()" if not self._inners else self._inners[0].no_sync
+        held = {id(p) for m in self.stage_modules for p in m.parameters()}
         self._held = [id(p) in held for p in model.parameters()]
 
     @property
     def syncs(self) -> int:
-        return 0 if self._inner is None else int(self._inner.syncs)
+        """The window's synchronizations as one_sync reads them: each stage module over dp synchronizes on its own
+        (its DDP all-reduce, its FSDP2 reduce-scatter), so with several stages per rank a window counts one when each
+        of them synchronized once; otherwise the stage count farthest from one (a stage that synchronized twice gives
+        2, one that never did 0), so that no stage's miss or excess hides behind another's one."""
+        if not self._inners:
+            return 0
+        counts = [int(inner.syncs) for inner in self._inners]
+        return max(counts, key=lambda c: abs(c - 1))
 
     def reset_syncs(self) -> None:
-        if self._inner is not None:
-            self._inner.reset_syncs()
+        for inner in self._inners:
+            inner.reset_syncs()
 
     def notes(self) -> tuple[str, ...]:
-        return () if self._inner is None else tuple(self._inner.notes())
+        return tuple(dict.fromkeys(note for inner in self._inners for note in inner.notes()))
 
     def _gathered(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         # A sharded (FSDP2) tensor is gathered over dp first (full_tensor: a collective the dp ranks of one stage call
@@ -361,37 +416,43 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
          on_comm_hook: Callable[[], None] | None = None,
          mixed_precision: torch.dtype | None = None, accumulation_steps: int = 1,
          n_microbatches: int = 2) -> PipelineWrapped:
-    """This rank's stage of ``model`` over ``rank_mesh`` (a :class:`harness.distributed.device_mesh.RankMesh` with a
-    ``pp`` dimension and at most ``dp`` besides), wrapped by ``strategy`` over dp when dp > 1 (DDP, or FSDP2: each
-    block and the stage sharded over dp, ``mixed_precision`` its policy), in a ``PipelineStage`` over the pp group;
-    the :class:`Pipeline` carries the run's plan (``accumulation_steps``, ``n_microbatches``)."""
+    """This rank's stages of ``model`` over ``rank_mesh`` (a :class:`harness.distributed.device_mesh.RankMesh` with a
+    ``pp`` dimension and at most ``dp`` besides): the model cut into ``pp * stages_per_rank(schedule)`` stages, this
+    rank holding :func:`local_stages`, each wrapped by ``strategy`` over dp when dp > 1 (DDP, or FSDP2: each block and
+    the stage sharded over dp, ``mixed_precision`` its policy), each in a ``PipelineStage`` over the pp group; the
+    :class:`Pipeline` carries the run's plan (``accumulation_steps``, ``n_microbatches``)."""
     from torch.distributed.pipelining import PipelineStage
 
     from harness.distributed import strategies
 
     mesh: Mesh = rank_mesh.mesh
     pp, me = mesh.size("pp"), mesh.coords(dist.get_rank())["pp"]
-    stages = split_of(model_path)(model, pp)
-    if len(stages) != pp:
-        msg = f"the pipeline split of model={model_path!r} returned {len(stages)} stages for pp={pp}"
+    n_stages = pp * stages_per_rank(schedule)
+    stages = split_of(model_path)(model, n_stages)
+    if len(stages) != n_stages:
+        msg = (f"the pipeline split of model={model_path!r} returned {len(stages)} stages for pp={pp} under "
+               f"--pp-schedule={schedule!r}: it must return pp*{stages_per_rank(schedule)} = {n_stages}")
         raise ValueError(msg)
     check_split(model, stages, f"{model_path or 'the built-in model'}'s pipeline split")
-    stage_module = stages[me]
-    inner = None
+    mine = local_stages(me, pp, stages_per_rank(schedule))
+    stage_modules = [stages[i] for i in mine]
+    inners: list[Any] = []
     token_group = None
     if mesh.token_dims:
         dp_mesh = rank_mesh.submesh(mesh.token_dims)
-        inner = strategies.get(strategy).wrap(stage_module, device, find_unused=find_unused, reduction=reduction,
-                                              on_comm_hook=on_comm_hook, mesh=dp_mesh,
-                                              mixed_precision=mixed_precision)
+        # One wrap per stage module: each is its own DDP (its own reducer and comm hook) or its own FSDP2 root.
+        inners = [strategies.get(strategy).wrap(m, device, find_unused=find_unused, reduction=reduction,
+                                                on_comm_hook=on_comm_hook, mesh=dp_mesh,
+                                                mixed_precision=mixed_precision) for m in stage_modules]
         token_group = dp_mesh.get_group()
-    submod = stage_module if inner is None else inner.module
-    stage = PipelineStage(submod, me, pp, device, group=_pp_group_of(rank_mesh))
-    pipeline = Pipeline(stage, rank_mesh.device_mesh, mesh, schedule, token_group,
+    group = _pp_group_of(rank_mesh)
+    pp_stages = [PipelineStage(m if not inners else inners[k].module, i, n_stages, device, group=group)
+                 for k, (i, m) in enumerate(zip(mine, stage_modules, strict=True))]
+    pipeline = Pipeline(pp_stages, rank_mesh.device_mesh, mesh, schedule, token_group,
                         accumulation_steps=accumulation_steps, n_microbatches=n_microbatches)
-    return PipelineWrapped(model, stage_module, inner, pipeline)
+    return PipelineWrapped(model, stage_modules, inners, pipeline)
 
 
-__all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "BuiltinStage", "Pipeline", "PipelineWrapped", "ScheduleStep",
-           "SequentialStage", "builtin_split", "builtin_units", "check_composes", "check_split", "cut", "rows_of",
-           "split_of", "wrap"]
+__all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "STAGES_PER_RANK", "BuiltinStage", "Pipeline", "PipelineWrapped",
+           "ScheduleStep", "SequentialStage", "builtin_split", "builtin_units", "check_composes", "check_split", "cut",
+           "local_stages", "rows_of", "split_of", "stages_per_rank", "wrap"]

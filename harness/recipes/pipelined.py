@@ -77,12 +77,13 @@ def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, s
     # The count over the token group (dp); without a data-parallel dimension the rank's own count is the window's.
     total = require_tokens(local_count if group is None else global_count(local_count, group=group))
     size = pipeline.token_group_size
-    sums: list[float] = []
+    calls: list[tuple[torch.Tensor, float]] = []  # each loss loss_fn returned, with its loss sum
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         s = loss_sum(logits, target)
-        sums.append(float(s.detach()))
-        return global_token_loss(s, total, size) * loss_factor
+        loss = global_token_loss(s, total, size) * loss_factor
+        calls.append((loss, float(s.detach())))
+        return loss
 
     batches = [pipeline.batch(part, n_microbatches) for part in parts(window, steps)]
     rows, length = max(i.shape[0] for i, _ in batches), max(i.shape[1] for i, _ in batches)
@@ -91,11 +92,18 @@ def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, s
     for inputs, labels in (_padded(i, lab, rows, length) for i, lab in batches):
         if schedule is None or reinitialise:
             schedule = pipeline.schedule(loss_fn, n_microbatches, scale_grads=scale_grads)
-        sums.clear()
-        pipeline.step(schedule, inputs, labels)
-        # The step's own microbatches: the schedule's first step also calls loss_fn on the placeholder output it
-        # infers the backward's shapes from.
-        window_sum += sum(sums[len(sums) - n_microbatches:]) if pipeline.is_last else 0.0
+        calls.clear()
+        losses = pipeline.step(schedule, inputs, labels)
+        # The step's own microbatches are the losses the schedule returns, the very tensors loss_fn returned: a new
+        # schedule's first step also calls loss_fn on the placeholder output it infers the backward's shapes from
+        # (every schedule, the interleaved ones too), and that loss is not among them.
+        if pipeline.is_last:
+            found = [s for loss in losses for t, s in calls if t is loss]
+            if len(found) != n_microbatches:
+                msg = (f"the schedule returned {len(losses)} losses matching {len(found)} loss_fn calls; expected "
+                       f"{n_microbatches}, one per microbatch")
+                raise RuntimeError(msg)
+            window_sum += sum(found)
     local = pipeline.from_last(window_sum)
     return (local if group is None else global_sum(local, group)) / total
 

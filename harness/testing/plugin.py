@@ -171,7 +171,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from harness.model import ModelError
 
         try:  # a model without a tp plan or a pp split it can run is refused once, before any verdict
-            probe_meshes(options.model, options.meshes, options.batch_format)
+            probe_meshes(options.model, options.meshes, options.batch_format, options.pp_schedule)
         except ModelError as exc:
             raise pytest.UsageError(f"--model: {exc}" if options.model is not None else str(exc)) from None
     _check_required_gpus()

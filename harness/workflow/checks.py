@@ -72,7 +72,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
         from harness.model import ModelError
 
         try:  # a model without a tp plan or a pp split it can run is refused once, before any case
-            probe_meshes(options.model, options.meshes, options.batch_format)
+            probe_meshes(options.model, options.meshes, options.batch_format, options.pp_schedule)
         except ModelError as exc:
             raise BadInput(f"--model: {exc}" if options.model is not None else str(exc)) from None
     cases = plan.session_cases(options)

@@ -94,6 +94,12 @@ def test_the_pipeline_recipe_passes_every_plan(schedule: str, steps: int, microb
     pytest.param("dp=2,pp=2", "1f1b", "ddp", marks=pytest.mark.slow),
     pytest.param("dp=2,pp=2", "gpipe", "fsdp2", marks=pytest.mark.slow),
     pytest.param("dp=2,pp=2", "1f1b", "fsdp2", marks=pytest.mark.slow),
+    ("pp=2", "interleaved1f1b", "ddp"),
+    pytest.param("pp=2", "loopedbfs", "ddp", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "interleaved1f1b", "ddp", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "loopedbfs", "ddp", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "interleaved1f1b", "fsdp2", marks=pytest.mark.slow),
+    pytest.param("dp=2,pp=2", "loopedbfs", "fsdp2", marks=pytest.mark.slow),
 ])
 def test_the_pipeline_recipe_passes_parity_the_logged_loss_and_ranks_agree(shape: str, schedule: str,
                                                                            strategy: str) -> None:
@@ -102,7 +108,8 @@ def test_the_pipeline_recipe_passes_parity_the_logged_loss_and_ranks_agree(shape
     rank, the gathered parameters the same on every rank; one synchronization per window per stage where there is a
     dp to synchronize over (DDP's all-reduce, or FSDP2's reduce-scatter: the schedule's shape inference reduces
     nothing), and none to count (not applicable) at pp alone. Under FSDP2 each stage is sharded over dp and its
-    gradient gathered with full_tensor before the gather over pp."""
+    gradient gathered with full_tensor before the gather over pp. Under interleaved1f1b and loopedbfs each rank holds
+    2 of the 4 stages, each its own DDP or FSDP2 module, and a window synchronizes once when each of them did."""
     run = pp_run(CORRECT, shape, schedule, strategy=strategy)
     for check in (checks.parity, checks.logged_loss, checks.ranks_agree):
         verdict = check(run)
@@ -128,6 +135,17 @@ def test_scale_grads_left_on_over_two_steps_fails_parity_at_dp2() -> None:
     diagnosis names it by its formula over both data ranks' recorded steps (the control's own test, at pp=2, is in
     test_negative_controls)."""
     verdict = checks.parity(pp_run(SCALE_GRADS, "dp=2,pp=2"))
+    assert not verdict.passed
+    assert "numbers" == verdict.cause
+    assert verdict.diagnosis is not None and "pp_scale_grads" == verdict.diagnosis["signature"], verdict.message
+
+
+@pytest.mark.slow
+def test_scale_grads_left_on_over_two_steps_fails_parity_under_interleaved1f1b() -> None:
+    """torchtitan #1733 with 2 stages per rank: each stage's gradient is divided by M at the end of every step, so
+    the first step's is kept at 1/M as under gpipe; parity fails on the numbers and the diagnosis names the same
+    formula over the recorded steps."""
+    verdict = checks.parity(pp_run(SCALE_GRADS, schedule="interleaved1f1b"))
     assert not verdict.passed
     assert "numbers" == verdict.cause
     assert verdict.diagnosis is not None and "pp_scale_grads" == verdict.diagnosis["signature"], verdict.message

@@ -57,6 +57,17 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "loopedbfs"])
+def test_the_interleaved_schedules_are_accepted_on_both_surfaces(schedule: str) -> None:
+    """The schedules of two stages per rank parse to the same options on the command line and in pytest, and a
+    ``RunSpec`` takes them."""
+    flags = {"--pp-schedule": schedule, "--mesh": "pp=2"}
+    assert schedule == _cli(flags).pp_schedule == options_from(_Config(flags)).pp_schedule  # type: ignore[arg-type]
+    spec = RunSpec("harness.recipes:pipeline_token_mean", "uneven", 2, "fp32", layout=Mesh.parse("pp=2"),
+                   pp_schedule=schedule)
+    assert schedule == spec.pp_schedule
+
+
 @pytest.mark.parametrize(("flag", "value", "says"), [
     ("--battery-world-sizes", "9", "--battery-world-sizes='9' must be world sizes between 1 and 8"),
     ("--battery-world-sizes", "two", "--battery-world-sizes='two' must be comma-separated world sizes"),
@@ -65,8 +76,9 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     ("--objective", "mean", "--objective='mean' must be one of token_mean, sequence_mean, weighted_token_mean, "
                             "fixed_normalizer"),
     ("--mesh", "pp=2,cp=2", "--mesh=pp=2,cp=2: a pipeline (pp > 1) runs beside dp only for now; cp with pp"),
-    ("--pp-schedule", "zigzag", "--pp-schedule='zigzag' must be one of gpipe, 1f1b"),
-    ("--pp-schedule", "interleaved1f1b", "--pp-schedule='interleaved1f1b' runs several stages per pp rank"),
+    ("--pp-schedule", "zigzag", "--pp-schedule='zigzag' must be one of gpipe, 1f1b, interleaved1f1b, loopedbfs"),
+    ("--pp-schedule", "interleavedzb", "--pp-schedule='interleavedzb' is not run by the harness: its weight "
+                                       "backward (torch.autograd.grad"),
     ("--mesh", "dp=2,tp=2", "--strategy='ddp' over the mesh dp=2,tp=2: DDP cannot wrap a tensor-parallel"),
     ("--cp-chunking", "zigzag", "--cp-chunking='zigzag' must be one of"),
     ("--pp-steps", "0", "--pp-steps='0' must be a whole number from 1 to 64 (default 1), e.g. --pp-steps 2"),
