@@ -23,7 +23,7 @@ from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import global_token_loss, loss_sum
-from harness.core.microbatch import Microbatch
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.recipes.correct import global_sum
 from harness.recipes.helpers import global_count, require_tokens
 
@@ -42,23 +42,32 @@ def parts(window: Sequence[Microbatch], steps: int) -> list[list[Microbatch]]:
 
 
 def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, steps: int = 1,
-          scale_grads: bool = False, loss_factor: float = 1.0) -> float:
+          scale_grads: bool = False, loss_factor: float = 1.0, count_group: Any = None,
+          microbatch_mean: bool = False) -> float:
     """Run ``window`` through ``pipeline`` as ``steps`` schedule steps of ``n_microbatches`` each, with the loss of
     each microbatch ``loss_sum * token_group_size / global_count * loss_factor`` and the schedule's ``scale_grads``;
     returns the window's token mean (the last stage's loss sums, broadcast over pp, summed over the token group, over
-    the count): the same on every rank. The correct recipe is ``scale_grads=False``, ``loss_factor=1``."""
+    the count): the same on every rank. The correct recipe is ``scale_grads=False``, ``loss_factor=1``.
+
+    The negative controls' knobs: ``count_group``, a process group to reduce the count over instead of the token
+    group (None: the token group); ``microbatch_mean``, each schedule microbatch's loss its own token mean
+    (``loss_sum / its supervised count * loss_factor``, no global count)."""
     if pipeline is None:
         raise RuntimeError(NO_PIPELINE)
     group = pipeline.token_group
     local_count = sum(supervised_tokens(mb) for mb in window)
     # The count over the token group (dp); without a data-parallel dimension the rank's own count is the window's.
-    total = require_tokens(local_count if group is None else global_count(local_count, group=group))
+    over = group if count_group is None else count_group
+    total = require_tokens(local_count if over is None else global_count(local_count, group=over))
     size = pipeline.token_group_size
     sums: list[float] = []
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         s = loss_sum(logits, target)
         sums.append(float(s.detach()))
+        if microbatch_mean:
+            # A chunk of wholly ignored padding rows holds no token: its mean is taken as 0, not 0/0.
+            return s / max(int((target != IGNORE_INDEX).sum()), 1) * loss_factor
         return global_token_loss(s, total, size) * loss_factor
 
     window_sum = 0.0
