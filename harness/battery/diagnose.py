@@ -19,7 +19,7 @@ from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
 from harness.battery import run_readings as rr
 from harness.battery.diagnosis_result import Diagnosis
-from harness.battery.pipeline_diagnosis import pipeline_reading
+from harness.battery.pipeline_diagnosis import pipeline_reading, pipeline_rows_reading
 from harness.battery.run import Run
 from harness.core.compare import compare, flat_grad, tolerances
 from harness.core.count_groups import count_group, mesh_factor
@@ -392,7 +392,9 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                 cols.append(_column(run, model, row) if row.supervised else zero)
         seq_fit = fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
-        seq_sig = classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit)
+        # On a pipeline, the schedule's own chunks of rows first: a mean per chunk of one row is a sequence mean too.
+        seq_sig = (pipeline_rows_reading(run, window, rows, seq_fit) or classify_sequences(rows, seq_fit)
+                   or od.row_reading(run, window, rows, seq_fit))
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
     if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term

@@ -13,20 +13,30 @@ gradients (1 where it does not), the fitted ratios ``q = w * N`` of a step-``a``
 - ``count_group`` over pp: every weight ``1/pp``, the count reduced over the pp ranks too, which hold the same tokens
   (over dp x pp :func:`harness.core.count_groups.count_group` names it first; over pp alone it does not apply).
 
-:func:`formula_reading` is pure arithmetic on the fit's numbers (``tests/unit/test_pipeline_diagnosis.py``);
-:func:`pipeline_reading` applies it to a run's fit where the microbatch fit explains the gradient but does not read
-correct.
+One more mistake weighs rows, not the window's microbatches: ``pp_microbatch_means`` (torchtitan PR #1732's first fix
+for #1733), each schedule microbatch's loss its own token mean over ``K`` (``M x A``, the window's schedule
+microbatches on its rank), averaged over the token group's ``T`` ranks: a token of schedule microbatch ``k``, which
+holds ``n_k`` supervised tokens, weighs ``1/(n_k K T)``, so ``q = N / (n_k K T)``. A schedule splits its step's batch
+into ``M`` chunks of rows (:func:`harness.distributed.pipeline.chunk_of`), which need not follow the window's
+microbatches, so the formula is read per row (:func:`microbatch_means_reading`, on the per-sequence fit), and on the
+microbatch fit only where every microbatch's rows share one predicted weight.
+
+:func:`formula_reading` and :func:`microbatch_means_reading` are pure arithmetic on the fit's numbers
+(``tests/unit/test_pipeline_diagnosis.py``); :func:`pipeline_reading` applies them to a run's fit where the microbatch
+fit explains the gradient but does not read correct, :func:`pipeline_rows_reading` to its per-sequence fit.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from harness.battery.run import Run
 from harness.core.fit import Block, Fit, explained_residual, match_tolerance
+from harness.core.row_weights import ROW_TOLERANCE
 from harness.core.signatures import Signature
-from harness.distributed.pipeline import ScheduleStep
+from harness.distributed.pipeline import ScheduleStep, chunk_of
 
 LEFT_AS_READ = ("correct", "float32_computation", "count_group", "weights_edited", "nonfinite", "model_not_fixed")
 """Readings a formula never replaces: right weights, and what is named from stronger evidence."""
@@ -114,6 +124,164 @@ def formula_reading(blocks: Sequence[Block], q: Sequence[float], steps_by_rank: 
     return Signature(matched[0], sentence)
 
 
+class Chunk(NamedTuple):
+    """Where a row lay: the token rank's step, the schedule microbatch of that step, and that chunk's supervised
+    tokens (``n_k``)."""
+
+    rank: int
+    step: int
+    chunk: int
+    tokens: int
+
+
+def chunks_of(rows: Sequence[Block], steps_by_rank: Mapping[int, Sequence[ScheduleStep]]
+              ) -> dict[tuple[int, int, int], Chunk] | None:
+    """The schedule microbatch of every row (``(rank, microbatch, row)`` of ``rows``, one block per row with its own
+    supervised count), from the recorded steps' batch positions. None where the steps cannot say: a rank without
+    steps, a step without its batch's positions, rows the window does not hold, or a supervised row in no step or in
+    two."""
+    tokens = {(b.rank, b.microbatch, b.row): b.tokens for b in rows if b.row is not None}
+    if len(tokens) != len(rows):
+        return None
+    out: dict[tuple[int, int, int], Chunk] = {}
+    for t in sorted({b.rank for b in rows}):
+        steps = steps_by_rank.get(t)
+        if not steps:
+            return None
+        placed: dict[tuple[int, int, int], tuple[int, int]] = {}
+        counts: dict[tuple[int, int], int] = {}
+        for a, s in enumerate(steps):
+            if s.foreign or s.batch_rows <= 0 or len(s.at) != len(s.rows) or s.n_microbatches < 1:
+                return None
+            for (m, j), p in zip(s.rows, s.at, strict=True):
+                key = (t, m, j)
+                if key not in tokens or key in placed or not 0 <= p < s.batch_rows:
+                    return None
+                k = chunk_of(p, s.batch_rows, s.n_microbatches)
+                placed[key] = (a, k)
+                counts[(a, k)] = counts.get((a, k), 0) + tokens[key]
+        for key, n in tokens.items():
+            if key[0] == t and n > 0 and key not in placed:
+                return None
+        out.update({key: Chunk(t, a, k, counts[(a, k)]) for key, (a, k) in placed.items()})
+    return out
+
+
+def microbatch_means_ratios(rows: Sequence[Block], steps_by_rank: Mapping[int, Sequence[ScheduleStep]],
+                            token_ranks: int) -> list[float] | None:
+    """``pp_microbatch_means``'s ratio of every row: ``N / (n_k K_t T)``, ``n_k`` the supervised tokens of the
+    schedule microbatch that held it, ``K_t`` the schedule microbatches of its rank's window (``sum_a M_a``), ``T``
+    the token group's size; NaN for a row without a supervised token. None where :func:`chunks_of` cannot place the
+    rows."""
+    where = chunks_of(rows, steps_by_rank)
+    n = sum(b.tokens for b in rows)
+    if where is None or n == 0 or token_ranks < 1:
+        return None
+    per_rank = {t: sum(s.n_microbatches for s in steps) for t, steps in steps_by_rank.items()}
+    out = []
+    for b in rows:
+        c = where.get((b.rank, b.microbatch, b.row))  # type: ignore[arg-type]
+        out.append(n / (c.tokens * per_rank[b.rank] * token_ranks) if b.tokens > 0 and c is not None else math.nan)
+    return out
+
+
+def _means_words(rows: Sequence[Block], predicted: Sequence[float], steps_by_rank: Mapping[int, Sequence[ScheduleStep]],
+                 token_ranks: int, where: Mapping[tuple[int, int, int], Chunk], view: str) -> str:
+    n = sum(b.tokens for b in rows)
+    ks = sorted({sum(s.n_microbatches for s in steps) for steps in steps_by_rank.values()})
+    a_steps = sorted({len(steps) for steps in steps_by_rank.values()})
+    by_chunk: dict[Chunk, float] = {}
+    for b, p in zip(rows, predicted, strict=True):
+        c = where.get((b.rank, b.microbatch, b.row))  # type: ignore[arg-type]
+        if c is not None and b.tokens > 0:
+            by_chunk[c] = p
+    hi = max(by_chunk, key=by_chunk.__getitem__)
+    lo = min(by_chunk, key=by_chunk.__getitem__)
+    who = {b.rank: b.holder or f"rank {b.rank}" for b in rows}
+    k_words = "/".join(map(str, ks))
+    over = f", averaged over the token group's {token_ranks} ranks" if token_ranks > 1 else ""
+    return (f"each schedule microbatch's loss was its own token mean, divided by the window's K = M x A = {k_words} "
+            f"schedule microbatches{over}: a mean of the {len(by_chunk)} schedule microbatches' means over "
+            f"{'/'.join(map(str, a_steps))} steps, where the window's token mean belongs (torchtitan #1732's first "
+            f"fix): a token of schedule microbatch k weighs 1/(n_k x K x T); {who[hi.rank]}'s step {hi.step}, "
+            f"microbatch {hi.chunk} (n_k={hi.tokens} of N={n}) weighs {by_chunk[hi]:.3g}x, {who[lo.rank]}'s step "
+            f"{lo.step}, microbatch {lo.chunk} (n_k={lo.tokens}) {by_chunk[lo]:.3g}x; divide each microbatch's loss "
+            f"sum by the window's count over the token group instead ({view})")
+
+
+def microbatch_means_reading(rows: Sequence[Block], q: Sequence[float],
+                             steps_by_rank: Mapping[int, Sequence[ScheduleStep]], token_ranks: int,
+                             tolerance: float = ROW_TOLERANCE) -> Signature | None:
+    """``pp_microbatch_means`` where the rows' fitted ratios ``q`` (one per row, ``w * N``) are
+    :func:`microbatch_means_ratios` within ``tolerance`` relative to the largest; None where the rows cannot be
+    placed, where the formula predicts the right weights (every schedule microbatch as full), or where it misses."""
+    predicted = microbatch_means_ratios(rows, steps_by_rank, token_ranks)
+    if predicted is None:
+        return None
+    live = [(v, p) for b, v, p in zip(rows, q, predicted, strict=True) if b.tokens > 0 and math.isfinite(p)]
+    if not live or any(not math.isfinite(v) for v, _ in live):
+        return None
+    top = max(abs(p) for _, p in live)
+    if all(abs(p - 1) <= tolerance for _, p in live):
+        return None
+    if max(abs(v - p) for v, p in live) > tolerance * top:
+        return None
+    where = chunks_of(rows, steps_by_rank) or {}
+    return Signature("pp_microbatch_means", _means_words(rows, predicted, steps_by_rank, token_ranks, where,
+                                                          "read per row"))
+
+
+def _steps_by_rank(run: Run, window: int, ranks: set[int]) -> dict[int, Sequence[ScheduleStep]] | None:
+    assert run.records is not None
+    out: dict[int, Sequence[ScheduleStep]] = {}
+    for t in ranks:
+        records = run.records[run.mesh.holder(t)]
+        if window >= len(records) or not records[window].pipeline_steps:
+            return None
+        out[t] = records[window].pipeline_steps
+    return out
+
+
+def _rows_of_blocks(run: Run, window: int, blocks: Sequence[Block]) -> list[Block]:
+    """One block per row of every block's microbatch (its own supervised count), as the per-sequence fit's."""
+    out: list[Block] = []
+    for b in blocks:
+        mb = run.windows[window][b.rank][b.microbatch]
+        out.extend(Block(b.rank, b.microbatch, mb.row(i).supervised, row=i, holder=b.holder)
+                   for i in range(mb.inputs.shape[0]))
+    return out
+
+
+def block_means_reading(blocks: Sequence[Block], q: Sequence[float], rows: Sequence[Block],
+                        steps_by_rank: Mapping[int, Sequence[ScheduleStep]], token_ranks: int) -> Signature | None:
+    """``pp_microbatch_means`` read on the microbatch fit's ratios ``q`` (one per block of ``blocks``), ``rows`` the
+    blocks' rows (one block per row): only where every block's supervised rows share one predicted ratio (the
+    schedule microbatches holding them as full as each other), else None, and the per-sequence fit reads it."""
+    predicted = microbatch_means_ratios(rows, steps_by_rank, token_ranks)
+    if predicted is None:
+        return None
+    per_block: dict[tuple[int, int], list[float]] = {}
+    for r, p in zip(rows, predicted, strict=True):
+        if r.tokens > 0:
+            per_block.setdefault((r.rank, r.microbatch), []).append(p)
+    live = []
+    for b, v in zip(blocks, q, strict=True):
+        if b.tokens <= 0:
+            continue
+        ps = per_block.get((b.rank, b.microbatch))
+        if not ps or max(ps) - min(ps) > 1e-12 * max(ps) or not math.isfinite(v):
+            return None
+        live.append((v, ps[0]))
+    if not live or all(abs(p - 1) <= match_tolerance() for _, p in live):
+        return None
+    top = max(abs(p) for _, p in live)
+    if max(abs(v - p) for v, p in live) > match_tolerance() * top:
+        return None
+    where = chunks_of(rows, steps_by_rank) or {}
+    return Signature("pp_microbatch_means", _means_words(rows, predicted, steps_by_rank, token_ranks, where,
+                                                          "each microbatch's rows in equally full chunks"))
+
+
 def pipeline_reading(run: Run, window: int, blocks: Sequence[Block], fit: Fit, sig: Signature) -> Signature:
     """``sig``, or on a mesh with pp where the microbatch fit explains the gradient and reads neither correct nor a
     stronger reading (:data:`LEFT_AS_READ`), the mistake whose formula over the recorded steps gives its weights."""
@@ -121,14 +289,30 @@ def pipeline_reading(run: Run, window: int, blocks: Sequence[Block], fit: Fit, s
     if pp < 2 or run.records is None or sig.name in LEFT_AS_READ or fit.residual > explained_residual():
         return sig
     n = sum(b.tokens for b in blocks)
-    steps_by_rank = {}
-    for t in {b.rank for b in blocks}:
-        records = run.records[run.mesh.holder(t)]
-        if window >= len(records) or not records[window].pipeline_steps:
-            return sig
-        steps_by_rank[t] = records[window].pipeline_steps
-    found = formula_reading(blocks, [float(w) * n for w in fit.weights], steps_by_rank, pp)
+    steps_by_rank = _steps_by_rank(run, window, {b.rank for b in blocks})
+    if steps_by_rank is None:
+        return sig
+    q = [float(w) * n for w in fit.weights]
+    found = formula_reading(blocks, q, steps_by_rank, pp)
+    if found is None and run.mesh.size("cp") == 1:
+        rows = _rows_of_blocks(run, window, blocks)
+        found = block_means_reading(blocks, q, rows, steps_by_rank, run.mesh.token_ranks)
     return sig if found is None else found
 
 
-__all__ = ["LEFT_AS_READ", "formula_reading", "pipeline_reading", "step_of"]
+def pipeline_rows_reading(run: Run, window: int, rows: Sequence[Block], fit: Fit) -> Signature | None:
+    """On a mesh with pp, ``pp_microbatch_means`` read on the per-sequence fit (``rows``: one block per row, its
+    ``rank`` the token rank); None elsewhere, where that fit leaves a residual, or where the formula misses."""
+    if run.mesh.size("pp") < 2 or run.mesh.size("cp") > 1 or run.records is None:
+        return None
+    if fit.residual > explained_residual():
+        return None
+    steps_by_rank = _steps_by_rank(run, window, {b.rank for b in rows})
+    if steps_by_rank is None:
+        return None
+    n = sum(b.tokens for b in rows)
+    return microbatch_means_reading(rows, [float(w) * n for w in fit.weights], steps_by_rank, run.mesh.token_ranks)
+
+
+__all__ = ["LEFT_AS_READ", "Chunk", "block_means_reading", "chunks_of", "formula_reading", "microbatch_means_ratios",
+           "microbatch_means_reading", "pipeline_reading", "pipeline_rows_reading", "step_of"]

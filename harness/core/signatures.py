@@ -84,6 +84,8 @@ SIGNATURES: dict[str, str] = {
                       "average over the window's steps (torchtitan #1733)",
     "pp_last_step_only": "only the last pipeline step's gradient survived: every earlier step's blocks weigh 0",
     "pp_divided_by_microbatches": "a global-count loss under scale_grads=True: each step's blocks also divided by M",
+    "pp_microbatch_means": "each pipeline schedule microbatch's own token mean over M x A (torchtitan #1732): a token "
+                           "of schedule microbatch k weighs 1/(n_k M A T), a mean of the microbatches' means",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }

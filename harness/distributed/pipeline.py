@@ -225,11 +225,30 @@ class ScheduleStep(NamedTuple):
     scale_grads: bool
     rows: tuple[tuple[int, int], ...]
     foreign: int = 0
+    batch_rows: int = 0
+    """The rows of the step's batch, padding included (0: not recorded): the schedule splits them into
+    ``n_microbatches`` chunks along dim 0 (:func:`chunk_of`)."""
+    at: tuple[int, ...] = ()
+    """Each of ``rows``' position in the step's batch (empty: not recorded)."""
 
 
-def rows_of(window: Sequence[Any], inputs: torch.Tensor, labels: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+def chunk_of(position: int, batch_rows: int, n_microbatches: int) -> int:
+    """The schedule microbatch that holds row ``position`` of a step's batch of ``batch_rows`` rows: torch's
+    pipelining splits the batch with ``torch.tensor_split`` along dim 0, the first ``batch_rows % n_microbatches``
+    chunks one row longer."""
+    if not 0 <= position < batch_rows or n_microbatches < 1:
+        msg = (f"position={position} must lie in a batch of batch_rows={batch_rows} rows split into "
+               f"n_microbatches={n_microbatches} >= 1 chunks")
+        raise ValueError(msg)
+    size, extra = divmod(batch_rows, n_microbatches)
+    long_rows = extra * (size + 1)
+    return position // (size + 1) if position < long_rows else extra + (position - long_rows) // max(size, 1)
+
+
+def rows_of(window: Sequence[Any], inputs: torch.Tensor, labels: torch.Tensor,
+            at: list[int] | None = None) -> tuple[list[tuple[int, int]], int]:
     """Which of ``window``'s rows a step's ``(inputs, labels)`` hold (each window row once, the first unused match),
-    and how many of its supervised rows match none."""
+    and how many of its supervised rows match none; ``at``, when given, receives each found row's position."""
     candidates = [(i, j, mb.inputs[j], mb.labels[j]) for i, mb in enumerate(window) if hasattr(mb, "inputs")
                   for j in range(mb.inputs.shape[0])]
     used: set[tuple[int, int]] = set()
@@ -241,6 +260,8 @@ def rows_of(window: Sequence[Any], inputs: torch.Tensor, labels: torch.Tensor) -
         if found is not None:
             used.add(found)
             rows.append(found)
+            if at is not None:
+                at.append(r)
         elif bool((labels[r] != IGNORE_INDEX).any()):
             foreign += 1
     return rows, foreign
@@ -339,9 +360,11 @@ class Pipeline:
                 schedule.step(*args, target=labels, losses=losses)
             else:
                 schedule.step(*args)
-        rows, foreign = rows_of(self.window, inputs, labels)
+        at: list[int] = []
+        rows, foreign = rows_of(self.window, inputs, labels, at)
         self.steps.append(ScheduleStep(int(getattr(schedule, "_n_microbatches", 0)),
-                                       bool(getattr(schedule, "scale_grads", True)), tuple(rows), foreign))
+                                       bool(getattr(schedule, "scale_grads", True)), tuple(rows), foreign,
+                                       int(labels.shape[0]), tuple(at)))
         return losses
 
     def from_last(self, value: float) -> float:
@@ -454,5 +477,5 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
 
 
 __all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "STAGES_PER_RANK", "BuiltinStage", "Pipeline", "PipelineWrapped",
-           "ScheduleStep", "SequentialStage", "builtin_split", "builtin_units", "check_composes", "check_split", "cut",
-           "local_stages", "rows_of", "split_of", "stages_per_rank", "wrap"]
+           "ScheduleStep", "SequentialStage", "builtin_split", "builtin_units", "check_composes", "check_split",
+           "chunk_of", "cut", "local_stages", "rows_of", "split_of", "stages_per_rank", "wrap"]

@@ -64,24 +64,35 @@ def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int, length: int) 
 
 
 def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, steps: int = 1,
-          scale_grads: bool = False, loss_factor: float = 1.0, reinitialise: bool = False) -> float:
+          scale_grads: bool = False, loss_factor: float = 1.0, reinitialise: bool = False, count_group: Any = None,
+          microbatch_mean: bool = False) -> float:
     """Run ``window`` through ``pipeline`` as ``steps`` schedule steps of ``n_microbatches`` each, with the loss of
     each microbatch ``loss_sum * token_group_size / global_count * loss_factor`` and the schedule's ``scale_grads``;
     returns the window's token mean (the last stage's loss sums, broadcast over pp, summed over the token group, over
     the count): the same on every rank. The correct recipe is ``scale_grads=False``, ``loss_factor=1``, one schedule
-    for every step; ``reinitialise`` builds a new schedule per step (the stage's shapes inferred again before each)."""
+    for every step.
+
+    The negative controls' knobs: ``reinitialise`` builds a new schedule per step (the stage's shapes inferred again
+    before each); ``count_group``, a process group to reduce the count over instead of the token group (None: the
+    token group); ``microbatch_mean``, each schedule microbatch's loss its own token mean (``loss_sum / its
+    supervised count * loss_factor``, no global count)."""
     if pipeline is None:
         raise RuntimeError(NO_PIPELINE)
     group = pipeline.token_group
     local_count = sum(supervised_tokens(mb) for mb in window)
     # The count over the token group (dp); without a data-parallel dimension the rank's own count is the window's.
-    total = require_tokens(local_count if group is None else global_count(local_count, group=group))
+    over = group if count_group is None else count_group
+    total = require_tokens(local_count if over is None else global_count(local_count, group=over))
     size = pipeline.token_group_size
     calls: list[tuple[torch.Tensor, float]] = []  # each loss loss_fn returned, with its loss sum
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         s = loss_sum(logits, target)
-        loss = global_token_loss(s, total, size) * loss_factor
+        if microbatch_mean:
+            # A chunk of wholly ignored padding rows holds no token: its mean is taken as 0, not 0/0.
+            loss = s / max(int((target != IGNORE_INDEX).sum()), 1) * loss_factor
+        else:
+            loss = global_token_loss(s, total, size) * loss_factor
         calls.append((loss, float(s.detach())))
         return loss
 

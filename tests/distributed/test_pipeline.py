@@ -9,9 +9,11 @@ import itertools
 import pytest
 
 from harness.battery import checks, runner
+from harness.battery.diagnose import diagnose
 from harness.battery.options import RunSpec
 from harness.battery.verdict import NOT_APPLICABLE
 from harness.core.mesh import Mesh
+from harness.recipes import CONTROLS, DIAGNOSES
 
 CORRECT = "harness.recipes:pipeline_token_mean"
 SCALE_GRADS = "harness.recipes:pp_scale_grads_with_accumulation"
@@ -182,3 +184,27 @@ def test_the_batterys_default_recipe_drives_the_pipeline_on_a_pp_mesh() -> None:
     for check in (checks.parity, checks.logged_loss):
         verdict = check(run)
         assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "phrase"), [
+    ("pp_count_over_world", "the count was reduced over pp x dp (4 ranks); this window's tokens are spread over dp (2 "
+                            "ranks), and the ranks of pp hold the same tokens, so the count holds each 2 times: every "
+                            "weight is 0.50x"),
+    ("pp_global_count_default_scale_grads", "scale_grads=True divided each step's gradient by M again (step 0's "
+                                            "gradient weighs 0.25)"),
+    ("pp_microbatch_means_over_m_times_a", "divided by the window's K = M x A = 4 schedule microbatches, averaged over "
+                                           "the token group's 2 ranks: a mean of the 7 schedule microbatches' means "
+                                           "over 2 steps"),
+    ("pp_microbatch_means_over_m_times_a", "step 1, microbatch 1 (n_k=56 of N=793) weighs 1.77x, rank 1 (pp 0, dp "
+                                           "1)'s step 0, microbatch 0 (n_k=245) 0.405x"),
+])
+def test_each_pipeline_control_is_named_by_its_formula_in_words(name: str, phrase: str) -> None:
+    """On its target (GPipe, ``uneven``): the count over dp x pp by the group it was reduced over, the global-count
+    loss under the default scale_grads by the division by M, and the schedule microbatches' means by their formula,
+    read per row (the schedule's chunks cut through the window's microbatches)."""
+    target = CONTROLS[name]
+    found = diagnose(pp_run(f"harness.recipes:{name}", target.mesh or "pp=2"))
+    assert found is not None
+    assert DIAGNOSES[name] == found.signature.name, found.line()
+    assert phrase in found.line(), found.line()

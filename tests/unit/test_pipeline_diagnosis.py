@@ -1,17 +1,25 @@
 """The pipeline readings by formula from schedule steps and weights built by hand: each accumulation mistake's ratios
-read back as that mistake, and the right weights or a re-weighting of another shape read as none; and the rows a step
-held, recovered from its stacked batch."""
+read back as that mistake, and the right weights or a re-weighting of another shape read as none; the mean of the
+schedule microbatches' means read per row; and the rows a step held, recovered from its stacked batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from harness.battery.pipeline_diagnosis import formula_reading, step_of
+from harness.battery.pipeline_diagnosis import (
+    block_means_reading,
+    chunks_of,
+    formula_reading,
+    microbatch_means_ratios,
+    microbatch_means_reading,
+    step_of,
+)
 from harness.core.count_groups import count_group
 from harness.core.fit import Block
 from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
-from harness.distributed.pipeline import Pipeline, ScheduleStep, rows_of
+from harness.distributed.pipeline import Pipeline, ScheduleStep, chunk_of, rows_of
 
 # One token rank's window of three microbatches (4, 3 and 2 rows).
 ROWS = (4, 3, 2)
@@ -86,3 +94,92 @@ def test_the_rows_a_step_held_are_recovered_from_its_stacked_batch() -> None:
     assert ([(0, 0), (0, 1), (1, 0)], 0) == rows_of(window, inputs, labels)
     labels[1, 0] = 3 if int(labels[1, 0]) != 3 else 4
     assert ([(0, 0), (1, 0)], 1) == rows_of(window, inputs, labels)
+
+
+@pytest.mark.parametrize("batch_rows", [1, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_a_row_lies_in_the_chunk_torch_tensor_split_gives_it(batch_rows: int, m: int) -> None:
+    """chunk_of follows torch.tensor_split along dim 0, the split torch's pipelining applies to a step's batch: the
+    first rows % M chunks one row longer, and empty chunks where M > rows."""
+    chunks = torch.tensor_split(torch.arange(batch_rows), m)
+    assert [k for k, c in enumerate(chunks) for _ in c] == [chunk_of(p, batch_rows, m) for p in range(batch_rows)]
+
+
+def test_a_position_outside_the_batch_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="position=4 must lie in a batch of batch_rows=4 rows"):
+        chunk_of(4, 4, 2)
+
+
+# Two token ranks' rows for the mean of means: rank 0's microbatch 0 of 4 rows, its microbatch 1 of 3; rank 1's
+# microbatch 0 of 2 rows, its microbatch 1 of 2. Each microbatch is one step of M=2 (A=2, K=4), the 3 rows padded to 4.
+TOKENS = {(0, 0): (5, 7, 3, 9), (0, 1): (4, 6, 2), (1, 0): (8, 2), (1, 1): (0, 10)}
+ROW_BLOCKS = [Block(t, m, n, row=j) for (t, m), ns in TOKENS.items() for j, n in enumerate(ns)]
+MEANS_STEPS = {t: [ScheduleStep(2, False, tuple((m, j) for j in range(len(TOKENS[(t, m)]))),
+                                batch_rows=-(-len(TOKENS[(t, m)]) // 2) * 2, at=tuple(range(len(TOKENS[(t, m)]))))
+                   for m in (0, 1)] for t in (0, 1)}
+
+
+def test_each_row_weighs_one_over_its_schedule_microbatch_count_times_k_times_t() -> None:
+    """By hand: N = 56, K = 4, T = 2; rank 0's first step splits 5+7 | 3+9, its second 4+6 | 2 (+ a padding row);
+    rank 1's steps 8 | 2 and 0 | 10 (one row each). A row's ratio is N / (n_k K T)."""
+    n, k, t = 56, 4, 2
+    assert n == sum(b.tokens for b in ROW_BLOCKS)
+    counts = [12, 12, 12, 12, 10, 10, 2, 8, 2, 0, 10]
+    expected = [n / (c * k * t) if c else float("nan") for c in counts]
+    expected[9] = float("nan")  # a row without a supervised token has no weight to read
+    got = microbatch_means_ratios(ROW_BLOCKS, MEANS_STEPS, t)
+    assert got is not None
+    torch.testing.assert_close(torch.tensor(expected), torch.tensor(got), equal_nan=True, rtol=1e-12, atol=0.0)
+    where = chunks_of(ROW_BLOCKS, MEANS_STEPS)
+    assert where is not None and (1, 1, 2) == where[(0, 1, 2)][1:]  # rank 0's step 1, chunk 1, n_k = 2
+
+
+def test_the_mean_of_schedule_microbatch_means_is_read_and_named_by_its_formula() -> None:
+    """Ratios built from the formula (within the row fit's tolerance) read pp_microbatch_means; the sentence names K,
+    T and the heaviest and lightest schedule microbatches."""
+    q = [v if v == v else 0.0 for v in microbatch_means_ratios(ROW_BLOCKS, MEANS_STEPS, 2) or []]
+    q = [v * (1 + 2e-4 * (-1) ** i) for i, v in enumerate(q)]  # the per-row fit's own scatter
+    sig = microbatch_means_reading(ROW_BLOCKS, q, MEANS_STEPS, 2)
+    assert sig is not None and "pp_microbatch_means" == sig.name
+    assert "K = M x A = 4 schedule microbatches, averaged over the token group's 2 ranks" in sig.sentence, sig.sentence
+    assert "rank 0's step 1, microbatch 1 (n_k=2 of N=56) weighs 3.5x" in sig.sentence, sig.sentence
+
+
+def test_the_mean_of_means_does_not_read_other_weights_or_rows_it_cannot_place() -> None:
+    """The negative controls: the right weights; a mean per row (each sequence's own mean over the window's 10
+    supervised rows); the formula's weights where the recorded batch put a row across a cut (other n_k); steps
+    without batch positions; a step that held rows the window does not; a schedule whose chunks are all as full
+    (the formula predicts the right weights: no candidate)."""
+    n = 56
+    assert microbatch_means_reading(ROW_BLOCKS, [1.0] * len(ROW_BLOCKS), MEANS_STEPS, 2) is None
+    per_row = [n / (b.tokens * 10) if b.tokens else 0.0 for b in ROW_BLOCKS]
+    assert microbatch_means_reading(ROW_BLOCKS, per_row, MEANS_STEPS, 2) is None
+    right = microbatch_means_ratios(ROW_BLOCKS, MEANS_STEPS, 2) or []
+    # Rank 0's first step held row 1 after row 2: its chunks hold 5+3 | 7+9, not 5+7 | 3+9.
+    moved = {**MEANS_STEPS, 0: [MEANS_STEPS[0][0]._replace(at=(0, 2, 1, 3)), MEANS_STEPS[0][1]]}
+    assert microbatch_means_reading(ROW_BLOCKS, right, moved, 2) is None
+    bare = {t: [s._replace(at=()) for s in steps] for t, steps in MEANS_STEPS.items()}
+    assert microbatch_means_reading(ROW_BLOCKS, right, bare, 2) is None
+    foreign = {t: [s._replace(foreign=1) for s in steps] for t, steps in MEANS_STEPS.items()}
+    assert microbatch_means_reading(ROW_BLOCKS, right, foreign, 2) is None
+    even = [Block(0, 0, 6, row=j) for j in range(4)]
+    even_steps = {0: [ScheduleStep(2, False, tuple((0, j) for j in range(4)), batch_rows=4, at=(0, 1, 2, 3))]}
+    assert [1.0] * 4 == microbatch_means_ratios(even, even_steps, 1) or []
+    assert microbatch_means_reading(even, [1.0] * 4, even_steps, 1) is None
+
+
+def test_the_mean_of_means_reads_on_microbatch_weights_only_where_each_microbatch_fills_one_chunk() -> None:
+    """One step of M=2 holding microbatch 0 (rows of 3 and 5 tokens) and microbatch 1 (rows of 1 and 1): each
+    microbatch is one schedule microbatch, so the block ratios N / (n_k K T) = 10/16 and 10/4 read; where the chunks
+    cut through the microbatches (rank 0 of the rows above), no block weight can say it, and the reading declines."""
+    blocks = [Block(0, 0, 8), Block(0, 1, 2)]
+    rows = [Block(0, 0, 3, row=0), Block(0, 0, 5, row=1), Block(0, 1, 1, row=0), Block(0, 1, 1, row=1)]
+    steps = {0: [ScheduleStep(2, False, ((0, 0), (0, 1), (1, 0), (1, 1)), batch_rows=4, at=(0, 1, 2, 3))]}
+    sig = block_means_reading(blocks, [10 / 16, 10 / 4], rows, steps, 1)
+    assert sig is not None and "pp_microbatch_means" == sig.name
+    assert block_means_reading(blocks, [10 / 16, 10 / 4 * 1.01], rows, steps, 1) is None
+    assert block_means_reading(blocks, [1.0, 1.0], rows, steps, 1) is None
+    cut = [Block(0, m, sum(TOKENS[(0, m)])) for m in (0, 1)]
+    predicted = microbatch_means_ratios([b for b in ROW_BLOCKS if b.rank == 0], {0: MEANS_STEPS[0]}, 1) or []
+    assert block_means_reading(cut, predicted[::4][:2], [b for b in ROW_BLOCKS if b.rank == 0],
+                               {0: MEANS_STEPS[0]}, 1) is None

@@ -10,7 +10,8 @@ FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong mo
 two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas), and the
 groups of a tensor-parallel mesh (tensor_parallel: a count over tp too, the world size for the dp size, norms'
 gradients not reduced over tp, a clipping norm from local shards), and the schedules of a pipeline (pipeline:
-``scale_grads`` left on with accumulation over schedule steps). A control is one
+``scale_grads`` left on with accumulation over schedule steps or with a global count, stages re-initialised, a count
+over dp x pp, each schedule microbatch's own mean). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
