@@ -57,18 +57,18 @@ class PipelineRecipe:
             return s * (size / total)
 
         window_sum = 0.0
-        steps = min(STEPS, len(window))  # a window of one microbatch runs as one step
-        cuts = [len(window) * a // steps for a in range(steps + 1)]
-        for a in range(steps):
-            part = window[cuts[a]:cuts[a + 1]]
-            # 3. scale_grads=False: the loss is already divided by the window's count. torch's default (True)
-            #    divides the gradients by M again at the end of every step, and over several steps it divides the
-            #    earlier steps' gradients once more at each later step (torchtitan #1733).
-            schedule = p.schedule(loss_fn, MICROBATCHES, scale_grads=False)
-            inputs, labels = p.batch(part, MICROBATCHES)
+        # 3. One schedule for the whole window, built once: a new schedule per step infers the stage's shapes again,
+        #    and on FSDP2 stages that re-initialisation clears the gradients of the steps before (NeMo Automodel
+        #    #3530). pipeline.batches cuts the window into STEPS batches of one shape (a short window's first steps
+        #    hold only ignored rows, and still run on every stage).
+        #    scale_grads=False: the loss is already divided by the window's count. torch's default (True) divides
+        #    the gradients by M again at the end of every step, and over several steps it divides the earlier
+        #    steps' gradients once more at each later step (torchtitan #1733).
+        schedule = p.schedule(loss_fn, MICROBATCHES, scale_grads=False)
+        for inputs, labels in p.batches(window, STEPS, MICROBATCHES):
             sums.clear()
             losses = p.step(schedule, inputs, labels)
-            # The last stage's microbatch loss sums of this step (a new schedule's first step also calls loss_fn
+            # The last stage's microbatch loss sums of this step (the schedule's first step also calls loss_fn
             # once on the placeholder it infers shapes from).
             window_sum += sum(sums[len(sums) - len(losses):]) if losses else 0.0
         # 4. The logged loss: the last stage's sum on every stage, summed over dp, over the count.

@@ -108,8 +108,8 @@ PP_MAX_MICROBATCHES = 64
 def check_pp_count(value: object, option: str, default: int) -> int:
     """``value`` (a positive number, or its digits as a string, None for ``default``) as an int; ValueError naming
     ``option``, the value and the rule otherwise. ``--pp-steps`` and ``--pp-microbatches`` (:class:`RunSpec`'s
-    ``pp_steps`` and ``pp_microbatches``) are a training config's accumulation plan, not data: whether A steps fit
-    a window is checked against its windows (:func:`check_pp_plan`)."""
+    ``pp_steps`` and ``pp_microbatches``) are a training config's accumulation plan, not data: a window of fewer
+    microbatches than A steps runs its first steps empty (:meth:`harness.distributed.pipeline.Pipeline.batches`)."""
     if value is None:
         return default
     count = int(value) if isinstance(value, str) and value.strip().isdigit() else value
@@ -119,19 +119,6 @@ def check_pp_count(value: object, option: str, default: int) -> int:
                f"{example}")
         raise ValueError(msg)
     return count
-
-
-def check_pp_plan(windows: Sequence[Sequence[Sequence[Any]]], steps: int, scenario: str,
-                  option: str = "--pp-steps") -> None:
-    """ValueError naming ``option`` when a window of ``windows`` holds fewer microbatches per rank than ``steps``:
-    every schedule step takes at least one of the window's microbatches."""
-    short = min((len(rank) for window in windows for rank in window), default=steps)
-    if steps > short:
-        fix = f"{option} {short}" if option.startswith("--") else f"{option}={short}"
-        msg = (f"{option}={steps} schedule steps but scenario {scenario!r} has a window of {short} microbatch"
-               f"{'es' if short != 1 else ''} per rank: each step takes at least one; use {fix} or less, "
-               "or a scenario of longer windows (pp_uneven, pp_balanced, pp_empty_step: 3 microbatches)")
-        raise ValueError(msg)
 
 
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -496,7 +483,6 @@ __all__ = [
     "check_find_unused",
     "check_objective",
     "check_pp_count",
-    "check_pp_plan",
     "check_pp_schedule",
     "check_strategy_over",
     "check_world_sizes",

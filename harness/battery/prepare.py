@@ -19,7 +19,7 @@ from harness.battery.chain import Chain, compute_chain
 from harness.battery.facts import probe_meshes, probe_model
 from harness.battery.gradless import unused_notes
 from harness.battery.objective import resolve, windows_for
-from harness.battery.options import RunSpec, check_pp_plan
+from harness.battery.options import RunSpec
 from harness.battery.run import Run, WindowRecord
 from harness.battery.spec import ModelSpec, weights_digest
 from harness.battery.start import start_note, start_weights
@@ -99,7 +99,6 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         raise ValueError(msg)
     if spec.mesh.size("pp") > 1:  # a split that loses part of the forward is refused here, not in every rank
         probe_meshes(spec.model, [spec.mesh], spec.batch_format, spec.pp_schedule)
-        check_pp_plan(windows, spec.pp_steps, spec.scenario)  # A steps fit every window, checked before any rank
     objective = resolve(spec.objective, spec.recipe)
     windows = windows_for(spec, windows)  # the objective's factors, drawn where the windows carry none
     model = ModelSpec.of(spec)

@@ -215,6 +215,16 @@ def _pp_group_of(rank_mesh: Any) -> Any:
     return rank_mesh.submesh(("pp",)).get_group()
 
 
+def parts(window: Sequence[Any], steps: int) -> list[list[Any]]:
+    """``window``'s microbatches in ``steps`` consecutive parts, as even as they allow (the later parts one longer
+    where they do not divide evenly: 3 in 2 steps are 1 and 2; 1 in 2 steps is none, then 1)."""
+    if steps < 1:
+        msg = f"steps={steps!r}: a window runs as at least one schedule step"
+        raise ValueError(msg)
+    cuts = [len(window) * i // steps for i in range(steps + 1)]
+    return [list(window[a:b]) for a, b in itertools.pairwise(cuts)]
+
+
 class ScheduleStep(NamedTuple):
     """One ``schedule.step`` of a window as :meth:`Pipeline.step` recorded it: the schedule's microbatch count and
     ``scale_grads``, and the window's rows the step's batch held, as ``(microbatch, row)`` in the step's order (a
@@ -342,6 +352,31 @@ class Pipeline:
             labels[at:at + b, :t] = mb.labels
             at += b
         return inputs, labels
+
+    @staticmethod
+    def batches(window: Sequence[Microbatch], steps: int,
+                n_microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``window`` as ``steps`` schedule steps' ``(inputs, labels)``, every one of the same shape, so that one
+        schedule drives them all (a schedule infers the stage's shapes on its first step only, and a new schedule
+        per step re-initialises the stage: on FSDP2 stages that clears the gradients accumulated so far). The
+        microbatches are cut into ``steps`` consecutive parts (:func:`parts`), each stacked by :meth:`batch`, then
+        padded to the most rows and the longest row of any part; a part without microbatches (more steps than
+        microbatches) is a step of wholly ignored rows, which still runs on every stage."""
+        if not window:
+            msg = "a pipelined window needs at least one microbatch"
+            raise ValueError(msg)
+        stacked = [Pipeline.batch(part, n_microbatches) if part else None for part in parts(window, steps)]
+        rows = max(b[0].shape[0] for b in stacked if b is not None)
+        length = max(b[0].shape[1] for b in stacked if b is not None)
+        ref = window[0].inputs
+        out = []
+        for b in stacked:
+            inputs = torch.full((rows, length), PAD, dtype=ref.dtype, device=ref.device)
+            labels = torch.full((rows, length), IGNORE_INDEX, dtype=ref.dtype, device=ref.device)
+            if b is not None:
+                inputs[:b[0].shape[0], :b[0].shape[1]], labels[:b[1].shape[0], :b[1].shape[1]] = b
+            out.append((inputs, labels))
+        return out
 
     def step(self, schedule: Any, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """One ``schedule.step``: the first stage passes ``inputs``, the last ``labels`` as the target; returns the
@@ -476,6 +511,25 @@ def wrap(model: nn.Module, model_path: str | None, rank_mesh: Any, device: torch
     return PipelineWrapped(model, stage_modules, inners, pipeline)
 
 
-__all__ = ["SCHEDULE_CLASSES", "SPLIT_ATTRIBUTE", "STAGES_PER_RANK", "BuiltinStage", "Pipeline", "PipelineWrapped",
-           "ScheduleStep", "SequentialStage", "builtin_split", "builtin_units", "check_composes", "check_split",
-           "chunk_of", "cut", "local_stages", "rows_of", "split_of", "stages_per_rank", "wrap"]
+__all__ = [
+    "SCHEDULE_CLASSES",
+    "SPLIT_ATTRIBUTE",
+    "STAGES_PER_RANK",
+    "BuiltinStage",
+    "Pipeline",
+    "PipelineWrapped",
+    "ScheduleStep",
+    "SequentialStage",
+    "builtin_split",
+    "builtin_units",
+    "check_composes",
+    "check_split",
+    "chunk_of",
+    "cut",
+    "local_stages",
+    "parts",
+    "rows_of",
+    "split_of",
+    "stages_per_rank",
+    "wrap",
+]

@@ -11,10 +11,11 @@ How a window maps to schedule steps: a schedule splits one step's batch into mic
 harness's microbatches differ in rows and length. So the window's microbatches are cut into ``steps`` consecutive
 parts, and each part's rows are stacked into one step's batch, padded on the right to the window's longest row and
 with wholly ignored rows to the most rows of any part, a multiple of ``n_microbatches``
-(:meth:`~harness.distributed.pipeline.Pipeline.batch`): one schedule drives every step, and it infers the stage's
+(:meth:`~harness.distributed.pipeline.Pipeline.batches`): one schedule drives every step, and it infers the stage's
 shapes on its first step only. The supervised tokens are the window's own, so a loss sum over the steps is the
-window's loss sum; a step that holds none has loss 0 and still runs forward and backward on every stage (a stage that
-skipped it would leave its neighbours waiting on a send).
+window's loss sum; a step that holds none (a window of fewer microbatches than steps gives its first steps none) has
+loss 0 and still runs forward and backward on every stage (a stage that skipped it would leave its neighbours waiting
+on a send).
 
 Synchronizations: torch's schedules reduce a data-parallel stage's gradient at the end of every step (a DDP stage's
 last backward prepares its all-reduce itself, inside ``no_sync()`` or not; an FSDP2 stage's ``perform_reduce_grad``
@@ -25,7 +26,6 @@ result is exact; ``checks.one_sync`` counts one synchronization per recorded sch
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,33 +34,12 @@ from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import global_token_loss, loss_sum
-from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.recipes.correct import global_sum
 from harness.recipes.helpers import global_count, require_tokens
 
 NO_PIPELINE = ("this recipe drives a pipeline schedule and got no pipeline: run it over a mesh with pp > 1 "
                "(--mesh pp=2, or dp=2,pp=2)")
-
-
-def parts(window: Sequence[Microbatch], steps: int) -> list[list[Microbatch]]:
-    """``window``'s microbatches in ``steps`` consecutive non-empty parts (the later parts one longer where they do
-    not divide evenly: 3 in 2 steps are 1 and 2); ValueError when the window has fewer microbatches than steps."""
-    if len(window) < steps:
-        msg = f"a window of {len(window)} microbatches cannot run as {steps} schedule steps"
-        raise ValueError(msg)
-    cuts = [len(window) * i // steps for i in range(steps + 1)]
-    return [list(window[a:b]) for a, b in itertools.pairwise(cuts)]
-
-
-def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's batch grown to ``rows`` x ``length`` with ``PAD`` inputs and ignored labels (right and below)."""
-    b, t = inputs.shape
-    if (b, t) == (rows, length):
-        return inputs, labels
-    grown_inputs = torch.full((rows, length), PAD, dtype=inputs.dtype, device=inputs.device)
-    grown_labels = torch.full((rows, length), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
-    grown_inputs[:b, :t], grown_labels[:b, :t] = inputs, labels
-    return grown_inputs, grown_labels
 
 
 def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, steps: int = 1,
@@ -96,11 +75,10 @@ def drive(pipeline: Any, window: Sequence[Microbatch], n_microbatches: int, *, s
         calls.append((loss, float(s.detach())))
         return loss
 
-    batches = [pipeline.batch(part, n_microbatches) for part in parts(window, steps)]
-    rows, length = max(i.shape[0] for i, _ in batches), max(i.shape[1] for i, _ in batches)
+    batches = pipeline.batches(window, steps, n_microbatches)
     window_sum = 0.0
     schedule = None
-    for inputs, labels in (_padded(i, lab, rows, length) for i, lab in batches):
+    for inputs, labels in batches:
         if schedule is None or reinitialise:
             schedule = pipeline.schedule(loss_fn, n_microbatches, scale_grads=scale_grads)
         calls.clear()
@@ -137,4 +115,4 @@ class PipelineTokenMean:
 
 pipeline_token_mean = PipelineTokenMean()
 
-__all__ = ["NO_PIPELINE", "PipelineTokenMean", "drive", "parts", "pipeline_token_mean"]
+__all__ = ["NO_PIPELINE", "PipelineTokenMean", "drive", "pipeline_token_mean"]

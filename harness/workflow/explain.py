@@ -171,10 +171,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
                                        pp_schedule=args.pp_schedule, pp_steps=args.pp_steps,
                                        pp_microbatches=args.pp_microbatches)
         args.pp_steps, args.pp_microbatches = options.pp_steps, options.pp_microbatches
-        if args.layout is not None and args.layout.size("pp") > 1:  # A steps must fit the scenario's windows
-            from harness.battery.options import check_pp_plan
-
-            check_pp_plan(mesh_scenarios.build(args.scenario, args.layout), options.pp_steps, args.scenario)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     try:

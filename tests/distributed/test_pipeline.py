@@ -69,6 +69,17 @@ def test_the_pipeline_recipe_accumulates_a_window_over_two_schedule_steps() -> N
     assert [(2, False)] * 2 == [(s.n_microbatches, s.scale_grads) for s in run.records[0][0].pipeline_steps]
 
 
+@pytest.mark.slow
+def test_more_steps_than_the_window_has_microbatches_run_the_first_steps_empty() -> None:
+    """A = 3 on ``uneven`` (2 microbatches per rank) at dp=2,pp=2 under FSDP2 stages: the first step holds no row
+    of the window and still runs on every stage; the gradient is the window's, with 3 synchronizations per window
+    (a battery session with ``--pp-steps 3`` runs every scenario, the one-microbatch ones too)."""
+    run = pp_run(CORRECT, "dp=2,pp=2", strategy="fsdp2", steps=3)
+    _passes_the_plan(run, 3)
+    assert run.records is not None
+    assert () == run.records[0][0].pipeline_steps[0].rows
+
+
 def test_the_plans_cover_every_pair() -> None:
     """Every value pair of any two of the matrix's factors is in some plan of :data:`PLANS`."""
     factors = [("gpipe", "1f1b"), (1, 2, 3), (2, 4), ("ddp", "fsdp2"), ("pp_uneven", "pp_balanced", "pp_empty_step")]

@@ -58,7 +58,7 @@ def test_the_pipeline_scenarios_are_offered_on_a_mesh_with_pp_only() -> None:
 
 def step_counts(name: str, shape: str, steps: int) -> list[list[int]]:
     """Each data rank's supervised count in each of ``steps`` schedule steps of the scenario's window."""
-    from harness.recipes.pipelined import parts
+    from harness.distributed.pipeline import parts
 
     (window,) = mesh_scenarios.build(name, Mesh.parse(shape))
     return [[sum(mb.supervised for mb in part) for part in parts(rank, steps)] for rank in window]

@@ -1,6 +1,6 @@
-"""A pipelined run's accumulation plan (``--pp-steps`` A, ``--pp-microbatches`` M): refused before any rank starts
-where a window cannot run as A steps, and judged by ``one_sync`` at one synchronization per schedule step, on runs
-assembled by hand from the battery's own references (no rank starts)."""
+"""A pipelined run's accumulation plan (``--pp-steps`` A, ``--pp-microbatches`` M): a window as A equal-shaped
+steps, empty ones included, and ``one_sync`` judged at one synchronization per schedule step, on runs assembled by
+hand from the battery's own references (no rank starts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from harness.battery.options import RunSpec
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.run import Run, WindowRecord
 from harness.core.mesh import Mesh
-from harness.distributed.pipeline import ScheduleStep
+from harness.core.microbatch import IGNORE_INDEX
+from harness.distributed.pipeline import Pipeline, ScheduleStep
 
 CORRECT = "harness.recipes:pipeline_token_mean"
 MESH = Mesh.parse("dp=2,pp=2")
@@ -22,18 +23,20 @@ def _prepared(scenario: str, steps: int) -> Prepared:
     return prepare(spec, mesh_scenarios.build(scenario, MESH), share_chain=True)
 
 
-def test_more_steps_than_a_window_has_microbatches_is_refused_naming_the_option() -> None:
-    """A = 3 on ``uneven`` (2 microbatches per rank) cannot give every step a microbatch: the error names
-    ``--pp-steps``, the value, the window and the fix."""
-    with pytest.raises(ValueError, match=r"--pp-steps=3 schedule steps but scenario 'uneven' has a window of 2 "
-                                         r"microbatches per rank: each step takes at least one; use --pp-steps 2 or "
-                                         r"less, or a scenario of longer windows \(pp_uneven"):
-        _prepared("uneven", 3)
-
-
-def test_as_many_steps_as_the_window_has_microbatches_is_accepted() -> None:
-    """The valid twin: A = 3 on ``pp_uneven`` (3 microbatches per rank) prepares."""
-    assert 3 == _prepared("pp_uneven", 3).spec.pp_steps
+def test_a_window_runs_as_a_steps_of_one_shape_with_the_first_steps_empty_when_it_is_short() -> None:
+    """:meth:`Pipeline.batches`: every step's batch has one shape (one schedule drives them all), the supervised tokens
+    are the window's, each once; 2 microbatches in 3 steps leave the first step wholly ignored rows, which still
+    run on every stage; a window of none is refused."""
+    window = mesh_scenarios.build("uneven", MESH)[0][0]
+    assert 2 == len(window)
+    a, b = (mb.supervised for mb in window)
+    for steps, counts in ((1, [a + b]), (2, [a, b]), (3, [0, a, b])):
+        batches = Pipeline.batches(window, steps, 2)
+        assert 1 == len({tuple(i.shape) for i, _ in batches} | {tuple(lab.shape) for _, lab in batches})
+        assert counts == [int((lab != IGNORE_INDEX).sum()) for _, lab in batches]
+        assert all(0 == i.shape[0] % 2 for i, _ in batches)
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        Pipeline.batches([], 2, 2)
 
 
 @pytest.fixture(scope="module")

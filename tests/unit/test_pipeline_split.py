@@ -282,6 +282,7 @@ class _FakePipeline:
         return loss_fn, n_microbatches
 
     batch = staticmethod(pipeline.Pipeline.batch)
+    batches = staticmethod(pipeline.Pipeline.batches)
 
     def step(self, schedule: Any, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         loss_fn, n = schedule
