@@ -100,6 +100,18 @@ def test_the_pipeline_recipe_passes_every_plan(schedule: str, steps: int, microb
                             microbatches=microbatches), steps)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs"])
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_every_schedule_accumulates_exactly_under_every_plan(schedule: str, steps: int, microbatches: int) -> None:
+    """The full schedule x accumulation matrix at dp=2,pp=2 (DDP stages, ``pp_uneven``): every schedule the harness
+    runs, one or two stages per rank, A = 1-3 steps of M = 2 or 4 microbatches, all exact, with A synchronizations
+    per window."""
+    _passes_the_plan(pp_run(CORRECT, "dp=2,pp=2", schedule, scenario="pp_uneven", steps=steps,
+                            microbatches=microbatches), steps)
+
+
 @pytest.mark.parametrize(("shape", "schedule", "strategy"), [
     ("pp=2", "gpipe", "ddp"),
     pytest.param("pp=2", "1f1b", "ddp", marks=pytest.mark.slow),

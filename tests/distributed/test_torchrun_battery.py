@@ -117,6 +117,20 @@ def test_a_pipeline_runs_across_two_agents_with_pp_between_them(tmp_path: Path) 
     assert {"pp=2,dp=2"} == {c["mesh"] for c in report["checks"]}, report["checks"][:1]
 
 
+def test_a_count_over_dp_x_pp_fails_across_two_agents_under_an_interleaved_schedule(tmp_path: Path) -> None:
+    """The count all-reduced over the whole world (dp x pp) where dp belongs, at ``dp=2,pp=2`` on 2 agents with
+    ``interleaved1f1b`` (two stages per rank) and 2 schedule steps per window: parity fails on the numbers and the
+    diagnosis names the group, as in-process."""
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:pp_count_over_world", "--precision", "fp32",
+                              "--scenarios", "uneven", "--mesh", "dp=2,pp=2", "--pp-schedule", "interleaved1f1b",
+                              "--pp-steps", "2")
+    assert [1, 1] == codes, text[-3000:]
+    assert report is not None
+    parity = next(c for c in report["checks"] if c["check"] == "parity")
+    assert ("fail", "numbers") == (parity["status"], parity["cause"]), parity["message"]
+    assert "count_group" == parity["diagnosis"]["signature"], parity["message"]
+
+
 @pytest.mark.parametrize(("mesh", "words"), [
     ("dp=2,cp=x", "--mesh='dp=2,cp=x': 'cp=x' is not NAME=SIZE"),
     ("dp=2,cp=2", "--mesh=dp=2,cp=2 has 4 ranks but torchrun started 2"),
