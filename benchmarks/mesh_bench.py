@@ -6,7 +6,8 @@ through the same in-process launcher, under each strategy.
 Each pair runs the correct recipe on the ``uneven`` scenario in float32 at W=4 and judges parity:
 ``dp=2,cp=2`` against ``dp=4`` under DDP and under FSDP2, ``dp_replicate=2,dp_shard=2`` (HSDP) against ``dp=4``
 under FSDP2 (``harness.recipes:mesh_token_mean``), and the pipeline ``dp=2,pp=2`` (GPipe,
-``harness.recipes:pipeline_token_mean``) against ``dp=4`` under DDP and FSDP2 stages. The forkserver is started and
+``harness.recipes:pipeline_token_mean``) against ``dp=4`` under DDP and FSDP2 stages, and under DDP stages with
+``interleaved1f1b`` (two stages per rank) and with 1F1B over 2 schedule steps per window. The forkserver is started and
 every case run once before any figure (warm); each timed repeat starts from a cleared run cache and reference chain
 cache (preparation and launch both timed), and the repeats of a pair
 alternate so that the shared machine's drift falls on both. Writes the medians and each pair's ratio (mesh / 1-D) as
@@ -24,9 +25,11 @@ from _common import RESULTS, command, machine, now, write_result
 
 RECIPE = "harness.recipes:mesh_token_mean"
 PIPELINE = "harness.recipes:pipeline_token_mean"
-PAIRS = (("ddp", "dp=2,cp=2"), ("fsdp2", "dp=2,cp=2"), ("fsdp2", "dp_replicate=2,dp_shard=2"), ("ddp", "dp=2,pp=2"),
-         ("fsdp2", "dp=2,pp=2"))
-"""(strategy, mesh) cases, each measured against ``dp=4`` under the same strategy."""
+PAIRS = (("ddp", "dp=2,cp=2", "gpipe", 1), ("fsdp2", "dp=2,cp=2", "gpipe", 1),
+         ("fsdp2", "dp_replicate=2,dp_shard=2", "gpipe", 1), ("ddp", "dp=2,pp=2", "gpipe", 1),
+         ("fsdp2", "dp=2,pp=2", "gpipe", 1), ("ddp", "dp=2,pp=2", "interleaved1f1b", 1),
+         ("ddp", "dp=2,pp=2", "1f1b", 2))
+"""(strategy, mesh, pp schedule, pp steps) cases, each measured against ``dp=4`` under the same strategy."""
 
 TARGETS = {"mesh": 1.5, "pp": 2.0}
 """The most a case may cost over its 1-D pair: a mesh case 1.5x, a pipeline case 2x."""
@@ -41,33 +44,39 @@ def main() -> int:
     from harness.battery.options import RunSpec
     from harness.core.mesh import Mesh
 
-    def once(strategy: str, shape: str | None) -> float:
+    def once(strategy: str, shape: str | None, schedule: str = "gpipe", steps: int = 1) -> float:
         """One parity run from cold caches: the preparation, the launch and the check."""
         layout = None if shape is None else Mesh.parse(shape)
         runner._CACHE.clear()
         prepare._CHAINS.clear()
         t = time.perf_counter()
         recipe = PIPELINE if layout is not None and layout.size("pp") > 1 else RECIPE
-        verdict = checks.parity(runner.run(RunSpec(recipe, "uneven", 4, "fp32", strategy=strategy, layout=layout)))
+        verdict = checks.parity(runner.run(RunSpec(recipe, "uneven", 4, "fp32", strategy=strategy, layout=layout,
+                                                   pp_schedule=schedule, pp_steps=steps)))
         took = time.perf_counter() - t
         assert verdict.passed, verdict.message
         return took
 
-    cases = list(dict.fromkeys([(s, m) for s, m in PAIRS] + [(s, None) for s, _ in PAIRS]))
-    for strategy, shape in cases:  # warm: the forkserver, its preloads, the model's probe
-        once(strategy, shape)
-    times: dict[tuple[str, str | None], list[float]] = {c: [] for c in cases}
+    cases = list(dict.fromkeys([*PAIRS, *((s, None, "gpipe", 1) for s, *_ in PAIRS)]))
+    for c in cases:  # warm: the forkserver, its preloads, the model's probe
+        once(*c)
+    times: dict[tuple[str, str | None, str, int], list[float]] = {c: [] for c in cases}
     for _ in range(args.repeats):
         for c in cases:
             times[c].append(once(*c))
     results = []
-    for strategy, shape in PAIRS:
-        mesh, flat = statistics.median(times[(strategy, shape)]), statistics.median(times[(strategy, None)])
+    for pair in PAIRS:
+        strategy, shape, schedule, steps = pair
+        flat_case = (strategy, None, "gpipe", 1)
+        mesh, flat = statistics.median(times[pair]), statistics.median(times[flat_case])
+        pp = "pp=" in shape
         results.append({"strategy": strategy, "mesh": shape, "one_d": "dp=4",
-                        "mesh_s": {"median": round(mesh, 3), "runs": [round(x, 3) for x in times[(strategy, shape)]]},
-                        "one_d_s": {"median": round(flat, 3), "runs": [round(x, 3) for x in times[(strategy, None)]]},
-                        "ratio": round(mesh / flat, 2), "target": TARGETS["pp" if "pp=" in shape else "mesh"]})
-        print(f"{strategy:5} {shape:26} {mesh:.3f} s vs dp=4 {flat:.3f} s: {mesh / flat:.2f}x", flush=True)
+                        **({"pp_schedule": schedule, "pp_steps": steps} if pp else {}),
+                        "mesh_s": {"median": round(mesh, 3), "runs": [round(x, 3) for x in times[pair]]},
+                        "one_d_s": {"median": round(flat, 3), "runs": [round(x, 3) for x in times[flat_case]]},
+                        "ratio": round(mesh / flat, 2), "target": TARGETS["pp" if pp else "mesh"]})
+        label = f"{shape} {schedule} A={steps}" if pp else shape
+        print(f"{strategy:5} {label:34} {mesh:.3f} s vs dp=4 {flat:.3f} s: {mesh / flat:.2f}x", flush=True)
     result = {
         "schema": "harness.mesh-bench/1",
         "command": command("benchmarks/mesh_bench.py"),
