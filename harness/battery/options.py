@@ -16,7 +16,17 @@ from typing import Any
 
 # --objective: what the recipe's gradient must be the gradient of (the names, pure Python; the formulas are in
 # harness.core.objectives).
-from harness.core.mesh import CHUNKINGS, PP_SCHEDULES, REFUSED_PP_SCHEDULES, TOKEN_DIMS, Mesh
+from harness.battery.mesh_options import (
+    CHUNKING_HELP,
+    MESH_HELP,
+    PP_MAX_MICROBATCHES,
+    PP_MICROBATCHES_HELP,
+    PP_SCHEDULE_HELP,
+    PP_STEPS_HELP,
+    check_pp_count,
+    check_pp_schedule,
+)
+from harness.core.mesh import CHUNKINGS, TOKEN_DIMS, Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
 
 DEADLINE = 30.0
@@ -59,66 +69,6 @@ DEFAULT_EXAMPLES = 12
 REDUCTIONS = ("mean", "sum")
 """How the harness's comm hook combines the ranks' gradients: DDP's average, or a sum."""
 
-
-
-MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of pp, dp, or dp_replicate and "
-             "dp_shard, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
-             "each cp rank is supervised on its chunk of its data coordinate's positions; tp shards the model (under "
-             "--strategy fsdp2 only) and its ranks get their coordinate's data; pp splits the model into stages "
-             "(with dp only; each stage DDP or FSDP2 over dp), every stage getting its coordinate's whole window")
-"""``--mesh``'s help, the same on the command line and in pytest."""
-
-CHUNKING_HELP = ("how the cp ranks of one data coordinate split its sequences' positions: contiguous (cp chunks in "
-                 "order, default) or load_balanced (2cp chunks, rank i holding chunks i and 2cp-1-i, as torch's "
-                 "context_parallel and Megatron-LM cut them)")
-"""``--cp-chunking``'s help, the same on every surface."""
-
-PP_SCHEDULE_HELP = ("the torch.distributed.pipelining schedule a recipe's pipeline.schedule() builds over pp: gpipe "
-                    "(default: every microbatch's forward, then every backward), 1f1b (one forward, one backward in "
-                    "steady state), interleaved1f1b (1f1b over 2 stages per rank, depth first) or loopedbfs (2 stages "
-                    "per rank, breadth first: each local stage runs all its microbatches before the next); under the "
-                    "interleaved ones the model is cut into pp*2 stages, rank r holding stages r and r+pp; "
-                    "interleavedzb is refused (its split weight backward reduces no gradient over dp): use "
-                    "interleaved1f1b")
-"""``--pp-schedule``'s help, the same on every surface."""
-
-
-def check_pp_schedule(value: object, option: str = "--pp-schedule") -> str:
-    """``value`` if it names a schedule the battery runs; ValueError naming ``option`` otherwise."""
-    if isinstance(value, str) and value in REFUSED_PP_SCHEDULES:
-        msg = f"{option}={value!r} is not run by the harness: {REFUSED_PP_SCHEDULES[value]}"
-        raise ValueError(msg)
-    return _choice(value, [s for s in PP_SCHEDULES if s not in REFUSED_PP_SCHEDULES], option)
-
-
-
-PP_STEPS_HELP = ("the schedule steps a pipelined recipe accumulates a window over (A; pipeline.accumulation_steps, "
-                 "default 1): the window's microbatches cut into A consecutive parts, one schedule step each; at most "
-                 "the window's microbatch count")
-"""``--pp-steps``' help, the same on every surface."""
-
-PP_MICROBATCHES_HELP = ("the microbatches each schedule step of a pipelined recipe is split into (M; "
-                        "pipeline.n_microbatches, default 2)")
-"""``--pp-microbatches``' help, the same on every surface."""
-
-PP_MAX_MICROBATCHES = 64
-"""The most schedule microbatches a step may be split into: past it a step is mostly wholly ignored padding rows."""
-
-
-def check_pp_count(value: object, option: str, default: int) -> int:
-    """``value`` (a positive number, or its digits as a string, None for ``default``) as an int; ValueError naming
-    ``option``, the value and the rule otherwise. ``--pp-steps`` and ``--pp-microbatches`` (:class:`RunSpec`'s
-    ``pp_steps`` and ``pp_microbatches``) are a training config's accumulation plan, not data: a window of fewer
-    microbatches than A steps runs its first steps empty (:meth:`harness.distributed.pipeline.Pipeline.batches`)."""
-    if value is None:
-        return default
-    count = int(value) if isinstance(value, str) and value.strip().isdigit() else value
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= PP_MAX_MICROBATCHES:
-        example = f"{option} 2" if option.startswith("--") else f"{option}=2"
-        msg = (f"{option}={value!r} must be a whole number from 1 to {PP_MAX_MICROBATCHES} (default {default}), e.g. "
-               f"{example}")
-        raise ValueError(msg)
-    return count
 
 
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -467,6 +417,7 @@ __all__ = [
     "LANE_OPTIONS",
     "MAX_SCENARIO_WORLD_SIZE",
     "MAX_WORLD_SIZE",
+    "MESH_HELP",
     "OBJECTIVES",
     "PP_MAX_MICROBATCHES",
     "PP_MICROBATCHES_HELP",

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.core.formats import hf_forward, logits_of, shifted_loss_sum, supervised_tokens
-from harness.core.loss import count_device, global_token_loss, loss_sum
+from harness.core.loss import global_token_loss, loss_sum
 from harness.core.microbatch import IGNORE_INDEX
 from harness.recipes.helpers import (
     clip_grad_norm,
     global_count,
+    global_sum,
     require_tokens,
     sync_context,
     token_group,
@@ -78,16 +79,6 @@ def accumulate(
             scale(s).backward()
         local += float(s.detach())
     return local
-
-
-def global_sum(value: float, group: Any = None) -> float:
-    """All-reduce (SUM) a float in float64 on the count device, over ``group`` (None: every rank); the identity outside
-    a process group."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor(value, dtype=torch.float64, device=count_device())
-    dist.all_reduce(t, group=group)
-    return float(t)
 
 
 class GlobalTokenMean:

@@ -23,11 +23,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from harness.core.formats import supervised_tokens
-from harness.core.loss import check_global_count, global_count
+from harness.core.loss import check_global_count, count_device, global_count
 from harness.core.mesh import DATA_DIMS, TOKEN_DIMS
 from harness.distributed.device_mesh import flattened
 
@@ -103,7 +104,17 @@ def require_tokens(global_count: int) -> int:
     return int(global_count)
 
 
-__all__ = ["clip_grad_norm", "global_count", "require_tokens", "supervised_tokens", "sync_context"]
+def global_sum(value: float, group: Any = None) -> float:
+    """All-reduce (SUM) a float in float64 on the count device, over ``group`` (None: every rank); the identity outside
+    a process group."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor(value, dtype=torch.float64, device=count_device())
+    dist.all_reduce(t, group=group)
+    return float(t)
+
+
+__all__ = ["clip_grad_norm", "global_count", "global_sum", "require_tokens", "supervised_tokens", "sync_context"]
 
 
 def token_group(mesh: Any) -> Any:

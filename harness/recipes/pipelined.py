@@ -35,8 +35,7 @@ from torch import nn
 from harness.core.formats import supervised_tokens
 from harness.core.loss import global_token_loss, loss_sum
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-from harness.recipes.correct import global_sum
-from harness.recipes.helpers import global_count, require_tokens
+from harness.recipes.helpers import global_count, global_sum, require_tokens
 
 NO_PIPELINE = ("this recipe drives a pipeline schedule and got no pipeline: run it over a mesh with pp > 1 "
                "(--mesh pp=2, or dp=2,pp=2)")
