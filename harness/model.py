@@ -148,6 +148,9 @@ class Block(nn.Module):
         # version and device, and deterministic, which bit-exact resume relies on.
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // h)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if positions is not None:  # packed rows: a sequence starts where the position does not grow; none sees another
+            starts = F.pad(positions[:, 1:] <= positions[:, :-1], (1, 0)).cumsum(dim=1)
+            mask = (mask & (starts.unsqueeze(2) == starts.unsqueeze(1))).unsqueeze(1)
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.drop(self.proj(y))
@@ -216,8 +219,10 @@ class TinyCausalLM(nn.Module):
         return CausalLMOutput(logits, shifted_loss_sum(logits, labels) / count)
 
     def _logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if inputs.dim() != 2 or inputs.shape[1] > self.max_len:
-            msg = f"inputs must be [B, T] with T <= max_len={self.max_len}, got shape {tuple(inputs.shape)}"
+        # With position_ids (packed rows) a row may be longer than max_len: its positions may not.
+        if inputs.dim() != 2 or (inputs.shape[1] > self.max_len if position_ids is None
+                                 else position_ids.numel() and int(position_ids.max()) >= self.max_len):
+            msg = f"inputs must be [B, T] with positions below max_len={self.max_len}, got shape {tuple(inputs.shape)}"
             raise ValueError(msg)
         if position_ids is not None and position_ids.shape != inputs.shape:
             msg = f"position_ids {tuple(position_ids.shape)} must have the shape of the inputs {tuple(inputs.shape)}"

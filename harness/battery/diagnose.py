@@ -360,6 +360,8 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     read = fit if z == n else Fit(fit.weights * (z / n), fit.residual, fit.condition)
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)
               for j, w in enumerate(run.windows) if j != window}
+    # (packed: its separator puts IGNORE_INDEX at every row's position 0, so its count before the shift is the right
+    # one and names nothing; its per-row columns are the microbatches' rows, the sequences unpacked)
     if run.batch_format == HF:
         before = sum(int((to_hf(mb)["labels"] != IGNORE_INDEX).sum()) for mbs in run.windows[window] for mb in mbs)
         others["the hf labels counted before the shift (one token more per row without a prompt)"] = before

@@ -51,6 +51,8 @@ import torch.distributed as dist
 from harness.battery import mesh_scenarios, plan, registry, scenarios
 from harness.battery.objective import windows_for
 from harness.battery.options import (
+    BATCH_FORMAT_HELP,
+    BATCH_FORMATS,
     CHUNKING_HELP,
     MESH_HELP,
     PP_MICROBATCHES_HELP,
@@ -79,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 usage=USAGE)
     p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe under test")
     p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY", help="the model (default: the built-in)")
-    p.add_argument("--batch-format", default="harness", choices=("harness", "hf"))
+    p.add_argument("--batch-format", default="harness", choices=BATCH_FORMATS, help=BATCH_FORMAT_HELP)
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2", "both"))
     p.add_argument("--objective", default="token_mean", metavar="NAME", help="the declared objective (token_mean)")
     p.add_argument("--precision", default="both", metavar="LANES", help="fp32, fp64, bf16, both, or fp32,bf16 ...")

@@ -27,7 +27,7 @@ from harness.battery import gradless, scenarios
 from harness.battery.backward_check import BackwardCheck, check_backward, dtypes_seen, moves_loss
 from harness.battery.finite_difference import RANK
 from harness.battery.spec import ModelSpec
-from harness.core.formats import HARNESS, HF
+from harness.core.formats import HARNESS, HF, PACKED, hf_forward, to_packed
 from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 
@@ -243,7 +243,8 @@ def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
         with rank_threads(), torch.random.fork_rng(devices=[]):
             total = spec.loss_sum(model, mb)
     except Exception as exc:
-        call = ("model(input_ids=..., attention_mask=...)" if batch_format == HF else "model(inputs)")
+        # packed batches are judged against the same sequences unpacked: the probe runs the hf call
+        call = ("model(input_ids=..., attention_mask=...)" if batch_format in (HF, PACKED) else "model(inputs)")
         msg = (f"model={path!r}: {call} on one battery microbatch (batch format {batch_format!r}) failed: "
                f"{type(exc).__name__}: {exc}. The model must take token ids [B, T] of the battery's vocabulary "
                f"({scenarios.BATTERY_CONFIG.vocab_size}) and return logits [B, T, V] as a tensor, an object with "
@@ -252,11 +253,34 @@ def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
     if total.dim() != 0 or not bool(torch.isfinite(total)):
         msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
         raise ModelError(msg)
+    if batch_format == PACKED:
+        _probe_packed(path, model, mb)
     found = probe_model(spec)
     if found.backward is not None and found.backward.wrong:
         who = f"model={path!r}: the model" if path is not None else "the built-in model"
         raise ModelError(found.backward.failure(who))
     return found
+
+
+def _probe_packed(path: str | None, model: torch.nn.Module, mb: Microbatch) -> None:
+    """ModelError unless ``model`` takes the microbatch's packed rows the way the recipes pass them
+    (:func:`harness.core.formats.hf_forward`) and returns logits of their shape."""
+    from harness.model import ModelError
+
+    packed = to_packed(mb)
+    try:
+        with rank_threads(), torch.random.fork_rng(devices=[]), torch.no_grad():
+            logits = hf_forward(model, packed)
+    except Exception as exc:
+        msg = (f"model={path!r}: model(input_ids=..., position_ids=...) on one battery microbatch packed (batch "
+               f"format 'packed') failed: {type(exc).__name__}: {exc}. Under --batch-format packed the model must "
+               "take position_ids and keep each sequence of a row to itself (docs/your-model.md)")
+        raise ModelError(msg) from exc
+    rows, width = packed["input_ids"].shape
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, width):
+        msg = (f"model={path!r}: packed rows [{rows}, {width}] gave logits {tuple(logits.shape)}; they must be "
+               f"[{rows}, {width}, V]")
+        raise ModelError(msg)
 
 
 def probe_meshes(path: str | None, meshes: Sequence[Mesh], batch_format: str = HARNESS,

@@ -55,8 +55,17 @@ PRECISION_CHOICES = {"fp32": ("fp32",), "fp64": ("fp64",), "bf16": ("bf16",), "b
 STRATEGY_CHOICES = {"ddp": ("ddp",), "fsdp2": ("fsdp2",), "both": ("ddp", "fsdp2")}
 """``--strategy``: the ranks wrap the model in DDP (the default), shard it with FSDP2 (``fully_shard``), or both."""
 
-BATCH_FORMATS = ("harness", "hf")
-"""``--batch-format``: the harness's Microbatch with aligned labels, or the dict a Hugging Face loop sees."""
+BATCH_FORMATS = ("harness", "hf", "packed")
+"""``--batch-format``: the harness's Microbatch with aligned labels, the dict a Hugging Face loop sees, or its
+padding-free packed rows (``harness.core.formats``, whose ``BATCH_FORMATS`` this mirrors without importing torch)."""
+
+BATCH_FORMAT_HELP = ("what a recipe receives per microbatch: the harness's Microbatch (aligned labels, default); hf, "
+                     "the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels; shift in the "
+                     "loss); or packed, padding-free rows as transformers' DataCollatorWithFlattening builds them "
+                     "(several sequences per row: input_ids, labels with -100 at each sequence's start, position_ids "
+                     "restarting at 0, seq_idx, cu_seq_lens_q/k, max_length_q/k, no attention_mask), judged against "
+                     "the same sequences unpacked (docs/your-model.md)")
+"""``--batch-format``'s help, the same on every surface."""
 
 FIND_UNUSED = ("auto", "on", "off")
 """``--find-unused-parameters``: ``auto`` (the default) wraps the ranks' DDP with ``find_unused_parameters=True`` when
@@ -409,6 +418,7 @@ def from_pytest(config: Any) -> BatteryOptions:
 
 __all__ = [
     "BATCH_FORMATS",
+    "BATCH_FORMAT_HELP",
     "CHUNKING_HELP",
     "DDP_OVER_TP",
     "DEADLINE",

@@ -23,7 +23,7 @@ from harness.battery.options import RunSpec
 from harness.battery.run import Run, WindowRecord
 from harness.battery.spec import ModelSpec, weights_digest
 from harness.battery.start import start_note, start_weights
-from harness.core.formats import HF
+from harness.core.formats import HF, PACKED
 from harness.core.objectives import PLAIN, Objective
 from harness.distributed import strategies
 from harness.distributed.launcher import LaunchError
@@ -92,10 +92,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
     if spec.mesh.size("tp") > 1 and recipe_plan(load_recipe(spec.recipe)) is None:
         plan_of(spec.model)  # a user's model without a tensor-parallel plan is refused here, not in every rank
-    if spec.mesh.size("cp") > 1 and spec.batch_format == HF and sequence_plan_of(spec.model) is not None:
-        msg = (f"model={spec.model!r} shards the sequence (its cp_plan) and the batch format is hf: a cp rank's chunk "
-               "carries its positions in the harness format only (Microbatch.positions, passed as position_ids); run "
-               "it with --batch-format harness")
+    if spec.mesh.size("cp") > 1 and spec.batch_format in (HF, PACKED) and sequence_plan_of(spec.model) is not None:
+        msg = (f"model={spec.model!r} shards the sequence (its cp_plan) and the batch format is {spec.batch_format}: "
+               "a cp rank's chunk carries its positions in the harness format only (Microbatch.positions, passed as "
+               "position_ids); run it with --batch-format harness")
         raise ValueError(msg)
     if spec.mesh.size("pp") > 1:  # a split that loses part of the forward is refused here, not in every rank
         probe_meshes(spec.model, [spec.mesh], spec.batch_format, spec.pp_schedule)

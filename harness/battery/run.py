@@ -81,7 +81,8 @@ class Run:
     model_path: str | None = None
     """The user's model factory (``--model``); None: the built-in model."""
     batch_format: str = HARNESS
-    """``"harness"`` (aligned Microbatch) or ``"hf"`` (the dict a Hugging Face loop sees; ``--batch-format``)."""
+    """``"harness"`` (aligned Microbatch), ``"hf"`` (the dict a Hugging Face loop sees) or ``"packed"`` (its
+    padding-free rows); ``--batch-format``."""
     model_error: str | None = None
     """The model's own error when it cannot run a microbatch of this case (found by the reference, before any rank
     started; every check is then n/a with it)."""

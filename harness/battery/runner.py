@@ -14,7 +14,8 @@ A run goes through these stages, each in its own module (``docs/layout.md`` draw
 
 ``model`` (``"pkg.mod:factory"``) checks the recipe on a user's model instead of the built-in one, and
 ``batch_format="hf"`` hands the recipe each microbatch as the dict a Hugging Face loop sees; both travel to the ranks
-as one :class:`~harness.battery.spec.ModelSpec`, and the reference is computed with the same model and convention.
+as one :class:`~harness.battery.spec.ModelSpec`, and the reference is computed with the same model and convention
+(``batch_format="packed"``: padding-free rows, judged against the same sequences unpacked, the hf way).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
     ``init_seed`` draws other initial weights (the same on every rank and in the reference). ``model``
     (``"pkg.mod:factory"``) builds the user's model on every rank and for the reference, from the same seed;
-    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`. ``find_unused``: see
+    ``batch_format="hf"`` gives the recipe the dicts of :func:`harness.core.formats.to_hf`, ``"packed"`` those of
+    :func:`harness.core.formats.to_packed` (the reference: the same sequences unpacked). ``find_unused``: see
     :data:`FIND_UNUSED`; ``strategy``: the data-parallel strategy the ranks wrap the model with
     (:mod:`harness.distributed.strategies`). A user's model that cannot run one of the microbatches gives a run with
     ``model_error`` set and no launch.

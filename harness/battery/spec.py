@@ -21,7 +21,16 @@ from harness.battery import scenarios
 from harness.battery.options import RunSpec
 from harness.core.compare import PRECISIONS as COMPUTE_DTYPES
 from harness.core.compare import flat_params
-from harness.core.formats import HARNESS, HF, batch_as, check_batch_format, logits_of, shifted_loss_sum, to_hf
+from harness.core.formats import (
+    HARNESS,
+    HF,
+    PACKED,
+    batch_as,
+    check_batch_format,
+    logits_of,
+    shifted_loss_sum,
+    to_hf,
+)
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
 from harness.model import build_model, build_user_model, disable_dropout, load_model_factory
@@ -92,14 +101,22 @@ class ModelSpec:
                    "build them deterministically")
             raise RuntimeError(msg)
 
-    def batch(self, mb: Microbatch) -> Microbatch | dict[str, torch.Tensor]:
+    def batch(self, mb: Microbatch) -> Microbatch | dict[str, object]:
         """What the recipe receives for ``mb``."""
         return batch_as(mb, self.batch_format)
 
+    @property
+    def unpacked(self) -> bool:
+        """Whether the reference calls the model the hf way: under ``hf``, and under ``packed``, whose reference is
+        the same sequences *unpacked* (one padded row each, with its attention mask), so that the recipe's packed
+        batches pass parity only if the packing (and the model's handling of it) is exact."""
+        return self.batch_format in (HF, PACKED)
+
     def loss_sum(self, model: nn.Module, mb: Microbatch) -> torch.Tensor:
-        """The loss *sum* of ``mb`` under this convention: ``model(inputs)`` against the aligned labels, or the hf call
-        ``model(input_ids=..., attention_mask=...)`` against the unshifted labels with the shift in the loss."""
-        if self.batch_format == HF:
+        """The loss *sum* of ``mb`` under this convention: ``model(inputs)`` against the aligned labels, or (``hf``,
+        and ``packed`` unpacked: :attr:`unpacked`) the hf call ``model(input_ids=..., attention_mask=...)`` against
+        the unshifted labels with the shift in the loss."""
+        if self.unpacked:
             batch = to_hf(mb)
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             return shifted_loss_sum(logits_of(out), batch["labels"])
@@ -109,9 +126,9 @@ class ModelSpec:
 
     def logits(self, model: nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(what the model returned as logits, the logits aligned with mb.labels)``: the same under the harness
-        convention; under hf the returned ``[B, T+1, V]`` and its first T positions (position t predicts the token at
-        t + 1, which is ``mb.labels[:, t]``)."""
-        if self.batch_format == HF:
+        convention; under hf (and packed, unpacked) the returned ``[B, T+1, V]`` and its first T positions (position t
+        predicts the token at t + 1, which is ``mb.labels[:, t]``)."""
+        if self.unpacked:
             batch = to_hf(mb)
             raw = logits_of(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
             return raw, raw[:, :-1]

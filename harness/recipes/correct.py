@@ -2,8 +2,8 @@
 microbatch, and the helpers the controls share with it (each control differs from it by its one mistake).
 
 :class:`GlobalTokenMean` and the shared helpers take a window in either batch format (harness ``Microbatch`` or the
-``hf`` dict, :mod:`harness.core.formats`); :class:`HfGlobalTokenMean` is the same recipe written the way a Hugging
-Face training loop is, for ``--batch-format=hf`` only."""
+``hf`` or ``packed`` dict, :mod:`harness.core.formats`); :class:`HfGlobalTokenMean` is the same recipe written the
+way a Hugging Face training loop is, for ``--batch-format=hf`` or ``packed`` only."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from harness.recipes.helpers import (
 )
 
 Batch = Any
-"""One microbatch in either format: a :class:`Microbatch`, or the ``hf`` dict."""
+"""One microbatch in any format: a :class:`Microbatch`, or the ``hf`` or ``packed`` dict."""
 
 
 def _world_size() -> int:
@@ -46,8 +46,8 @@ def window_count(window: Sequence[Batch]) -> int:
 
 
 def forward_loss_sum(model: nn.Module, mb: Batch, loss_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One microbatch's loss sum in its own format: ``model(inputs)`` against aligned labels, or the ``hf`` call
-    ``model(input_ids=..., attention_mask=...)`` against the shifted labels."""
+    """One microbatch's loss sum in its own format: ``model(inputs)`` against aligned labels, or a dict's call
+    (:func:`harness.core.formats.hf_forward`: ``hf`` or ``packed``) against the shifted labels."""
     if isinstance(mb, Mapping):
         logits = hf_forward(model, mb)
         return shifted_loss_sum(logits if loss_dtype is None else logits.to(loss_dtype), mb["labels"])
@@ -121,9 +121,10 @@ mesh_token_mean = MeshTokenMean()
 
 
 class HfGlobalTokenMean:
-    """The correct recipe as a Hugging Face training loop writes it (``--batch-format=hf``): dict batches with
-    unshifted labels, ``model(input_ids=..., attention_mask=...)`` without ``labels`` (HF's built-in loss is a
-    per-call mean), the shift done once in the loss, summed and divided by the global count."""
+    """The correct recipe as a Hugging Face training loop writes it (``--batch-format=hf`` or ``packed``): dict
+    batches with unshifted labels, ``model(input_ids=..., attention_mask=...)`` (packed: ``input_ids`` and
+    ``position_ids``, :func:`harness.core.formats.hf_forward`) without ``labels`` (HF's built-in loss is a per-call
+    mean), the shift done once in the loss, summed and divided by the global count."""
 
     name = "hf_global_token_mean"
 
@@ -135,8 +136,7 @@ class HfGlobalTokenMean:
         local = 0.0
         for i, batch in enumerate(window):
             with sync_context(model, i, len(window)):
-                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                logits = logits_of(out)
+                logits = hf_forward(model, batch)  # packed: input_ids and position_ids, no attention_mask
                 shift_logits, shift_labels = logits[:, :-1], batch["labels"][:, 1:]
                 s = F.cross_entropy(shift_logits.flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
                                     reduction="sum")

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.core.formats import logits_of
+from harness.core.formats import hf_forward, logits_of
 from harness.core.microbatch import IGNORE_INDEX, PAD
 from harness.recipes.correct import _world_size, global_sum
 from harness.recipes.helpers import (
@@ -59,7 +59,7 @@ def forward(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, to
     """``(raw logits, per-token cross-entropy [B, T], supervised mask [B, T], the batch's weights or None)``, aligned
     in either batch format: the hf dict's shift (``logits[:, :-1]`` against ``labels[:, 1:]``) is done here."""
     if isinstance(mb, Mapping):
-        raw = logits_of(model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]))
+        raw = hf_forward(model, mb)  # hf, or packed (position_ids, no attention_mask)
         logits, labels = raw[:, :-1], mb["labels"][:, 1:]
         weights = mb["weights"][:, 1:] if "weights" in mb else None
     else:

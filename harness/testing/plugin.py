@@ -37,6 +37,8 @@ _PROPERTY = "battery_verdict"
 def pytest_addoption(parser: pytest.Parser) -> None:
     # pure Python, like every option's parsing
     from harness.battery.options import (
+        BATCH_FORMAT_HELP,
+        BATCH_FORMATS,
         CHUNKING_HELP,
         MESH_HELP,
         PP_MICROBATCHES_HELP,
@@ -58,9 +60,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "harness's TinyCausalLM)",
     )
     group.addoption(
-        "--batch-format", default="harness", choices=("harness", "hf"),
-        help="what the recipe receives per microbatch: the harness's Microbatch with aligned labels (default), or "
-        "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels; shift in the loss)",
+        "--batch-format", default="harness", choices=BATCH_FORMATS, help=BATCH_FORMAT_HELP,
     )
     group.addoption("--mesh", action="append", default=None, metavar="DIM=N,...", help=MESH_HELP)
     group.addoption("--cp-chunking", default="contiguous", metavar="contiguous|load_balanced", help=CHUNKING_HELP)
@@ -327,7 +327,7 @@ def battery_deadline(battery_options: BatteryOptions) -> float:
 
 @pytest.fixture(scope="session")
 def batch_format(battery_options: BatteryOptions) -> str:
-    """``--batch-format``: ``"harness"`` or ``"hf"``."""
+    """``--batch-format``: ``"harness"``, ``"hf"`` or ``"packed"``."""
     return battery_options.batch_format
 
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from harness.battery.options import (
+    BATCH_FORMAT_HELP,
+    BATCH_FORMATS,
     CHUNKING_HELP,
     MESH_HELP,
     PP_MICROBATCHES_HELP,
@@ -124,9 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model to check the recipes on: a zero-argument callable returning a torch.nn.Module (or "
                    "an nn.Module class), seeded and built on every rank and for the reference, dropout disabled "
                    "(default: the built-in TinyCausalLM; the negative controls always run on the built-in model)")
-    p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
-                   help="what a recipe receives per microbatch: the harness's Microbatch (aligned labels, default) or "
-                   "hf, the dict a Hugging Face loop sees (input_ids, attention_mask, unshifted labels)")
+    p.add_argument("--batch-format", default="harness", choices=BATCH_FORMATS, help=BATCH_FORMAT_HELP)
     p.add_argument("--find-unused-parameters", default="auto", choices=("auto", "on", "off"),
                    help="DDP's find_unused_parameters for the ranks: auto (default) turns it on, and says so, when the "
                    "reference finds a parameter without a gradient in some microbatch; on; off")

@@ -22,7 +22,7 @@ import re
 import time
 from pathlib import Path
 
-from harness.battery.options import add_lane_options
+from harness.battery.options import BATCH_FORMAT_HELP, BATCH_FORMATS, add_lane_options
 from harness.core.mesh import Mesh
 from harness.workflow.outputs import BadInput, write_bytes, write_json
 
@@ -48,8 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
                    "(default: the built-in TinyCausalLM)")
-    p.add_argument("--batch-format", default="harness", choices=("harness", "hf"),
-                   help="what the recipe receives: harness Microbatches or HF-style dicts (default: harness)")
+    p.add_argument("--batch-format", default="harness", choices=BATCH_FORMATS, help=BATCH_FORMAT_HELP)
     p.add_argument("--window", type=int, default=None, help="window to read (default: the worst one)")
     p.add_argument("--rank", type=int, default=None, help="rank whose gradient is read (default: the worst one)")
     p.add_argument("--per-sequence", action="store_true", help="also fit one weight per sequence")

@@ -121,7 +121,7 @@ def test_a_run_spec_is_a_value_that_keys_the_cache_and_pickles() -> None:
     ({"recipe": "no_colon"}, "recipe='no_colon' must be a 'package.module:attr' string"),
     ({"world_size": 0}, "world_size=0 must be a positive number of ranks"),
     ({"precision": "fp16"}, "precision='fp16' must be one of fp32, fp64, bf16"),
-    ({"batch_format": "json"}, "batch_format='json' must be one of harness, hf"),
+    ({"batch_format": "json"}, "batch_format='json' must be one of harness, hf, packed"),
     ({"find_unused": "maybe"}, "find_unused='maybe' must be one of auto, on, off"),
     ({"deadline": -1}, "deadline=-1 must be a positive number of seconds"),
     ({"nodes": 3}, "nodes=3 must be a positive number of nodes that divides world_size=2"),
