@@ -1,0 +1,40 @@
+"""``--batch-format packed`` end to end: the recipe receives padding-free rows (several sequences each,
+:func:`harness.core.formats.to_packed`) and the reference is the same sequences unpacked, so the correct recipe passes
+parity only if the packing, the separator and the built-in model's block-diagonal attention are exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.battery import checks, registry, runner
+from harness.battery.options import RunSpec
+
+assert checks  # registers the checks in registry.CHECKS
+
+HF_CORRECT = "harness.recipes:hf_global_token_mean"
+CORRECT = "harness.recipes:global_token_mean"
+
+
+def _passes(spec: RunSpec, checks: tuple[str, ...] = ("parity", "logged_loss")) -> None:
+    run = runner.run(spec)
+    for check in checks:
+        verdict = registry.CHECKS[check](run)
+        assert verdict.passed, f"{check}: {verdict.message}"
+
+
+def test_the_hf_correct_recipe_passes_parity_and_the_logged_loss_on_packed_rows() -> None:
+    """W=2, uneven, float32: the packed rows' gradient and logged loss are the unpacked sequences' global token
+    mean."""
+    _passes(RunSpec(HF_CORRECT, "uneven", 2, "fp32", batch_format="packed"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [HF_CORRECT, CORRECT])
+@pytest.mark.parametrize(("world_size", "precision", "strategy"), [(3, "fp32", "ddp"), (2, "fp64", "ddp"),
+                                                                   (2, "fp32", "fsdp2")])
+def test_the_correct_recipes_pass_on_packed_rows(recipe: str, world_size: int, precision: str, strategy: str) -> None:
+    """The default recipe (which takes dict batches through hf_forward) and the hf one, at W=3, in float64 and under
+    FSDP2, on a scenario with several microbatches per rank and on one with an unsupervised rank."""
+    for scenario in ("uneven", "one_empty"):
+        _passes(RunSpec(recipe, scenario, world_size, precision, batch_format="packed", strategy=strategy),
+                ("parity", "logged_loss", "one_sync"))
