@@ -90,9 +90,10 @@ def _tolerance(reference: torch.Tensor) -> float:
     # A model that keeps the sequences apart computes the same sums packed and unpacked, in another order and over
     # more masked (zero) terms: a few eps of the logits' size. sqrt(eps) of that size is far above such rounding and
     # far below a leak across a boundary, which moves a logit by the attention weight the other sequence's keys take.
-    # On the default sequences (tests/unit/test_packing_probe.py, tests/integrations/test_packing_probe_llama.py):
-    # the built-in model 4.2e-7 in float32 and 9.4e-16 in float64, against 5.9e-4 and 2.6e-8; its plain-causal
-    # control 1.3; a transformers Llama 0.26 with use_cache on, 4.5e-8 (float32) and 2.8e-17 (float64) with it off.
+    # On the default sequences (docs/your-model.md's table, with the command that printed it; the tests
+    # tests/unit/test_packing_probe.py and tests/integrations/test_packing_probe_llama.py assert the bounds): the
+    # built-in model 4.2e-7 in float32 and 9.4e-16 in float64, against 5.9e-4 and 2.6e-8; its plain-causal control
+    # 1.3; a transformers Llama 0.26 with use_cache on, 4.5e-8 (float32) and 2.8e-17 (float64) with it off.
     eps = torch.finfo(reference.dtype).eps
     return math.sqrt(eps) * max(1.0, float(reference.abs().max()))
 
