@@ -103,6 +103,16 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     return att @ values
 
 
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which sequence of a packed row each column belongs to, from its positions ``[B, T]``: a new sequence starts
+    wherever a position does not exceed the one before it (transformers' ``DataCollatorWithFlattening`` restarts
+    ``position_ids`` at 0 for each sequence), the first column in sequence 0. ``0 .. T-1`` is one sequence; so is a
+    cp rank's chunk, whose positions increase. Returns int64 ``[B, T]``."""
+    starts = torch.zeros_like(position_ids, dtype=torch.int64)
+    starts[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]).long()
+    return starts.cumsum(dim=1)
+
+
 def builtin_cp_plan(model: nn.Module, cp_mesh: Any, *, assume_contiguous: bool = False) -> None:
     """Make :class:`harness.model.TinyCausalLM`'s attention gather over ``cp_mesh`` (every block), in place.
     ``assume_contiguous``: the attention of a negative control, written for contiguous chunks only."""
@@ -127,7 +137,11 @@ class Block(nn.Module):
         :mod:`harness.distributed.sequence_sharding`); None: this rank holds whole sequences."""
         self.cp_assume_contiguous = False
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """``segments`` ``[B, T]``: the sequence each column belongs to in a packed row (None: one sequence per row);
+        a query then attends to the keys at or before it *of its own sequence* only. Ignored under a cp group, whose
+        attention masks by ``positions`` across ranks."""
         # The shapes come from qkv's output, not from x: under sequence parallelism x holds this tp rank's
         # positions only, and the qkv projection gathers them (harness.distributed.tensor_parallel).
         qkv = self.qkv(self.ln1(x))
@@ -148,9 +162,11 @@ class Block(nn.Module):
         # version and device, and deterministic, which bit-exact resume relies on.
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // h)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        if positions is not None:  # packed rows: a sequence starts where the position does not grow; none sees another
-            starts = F.pad(positions[:, 1:] <= positions[:, :-1], (1, 0)).cumsum(dim=1)
-            mask = (mask & (starts.unsqueeze(2) == starts.unsqueeze(1))).unsqueeze(1)
+        if segments is not None:
+            # Block-diagonal: several sequences packed in one row must not see each other. Every query keeps its own
+            # key, so no row of the softmax is all -inf; where a row holds one sequence the mask is the causal one,
+            # element for element, and so are the logits, bit for bit.
+            mask = (mask & (segments.unsqueeze(2) == segments.unsqueeze(1))).unsqueeze(1)  # [B, 1, T, T]
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.drop(self.proj(y))
@@ -179,6 +195,9 @@ class TinyCausalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
+        self.block_diagonal = True
+        """Whether attention keeps to each sequence of a packed row (the sequences found from ``position_ids`` or
+        ``seq_idx``); False is the negative control :func:`crosses_packed_boundaries`, causal over the whole row."""
         self.seq_multiple = 1
         """The forward pads the sequence on the right to a multiple of this, and drops the padding's logits: under
         sequence parallelism (:mod:`harness.distributed.tensor_parallel` sets it to the tp size) every tp rank must
@@ -192,6 +211,7 @@ class TinyCausalLM(nn.Module):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
     ) -> Any:
         """``model(inputs)`` -> logits ``[B, T, V]``; ``model(input_ids=..., attention_mask=..., labels=None)`` (a
         Hugging Face style call) -> :class:`CausalLMOutput`.
@@ -199,26 +219,35 @@ class TinyCausalLM(nn.Module):
         ``attention_mask`` is accepted and not needed: the harness pads on the right, and under causal attention a
         padding position never reaches the logits of a real one. ``labels`` (unshifted, HF's convention) make
         ``.loss`` HF's shifted mean. ``position_ids`` ``[B, T]``: each column's position in its full sequence, where
-        the inputs hold a part of it (a cp rank's chunk, :mod:`harness.distributed.sequence_sharding`); None:
-        ``0 .. T-1``.
+        the inputs hold a part of it (a cp rank's chunk, :mod:`harness.distributed.sequence_sharding`), or in its own
+        sequence where a row packs several (transformers' ``DataCollatorWithFlattening``: the positions restart at 0
+        for each sequence); None: ``0 .. T-1``.
+
+        Packed rows: attention is causal and block-diagonal, each sequence seeing only itself. The sequences come from
+        ``seq_idx`` ``[B, T]`` (equal ids, one sequence) when it is given, else from the restarts of ``position_ids``
+        (:func:`packed_segments`): ``seq_idx`` wins when both are given, and ``position_ids`` then only place the
+        position embedding. Neither given, or one sequence per row (``position_ids`` ``0 .. T-1``): plain causal
+        attention, bit for bit. No ``attention_mask`` is needed. Under context parallelism (a block's cp group) the
+        attention masks by the positions across ranks and a packed row is not supported.
         """
         if (inputs is None) == (input_ids is None):
             msg = "pass the token ids once: model(inputs) or model(input_ids=...)"
             raise TypeError(msg)
         if inputs is not None:
-            return self._logits(inputs, position_ids)
+            return self._logits(inputs, position_ids, seq_idx)
         assert input_ids is not None
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             msg = (f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
                    f"{tuple(input_ids.shape)}")
             raise ValueError(msg)
-        logits = self._logits(input_ids, position_ids)
+        logits = self._logits(input_ids, position_ids, seq_idx)
         if labels is None:
             return CausalLMOutput(logits)
         count = (labels[:, 1:] != IGNORE_INDEX).sum()
         return CausalLMOutput(logits, shifted_loss_sum(logits, labels) / count)
 
-    def _logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
+                seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         # With position_ids (packed rows) a row may be longer than max_len: its positions may not.
         if inputs.dim() != 2 or (inputs.shape[1] > self.max_len if position_ids is None
                                  else position_ids.numel() and int(position_ids.max()) >= self.max_len):
@@ -227,12 +256,27 @@ class TinyCausalLM(nn.Module):
         if position_ids is not None and position_ids.shape != inputs.shape:
             msg = f"position_ids {tuple(position_ids.shape)} must have the shape of the inputs {tuple(inputs.shape)}"
             raise ValueError(msg)
+        if seq_idx is not None and seq_idx.shape != inputs.shape:
+            msg = (f"seq_idx {tuple(seq_idx.shape)} must have the shape of the inputs {tuple(inputs.shape)}: the "
+                   "sequence each column of a packed row belongs to")
+            raise ValueError(msg)
+        if seq_idx is not None and any(b.cp_group is not None for b in self.blocks):
+            msg = ("seq_idx (packed rows) was given to a model that shards the sequence over cp (its cp_plan): its "
+                   "attention masks by positions across the cp ranks and does not keep packed sequences apart; "
+                   "run packed batches without cp")
+            raise ValueError(msg)
         t = inputs.shape[1]
         if t % self.seq_multiple:
             extra = self.seq_multiple - t % self.seq_multiple
             inputs = F.pad(inputs, (0, extra), value=PAD)
             if position_ids is not None:  # the padding after every real position, so causal attention hides it
                 position_ids = F.pad(position_ids, (0, extra), value=self.max_len - 1)
+            if seq_idx is not None:  # a sequence of its own: the real positions never see it, causal or not
+                seq_idx = F.pad(seq_idx, (0, extra), value=-1)
+        segments = None
+        if self.block_diagonal:
+            segments = seq_idx if seq_idx is not None else (
+                None if position_ids is None else packed_segments(position_ids))
         if position_ids is None:
             x = self.drop(self.tok(inputs) + self.pos(torch.arange(inputs.shape[1], device=inputs.device)))
         else:
@@ -240,9 +284,9 @@ class TinyCausalLM(nn.Module):
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 # Keep only each block's input; recompute its inside during backward.
-                x = checkpoint(block, x, position_ids, use_reentrant=False)
+                x = checkpoint(block, x, position_ids, segments, use_reentrant=False)
             else:
-                x = block(x, position_ids)
+                x = block(x, position_ids, segments)
         logits = self.head(self.ln(x))
         return logits if logits.shape[1] == t else logits[:, :t]
 
@@ -365,6 +409,19 @@ def sequence_sharded() -> TinyCausalLM:
 sequence_sharded.cp_plan = builtin_cp_plan  # type: ignore[attr-defined]
 
 
+def crosses_packed_boundaries() -> TinyCausalLM:
+    """Negative control for packed batches (``--model harness.model:crosses_packed_boundaries``): the built-in model
+    at the battery's size, positions from ``position_ids``, whose attention is causal over the whole packed row and
+    ignores where one sequence ends and the next begins, so each sequence after the first sees the tokens of those
+    before it. The classic packing mistake: a training loop that packs rows and keeps the model's plain causal mask, or
+    a transformers model fed packed rows with ``use_cache`` on or an all-ones attention mask (it then builds no
+    block-diagonal mask). One sequence per row (the ``harness`` and ``hf`` formats) is the built-in model, bit for
+    bit; under ``packed`` its logits differ from the unpacked reference's."""
+    model = build_model(Config(dropout=0.0), seed=torch.initial_seed())
+    model.block_diagonal = False
+    return model
+
+
 __all__ = [
     "CausalLMOutput",
     "ModelError",
@@ -372,8 +429,10 @@ __all__ = [
     "build_model",
     "build_user_model",
     "builtin_cp_plan",
+    "crosses_packed_boundaries",
     "disable_dropout",
     "gathered_attention",
     "load_model_factory",
+    "packed_segments",
     "sequence_sharded",
 ]
