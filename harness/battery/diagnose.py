@@ -19,12 +19,13 @@ from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
 from harness.battery import run_readings as rr
 from harness.battery.diagnosis_result import Diagnosis
+from harness.battery.packing_probe import packing_gap
 from harness.battery.pipeline_diagnosis import pipeline_reading, pipeline_rows_reading
 from harness.battery.run import Run
 from harness.core.compare import compare, flat_grad, tolerances
 from harness.core.count_groups import count_group, mesh_factor
 from harness.core.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
-from harness.core.formats import HF, to_hf
+from harness.core.formats import HF, PACKED, to_hf
 from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.core.parameter_view import ParameterRow, locate, parameter_table, residual_shares
@@ -411,6 +412,12 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
                                   "attention masked for another chunking than the run's, positions not passed), "
                                   "which the reference, on whole sequences, does not share: run the same with the "
                                   "other --cp-chunking, or compare the sharded logits with the whole ones")
+    if run.batch_format == PACKED and sig.name not in ("nonfinite", "weights_edited"):
+        # The reference is the sequences unpacked: a model whose packed forward is another function is the cause,
+        # whatever weighting its gradient happens to fit, and the recipe is not blamed.
+        crossing = packing_gap(model, name=f"model={run.model_path!r}" if run.model_path else "the built-in model")
+        if crossing.crosses:
+            sig = Signature("packing_crosses_boundaries", str(crossing.note()))
     aux_weights = () if aux_fit is None else tuple(float(u) for u in aux_fit)
     return Diagnosis(signature=sig, weights=tuple(float(w) for w in fit.weights), residual=fit.residual,
                      condition=fit.condition, sequence_signature=seq_sig, sequence_residual=seq_resid,

@@ -77,6 +77,10 @@ class ModelFacts:
     """Each parameter of ``unused`` with the cause it gets no gradient (:mod:`harness.battery.gradless`)."""
     backward: BackwardCheck | None = None
     """The directional finite-difference check of the model's backward (:mod:`harness.battery.backward_check`)."""
+    packing: str | None = None
+    """Under ``--batch-format packed``, the sentence of a model whose packed forward is not its unpacked one
+    (:func:`harness.battery.packing_probe.packing_gap`: its attention crosses the sequences of a packed row); None:
+    it keeps them apart, or another batch format."""
 
     @property
     def computes_in(self) -> str | None:
@@ -111,6 +115,8 @@ class ModelFacts:
                        f"({'; '.join(self.lower_precision)}): a lane of a higher precision judges it at "
                        f"{self.computes_in}'s tolerances, since the ranks scale the loss by W/N and the reference "
                        "by 1/N, which rounds differently in the lower precision")
+        if self.packing is not None:
+            out.append(self.packing)
         if self.refused:
             out.append("the model refuses some microbatch shapes (" + "; ".join(self.refused) + "): the drawn "
                        "layouts leave them out, and a fixed case holding one is n/a")
@@ -222,9 +228,16 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
                 owners.setdefault(name.rsplit(".", 1)[0] if "." in name else "", []).append(params[name])
             causes = gradless.find_causes(model, unused, seen, reached, moves_loss(spec, model, battery_mb, owners))
         backward = check_backward(spec, battery_mb)
+        packing = None
+        if spec.batch_format == PACKED:  # a model whose attention crosses a packed row's sequences, said up front
+            from harness.battery.packing_probe import packing_gap
+
+            name = f"model={spec.path!r}" if spec.path is not None else "the built-in model"
+            with torch.no_grad():
+                packing = packing_gap(model, name=name).note()
     return ModelFacts(spec.path, spec.batch_format, min_positions=min_positions, max_len=max_len, unused=unused,
                       buffers_changed=changed, stateful=stateful, refused=tuple(refused),
-                      lower_precision=lower, gradless=causes, backward=backward)
+                      lower_precision=lower, gradless=causes, backward=backward, packing=packing)
 
 
 def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:

@@ -47,6 +47,10 @@ SIGNATURES: dict[str, str] = {
     "extra_term": "the weights are right (or another signature's), and the gradient holds a term no re-weighting of "
                   "the losses makes: an auxiliary loss, a regularizer, a custom backward adding into .grad (its share "
                   "of the error and the tensors that carry it are named)",
+    "packing_crosses_boundaries": "under --batch-format packed the model's packed forward is not its unpacked one: "
+                                  "its attention crosses the sequences of a packed row (positions not taken from "
+                                  "position_ids, no block-diagonal mask; a transformers model with use_cache on); "
+                                  "a model fault, the recipe is not blamed",
     "model_not_fixed": "the block gradients recomputed at the rank's starting weights do not sum to the reference: the "
                        "model is not a fixed function of its inputs (a forward that reads a buffer it updates); the "
                        "recipe is not blamed",

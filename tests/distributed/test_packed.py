@@ -38,3 +38,24 @@ def test_the_correct_recipes_pass_on_packed_rows(recipe: str, world_size: int, p
     for scenario in ("uneven", "one_empty"):
         _passes(RunSpec(recipe, scenario, world_size, precision, batch_format="packed", strategy=strategy),
                 ("parity", "logged_loss", "one_sync"))
+
+
+@pytest.mark.slow
+def test_a_model_whose_attention_crosses_packed_boundaries_fails_parity_named_as_the_model() -> None:
+    """The model control ``harness.model:crosses_packed_boundaries`` (positions from position_ids, attention causal
+    over the whole packed row): the correct recipe fails parity on the numbers, and the diagnosis names the model, not
+    the recipe, with the measured gap of its logits; the probe says the same before any rank starts. Its twin, the
+    built-in model, passes the same case (the default-tier test above)."""
+    from harness.battery.diagnose import diagnose
+    from harness.battery.facts import probe
+
+    model = "harness.model:crosses_packed_boundaries"
+    verdict = checks.parity(runner.run(RunSpec(HF_CORRECT, "uneven", 2, "fp32", batch_format="packed", model=model)))
+    assert not verdict.passed and "numbers" == verdict.cause, verdict.message
+    assert verdict.diagnosis is not None and "packing_crosses_boundaries" == verdict.diagnosis["signature"]
+    found = diagnose(runner.run(RunSpec(HF_CORRECT, "uneven", 2, "fp32", batch_format="packed", model=model)))
+    assert found is not None
+    assert "attention crosses packed sequence boundaries: the packed forward's logits differ" in found.line()
+    notes = probe(model, "packed").notes()
+    assert any(n.startswith("attention crosses packed sequence boundaries") for n in notes), notes
+    assert not any("packed" in n for n in probe(None, "packed").notes())
