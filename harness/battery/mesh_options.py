@@ -1,10 +1,12 @@
 """The mesh's options as every surface declares them: ``--mesh``, ``--cp-chunking``, and a pipeline's ``--pp-schedule``,
-``--pp-steps`` and ``--pp-microbatches``, each with one help text and one validation (re-exported by
-:mod:`harness.battery.options`, which parses them with the rest). Pure Python."""
+``--pp-steps`` and ``--pp-microbatches``, each with one help text and one validation, and which strategy wraps a
+model over a mesh (re-exported by :mod:`harness.battery.options`, which parses them with the rest). Pure Python."""
 
 from __future__ import annotations
 
-from harness.core.mesh import PP_SCHEDULES, REFUSED_PP_SCHEDULES
+from collections.abc import Sequence
+
+from harness.core.mesh import PP_SCHEDULES, REFUSED_PP_SCHEDULES, Mesh
 
 MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of pp, dp, or dp_replicate and "
              "dp_shard, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
@@ -70,5 +72,20 @@ def check_pp_count(value: object, option: str, default: int) -> int:
     return count
 
 
-__all__ = ["CHUNKING_HELP", "MESH_HELP", "PP_MAX_MICROBATCHES", "PP_MICROBATCHES_HELP", "PP_SCHEDULE_HELP",
-           "PP_STEPS_HELP", "check_pp_count", "check_pp_schedule"]
+DDP_OVER_TP = ("DDP cannot wrap a tensor-parallel (DTensor) model: it raises 'aten.cat.default got mixed "
+               "torch.Tensor and DTensor', and its private workaround drops the tp parameters from zero_grad(), so "
+               "their gradients pile up; use --strategy fsdp2 (FSDP2 over the data-parallel dimensions, TP over tp, "
+               "torchtitan's 2-D layout)")
+"""Why a mesh with tp > 1 does not run under DDP (measured with torch 2.13; docs/battery.md)."""
+
+
+def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str = "strategy") -> None:
+    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1). Either wraps a
+    pipeline's stages over dp (:func:`harness.distributed.pipeline.wrap`)."""
+    if layout is not None and layout.size("tp") > 1 and "ddp" in names:
+        msg = f"{argument}='ddp' over the mesh {layout.label}: {DDP_OVER_TP}"
+        raise ValueError(msg)
+
+
+__all__ = ["CHUNKING_HELP", "DDP_OVER_TP", "MESH_HELP", "PP_MAX_MICROBATCHES", "PP_MICROBATCHES_HELP",
+           "PP_SCHEDULE_HELP", "PP_STEPS_HELP", "check_pp_count", "check_pp_schedule", "check_strategy_over"]

@@ -18,6 +18,7 @@ from typing import Any
 # harness.core.objectives).
 from harness.battery.mesh_options import (
     CHUNKING_HELP,
+    DDP_OVER_TP,
     MESH_HELP,
     PP_MAX_MICROBATCHES,
     PP_MICROBATCHES_HELP,
@@ -25,6 +26,7 @@ from harness.battery.mesh_options import (
     PP_STEPS_HELP,
     check_pp_count,
     check_pp_schedule,
+    check_strategy_over,
 )
 from harness.core.mesh import CHUNKINGS, TOKEN_DIMS, Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
@@ -216,21 +218,6 @@ def check_layout(layout: object, world_size: int, argument: str = "layout") -> M
                "with pp is not run yet (e.g. pp=2 or dp=2,pp=2)")
         raise ValueError(msg)
     return layout
-
-
-DDP_OVER_TP = ("DDP cannot wrap a tensor-parallel (DTensor) model: it raises 'aten.cat.default got mixed "
-               "torch.Tensor and DTensor', and its private workaround drops the tp parameters from zero_grad(), so "
-               "their gradients pile up; use --strategy fsdp2 (FSDP2 over the data-parallel dimensions, TP over tp, "
-               "torchtitan's 2-D layout)")
-"""Why a mesh with tp > 1 does not run under DDP (measured with torch 2.13; docs/battery.md)."""
-
-
-def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str = "strategy") -> None:
-    """ValueError when a strategy of ``names`` cannot wrap a model over ``layout`` (DDP over tp > 1). Either wraps a
-    pipeline's stages over dp (:func:`harness.distributed.pipeline.wrap`)."""
-    if layout is not None and layout.size("tp") > 1 and "ddp" in names:
-        msg = f"{argument}='ddp' over the mesh {layout.label}: {DDP_OVER_TP}"
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True)
