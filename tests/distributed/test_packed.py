@@ -38,3 +38,14 @@ def test_the_correct_recipes_pass_on_packed_rows(recipe: str, world_size: int, p
     for scenario in ("uneven", "one_empty"):
         _passes(RunSpec(recipe, scenario, world_size, precision, batch_format="packed", strategy=strategy),
                 ("parity", "logged_loss", "one_sync"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_sequence_mean_recipe_passes_on_packed_rows_counting_sequences_not_rows(world_size: int) -> None:
+    """``--objective sequence_mean --batch-format packed``: the sequence mean recipe tells a packed row's sequences
+    apart by seq_idx and counts them, never the rows, so its gradient is the unpacked sequences' mean (its control,
+    which counts rows, is packed_sequence_mean_over_rows)."""
+    for scenario in ("uneven", "one_empty"):
+        _passes(RunSpec("harness.recipes.objectives:sequence_mean", scenario, world_size, "fp32",
+                        batch_format="packed", objective="sequence_mean"), ("parity", "logged_loss", "one_sync"))
