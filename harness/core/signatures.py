@@ -37,6 +37,11 @@ SIGNATURES: dict[str, str] = {
     "mean_of_local_means": "each rank's tokens weigh 1/(W * n_r): each rank divides by its own count",
     "per_microbatch_mean": "each microbatch's tokens weigh 1/(W * k * n_rm): a mean per microbatch",
     "per_sequence_mean": "each sequence's tokens weigh in inverse proportion to its own length: a mean per sequence",
+    "per_pack_mean": "each packed row's tokens weigh 1/(n_r * P): a mean over the packs of a packed batch (several "
+                     "sequences per row) taken for a mean over its sequences",
+    "shifted_across_boundaries": "the weights are right, and the gradient also holds the loss of the pairs across "
+                                 "packed sequences' boundaries (each sequence's last token trained to predict the next "
+                                 "sequence's first): labels rebuilt over the whole packed row, the separator dropped",
     "dropped": "some blocks weigh nothing (a rank or microbatch that never reached backward), the rest alike",
     "double_counted": "some blocks weigh twice what the others do (a microbatch backpropagated twice)",
     "not_synchronized": "a rank's gradient holds only its own microbatches (W times the right weight when its loss was "
