@@ -17,6 +17,7 @@ import torch
 
 from harness.battery import clipping_diagnosis
 from harness.battery import objective_diagnosis as od
+from harness.battery import packed_diagnosis as pd
 from harness.battery import run_readings as rr
 from harness.battery.diagnosis_result import Diagnosis
 from harness.battery.packing_probe import packing_gap
@@ -25,9 +26,9 @@ from harness.battery.run import Run
 from harness.core.compare import compare, flat_grad, tolerances
 from harness.core.count_groups import count_group, mesh_factor
 from harness.core.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
-from harness.core.formats import HF, PACKED, to_hf
+from harness.core.formats import HF, PACKED, to_hf, to_packed
 from harness.core.mesh import Mesh
-from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.core.parameter_view import ParameterRow, locate, parameter_table, residual_shares
 from harness.core.signatures import Signature, classify, classify_sequences, extra_term_sentence
 from harness.data.context_parallel import supervise_chunk
@@ -361,15 +362,24 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
     read = fit if z == n else Fit(fit.weights * (z / n), fit.residual, fit.condition)
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)
               for j, w in enumerate(run.windows) if j != window}
-    # (packed: its separator puts IGNORE_INDEX at every row's position 0, so its count before the shift is the right
-    # one and names nothing; its per-row columns are the microbatches' rows, the sequences unpacked)
+    # (packed: its separator puts IGNORE_INDEX at every sequence's first position, so its count before the shift is
+    # the right one and names nothing; its rows' real tokens do; its per-row columns are the microbatches' rows, the
+    # sequences unpacked)
     if run.batch_format == HF:
         before = sum(int((to_hf(mb)["labels"] != IGNORE_INDEX).sum()) for mbs in run.windows[window] for mb in mbs)
         others["the hf labels counted before the shift (one token more per row without a prompt)"] = before
+    if run.batch_format == PACKED:
+        real = sum(int((to_packed(mb)["input_ids"] != PAD).sum()) for mbs in run.windows[window] for mb in mbs)
+        others["the packed rows' real tokens, an attention mask's sum or the rows' lengths, which count each "
+               "sequence's first position and its prompt"] = real
     mesh = run.mesh
     token_world, token_rank = mesh.token_ranks, mesh.token_rank(rank)
     sig = classify(blocks, read, token_world, run.precision, rank=token_rank, other_counts=others)
     sig = pipeline_reading(run, window, blocks, read, _on_the_mesh(sig, blocks, read, mesh))
+    if sig.name == "unexplained" and aux_cols is None:  # packed: the pairs across sequences, fitted beside
+        across = pd.boundary_reading(run, model, window, a, g, blocks, [mb for _, mb in held], rank, others)
+        if across is not None:
+            fit, sig = across
     if (sig.name == "unexplained" and fit.residual > EXPLAINED_RESIDUAL and fit.condition <= MAX_CONDITION
             and aux_cols is None):
         split = _split_extra_term(a, g, fit, blocks, names, sizes, run, rank, others)
@@ -396,8 +406,9 @@ def _diagnose(run: Run, window: int, rank: int, per_sequence: bool) -> Diagnosis
         seq_fit = fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
         # On a pipeline, the schedule's own chunks of rows first: a mean per chunk of one row is a sequence mean too.
-        seq_sig = (pipeline_rows_reading(run, window, rows, seq_fit) or classify_sequences(rows, seq_fit)
-                   or od.row_reading(run, window, rows, seq_fit))
+        # A packed run's packs next: a mean per packed row is a mean over groups of sequences.
+        seq_sig = (pipeline_rows_reading(run, window, rows, seq_fit) or pd.pack_reading(run, window, rows, seq_fit)
+                   or classify_sequences(rows, seq_fit) or od.row_reading(run, window, rows, seq_fit))
         if seq_sig is not None and sig.name == "unexplained":
             sig = seq_sig
     if edited is None:  # the declared objective's readings: another objective, the quantity divided by, the aux term

@@ -30,7 +30,8 @@ AUX_TOLERANCE = 1e-3
 the main blocks', a little less accurately)."""
 
 KEPT = frozenset({"correct", "float32_computation", "nonfinite", "weights_edited", "model_not_fixed",
-                  "started_elsewhere", "not_synchronized", "dropped", "double_counted"})
+                  "started_elsewhere", "not_synchronized", "dropped", "double_counted", "per_pack_mean",
+                  "shifted_across_boundaries"})
 """Readings an objective reading never replaces: they are right, or name what no objective explains."""
 
 

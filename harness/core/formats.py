@@ -106,6 +106,26 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def _layout(hf: Mapping[str, torch.Tensor], capacity: int | None) -> tuple[list[int], list[int], list[list[int]]]:
+    """``(the hf rows that hold a real token, their lengths, each packed row's indices into those)``."""
+    lengths = [int(n) for n in hf["attention_mask"].sum(dim=1)]
+    rows_of = [b for b, n in enumerate(lengths) if n > 0]
+    lengths = [lengths[b] for b in rows_of]
+    longest = max(lengths, default=1)
+    cap = 2 * longest if capacity is None else capacity
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < longest:
+        msg = f"capacity={capacity!r} must be a whole number of tokens at least the longest sequence's ({longest})"
+        raise ValueError(msg)
+    return rows_of, lengths, pack_rows(lengths, cap) or [[]]  # no real token at all: one row of one padding token
+
+
+def packed_layout(mb: Microbatch, capacity: int | None = None) -> list[list[int]]:
+    """Which of ``mb``'s rows each row of :func:`to_packed`'s batch holds, in order (a row of ``mb`` without any real
+    token is in none): the packing the diagnosis reads a packed run's weights by."""
+    rows_of, _, rows = _layout(to_hf(mb), capacity)
+    return [[rows_of[i] for i in row] for row in rows]
+
+
 def to_packed(mb: Microbatch, capacity: int | None = None) -> dict[str, Any]:
     """The ``packed`` dict of a harness microbatch: each row of ``mb`` one sequence (the real tokens of its ``hf``
     form, :func:`to_hf`, where its ``attention_mask`` is 1; a row without any is dropped), packed by
@@ -126,15 +146,8 @@ def to_packed(mb: Microbatch, capacity: int | None = None) -> dict[str, Any]:
     ``forward`` takes. The count after the shift (:func:`supervised_tokens`) is ``mb.supervised``."""
     hf = to_hf(mb)
     device = mb.inputs.device
-    lengths = [int(n) for n in hf["attention_mask"].sum(dim=1)]
-    rows_of = [b for b, n in enumerate(lengths) if n > 0]
-    lengths = [lengths[b] for b in rows_of]
+    rows_of, lengths, rows = _layout(hf, capacity)
     longest = max(lengths, default=1)
-    cap = 2 * longest if capacity is None else capacity
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < longest:
-        msg = f"capacity={capacity!r} must be a whole number of tokens at least the longest sequence's ({longest})"
-        raise ValueError(msg)
-    rows = pack_rows(lengths, cap) or [[]]  # no real token at all: one row of one padding token
     width = max(max((sum(lengths[i] for i in row) for row in rows), default=1), 1)
     n_rows = len(rows)
     input_ids = torch.full((n_rows, width), PAD, dtype=torch.int64, device=device)
@@ -256,5 +269,5 @@ def hf_forward(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor
 
 
 __all__ = ["BATCH_FORMATS", "FLASH_KEYS", "HARNESS", "HF", "HF_KEYS", "PACKED", "PACKED_KEYS", "batch_as",
-           "check_batch_format", "hf_forward", "logits_of", "pack_rows", "packed_kwargs", "shifted_loss_sum",
-           "supervised_tokens", "to_hf", "to_packed"]
+           "check_batch_format", "hf_forward", "logits_of", "pack_rows", "packed_kwargs", "packed_layout",
+           "shifted_loss_sum", "supervised_tokens", "to_hf", "to_packed"]

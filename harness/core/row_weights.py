@@ -74,4 +74,38 @@ def read_rows(rows: Sequence[Block], token_weight: Sequence[float], world_size: 
     return None
 
 
-__all__ = ["ROW_TOLERANCE", "read_rows"]
+def pack_mean_weights(rows: Sequence[Block], packs: Sequence[int]) -> list[float]:
+    """Each row's token weight under a mean over packed rows: ``1/(n_r * P)`` for a row in pack ``r`` (``packs``: each
+    row's pack, numbered over the window; ``n_r`` the pack's supervised tokens, ``P`` the packs that hold one); nan for
+    a row without a supervised token."""
+    tokens: dict[int, int] = {}
+    for b, p in zip(rows, packs):
+        if b.tokens > 0:
+            tokens[p] = tokens.get(p, 0) + b.tokens
+    return [1 / (tokens[p] * len(tokens)) if b.tokens > 0 else math.nan for b, p in zip(rows, packs)]
+
+
+def read_packs(rows: Sequence[Block], token_weight: Sequence[float], packs: Sequence[int], residual: float,
+               declared: str) -> Signature | None:
+    """``per_pack_mean`` when the rows' token weights are a mean over packed rows (:func:`pack_mean_weights`, up to
+    a scale): a sequence mean that counted a packed batch's rows, several sequences each, as its sequences. None where
+    no pack holds two supervised sequences (each pack is then one sequence: the sequence mean itself), or where the
+    weights do not fit."""
+    live = [i for i, b in enumerate(rows) if b.tokens > 0 and math.isfinite(token_weight[i])]
+    held: dict[int, int] = {}
+    for i in live:
+        held[packs[i]] = held.get(packs[i], 0) + 1
+    if len(live) < 2 or max(held.values()) < 2:
+        return None
+    pattern = pack_mean_weights([rows[i] for i in live], [packs[i] for i in live])
+    c, dev = _fit([token_weight[i] for i in live], pattern)
+    if dev > ROW_TOLERANCE:
+        return None
+    times = "" if abs(c - 1) <= ROW_TOLERANCE else f", times {c:.4g}"
+    return Signature("per_pack_mean", f"a mean over packed rows, not sequences: every token of pack r weighs "
+                     f"1/(n_r * P), n_r the pack's supervised tokens and P={len(held)} the packs{times} (a row's mean "
+                     f"taken for its sequence's: count the sequences by seq_idx or position_ids' restarts, never the "
+                     f"rows); the per-sequence view fits it (residual {residual:.1e}), where {declared}", c)
+
+
+__all__ = ["ROW_TOLERANCE", "pack_mean_weights", "read_packs", "read_rows"]

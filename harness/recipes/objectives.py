@@ -46,7 +46,7 @@ from harness.recipes.helpers import (
 )
 
 Batch = Any
-"""One microbatch in either batch format (a ``Microbatch``, or the ``hf`` dict)."""
+"""One microbatch in any batch format (a ``Microbatch``, or the ``hf`` or ``packed`` dict)."""
 
 MAX_COMPLETION_LENGTH = 128
 """The fixed-normalizer recipes' maximum completion length: the battery's longest sequence."""
@@ -79,6 +79,30 @@ def _weights(mb: Batch) -> torch.Tensor | None:
     return mb.weights
 
 
+def sequence_ids(mb: Batch) -> torch.Tensor | None:
+    """Each aligned position's sequence, numbered within the microbatch (``[B, T]``, aligned like :func:`forward`'s
+    losses), for a ``packed`` batch, whose rows hold several sequences: its ``seq_idx`` (else the restarts of its
+    ``position_ids``), shifted like the labels. None for a batch whose rows are its sequences (harness, ``hf``)."""
+    if not isinstance(mb, Mapping) or "position_ids" not in mb or "attention_mask" in mb:
+        return None
+    if "seq_idx" in mb:
+        ids = mb["seq_idx"].to(torch.int64)
+    else:  # a sequence starts wherever the positions restart at 0, counted over the rows in order
+        ids = (mb["position_ids"] == 0).flatten().cumsum(0).view(mb["position_ids"].shape) - 1
+    # The target at t + 1 is the label of the logit at t: the separator keeps every target inside its sequence.
+    return ids[:, 1:]
+
+
+def supervised_sequences(mb: Batch) -> int:
+    """The sequences of one microbatch with a supervised token: its rows (harness, ``hf``), or in a ``packed`` batch
+    its sequences by :func:`sequence_ids`, never its rows (one row holds several sequences)."""
+    mask = _labels(mb) != IGNORE_INDEX
+    ids = sequence_ids(mb)
+    if ids is None:
+        return int((mask.sum(dim=1) > 0).sum())
+    return int(ids[mask].unique().numel())
+
+
 def window_tokens(window: Sequence[Batch]) -> int:
     """The window's global supervised count, all-reduced on every rank; the contract's ValueError when it is 0."""
     return require_tokens(global_count(sum(int((_labels(mb) != IGNORE_INDEX).sum()) for mb in window)))
@@ -97,6 +121,11 @@ class _Recipe:
     def term(self, ce: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """One microbatch's term of the numerator (a sum over its supervised tokens)."""
         raise NotImplementedError
+
+    def term_of(self, mb: Batch, ce: torch.Tensor, mask: torch.Tensor,
+                weights: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`term` of microbatch ``mb`` (a recipe whose term depends on the batch's layout reads it here)."""
+        return self.term(ce, mask, weights)
 
     def divisor(self, window: Sequence[Batch]) -> float:
         """``Z``, the same on every rank: an all-reduced quantity of the global window, or a constant."""
@@ -117,7 +146,7 @@ class _Recipe:
         for i, mb in enumerate(window):
             with sync_context(model, i, len(window)):
                 raw, ce, mask, weights = forward(model, mb)
-                term = self.term(ce, mask, weights if self.reads_weights else None)
+                term = self.term_of(mb, ce, mask, weights if self.reads_weights else None)
                 # W / Z: the objective's global normalizer, times W to cancel DDP's average over the ranks.
                 loss = term * (world / z)
                 aux = self.auxiliary(model, mb, raw, len(window), tokens)
@@ -144,18 +173,33 @@ class TokenMean(_Recipe):
 
 class SequenceMean(_Recipe):
     """Each sequence's own token mean, summed, over the global count of sequences with a supervised token: every
-    sequence weighs the same whatever its length."""
+    sequence weighs the same whatever its length. A ``packed`` batch's sequences are told apart by its ``seq_idx``
+    (:func:`sequence_ids`), never by its rows: a row holds several sequences."""
 
     name = "sequence_mean"
 
-    def term(self, ce: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        counts = mask.sum(dim=1)
-        # A row without a supervised token has no mean: it adds nothing here and counts for nothing in S.
-        return (_factor(ce, weights).sum(dim=1) / counts.clamp(min=1)).sum()
+    def term(self, ce: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None,
+             ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of the sequences' means; ``ids`` (aligned like ``ce``) numbers each position's sequence where
+        the rows are not the sequences (None: each row is one)."""
+        values = _factor(ce, weights)
+        if ids is None:
+            counts = mask.sum(dim=1)
+            # A row without a supervised token has no mean: it adds nothing here and counts for nothing in S.
+            return (values.sum(dim=1) / counts.clamp(min=1)).sum()
+        flat, keep = ids.flatten(), mask.flatten()
+        size = int(flat.max()) + 1 if flat.numel() else 0
+        sums = values.new_zeros(size).index_add(0, flat[keep], values.flatten()[keep])
+        counts = torch.zeros(size, dtype=torch.int64, device=ce.device).index_add(
+            0, flat[keep], torch.ones_like(flat[keep]))
+        return (sums / counts.clamp(min=1).to(sums.dtype)).sum()
+
+    def term_of(self, mb: Batch, ce: torch.Tensor, mask: torch.Tensor,
+                weights: torch.Tensor | None) -> torch.Tensor:
+        return self.term(ce, mask, weights, sequence_ids(mb))
 
     def divisor(self, window: Sequence[Batch]) -> float:
-        rows = sum(int(((_labels(mb) != IGNORE_INDEX).sum(dim=1) > 0).sum()) for mb in window)
-        return float(global_count(rows))
+        return float(global_count(sum(supervised_sequences(mb) for mb in window)))
 
 
 class WeightedTokenMean(_Recipe):
@@ -399,6 +443,6 @@ __all__ = ["OBJECTIVE_RECIPES", "FixedNormalizer", "MeshTokenMeanWithLoadBalance
            "PgFixedNormalizer", "PgSequenceMean", "PgTokenMean", "SequenceMean", "TokenMean",
            "TokenMeanWithLoadBalance", "TokenMeanWithZLoss", "WeightedTokenMean", "data_microbatches",
            "fixed_normalizer", "forward", "load_balance", "mesh_token_mean_with_load_balance",
-           "mesh_token_mean_with_z_loss", "pg_fixed_normalizer", "pg_sequence_mean", "pg_token_mean", "sequence_mean",
-           "token_mean", "token_mean_with_load_balance", "token_mean_with_z_loss", "weighted_token_mean",
-           "window_tokens", "z_loss"]
+           "mesh_token_mean_with_z_loss", "pg_fixed_normalizer", "pg_sequence_mean", "pg_token_mean", "sequence_ids",
+           "sequence_mean", "supervised_sequences", "token_mean", "token_mean_with_load_balance",
+           "token_mean_with_z_loss", "weighted_token_mean", "window_tokens", "z_loss"]

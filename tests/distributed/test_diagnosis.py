@@ -204,6 +204,16 @@ def test_an_hf_count_taken_before_the_shift_is_named_as_that_count() -> None:
     assert "normalized by the hf labels counted before the shift" in verdict.message, verdict.message
 
 
+@pytest.mark.xdist_group(control_group("packed_count_from_row_length", 2))
+def test_a_count_of_the_packed_rows_real_tokens_is_named_as_that_count() -> None:
+    """N plus each sequence's first position (the separator) and its prompt: the packed rows' real tokens, an
+    attention mask's sum, named (the same run the negative-control test judges)."""
+    run = runner.run("harness.recipes:packed_count_from_row_length", "uneven", 2, batch_format="packed")
+    verdict = checks.parity(run)
+    assert verdict.diagnosis is not None and "global_scale" == verdict.diagnosis["signature"]
+    assert "normalized by the packed rows' real tokens" in verdict.message, verdict.message
+
+
 @pytest.mark.xdist_group(control_group("fsdp2_sync_every_microbatch", 2))
 def test_explain_under_fsdp2_never_reads_right_what_the_battery_rejects_and_speaks_fsdp2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

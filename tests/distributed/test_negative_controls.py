@@ -33,7 +33,8 @@ def control(name: str) -> str:
     return f"harness.recipes:{name}"
 
 
-SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp", "tensor_parallel", "pipeline")
+SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp", "tensor_parallel", "pipeline",
+                 "packed")
 """Families whose controls past the first run in the slow tier only."""
 
 

@@ -59,3 +59,14 @@ def test_a_model_whose_attention_crosses_packed_boundaries_fails_parity_named_as
     notes = probe(model, "packed").notes()
     assert any(n.startswith("attention crosses packed sequence boundaries") for n in notes), notes
     assert not any("packed" in n for n in probe(None, "packed").notes())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_sequence_mean_recipe_passes_on_packed_rows_counting_sequences_not_rows(world_size: int) -> None:
+    """``--objective sequence_mean --batch-format packed``: the sequence mean recipe tells a packed row's sequences
+    apart by seq_idx and counts them, never the rows, so its gradient is the unpacked sequences' mean (its control,
+    which counts rows, is packed_sequence_mean_over_rows)."""
+    for scenario in ("uneven", "one_empty"):
+        _passes(RunSpec("harness.recipes.objectives:sequence_mean", scenario, world_size, "fp32",
+                        batch_format="packed", objective="sequence_mean"), ("parity", "logged_loss", "one_sync"))

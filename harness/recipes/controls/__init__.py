@@ -1,7 +1,8 @@
 """Negative controls: each reproduces a mistake real projects made and names where the battery must reject it.
 
 One module per family (:data:`FAMILIES`): how the loss is normalized, how microbatches are accumulated, when gradients
-synchronize, windows without tokens, what a step must leave alone (hygiene), the hf batch format, and mistakes that
+synchronize, windows without tokens, what a step must leave alone (hygiene), the hf batch format, packed rows
+(packed: a count from the rows' tokens, labels shifted across boundaries, a sequence mean over rows), and mistakes that
 depend on the world size (world: right at the W their author tested, declared where they show), recipes right
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
 normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
@@ -36,6 +37,7 @@ from harness.recipes.controls import (
     hygiene,
     normalization,
     objectives,
+    packed,
     pipeline,
     strategies,
     sync,
@@ -43,7 +45,7 @@ from harness.recipes.controls import (
     world,
 )
 
-FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, world, objectives, strategies, clipping,
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, strategies, clipping,
             context_parallel, hsdp, tensor_parallel, pipeline)
 """Every module that defines controls, in the order the battery lists them."""
 
