@@ -93,7 +93,7 @@ def terms(spec: ModelSpec, objective: ob.Objective, model: nn.Module,
         return spec.loss_sum(model, mb), None
     raw, aligned = spec.logits(model, mb)
     term = ob.objective_term(ob.token_losses(aligned, mb.labels), mb, objective.name, objective.weights is not None)
-    return term, (None if aux is None else aux(model, spec.batch(mb), raw))
+    return term, (None if aux is None else aux(model, spec.reference_batch(mb), raw))
 
 
 def value_at(spec: ModelSpec, objective: ob.Objective, model: nn.Module,

@@ -105,6 +105,11 @@ class ModelSpec:
         """What the recipe receives for ``mb``."""
         return batch_as(mb, self.batch_format)
 
+    def reference_batch(self, mb: Microbatch) -> Microbatch | dict[str, torch.Tensor]:
+        """``mb`` as the reference forwards it (:meth:`logits`): packed rows are judged against the same sequences
+        unpacked, so under ``packed`` it is the hf dict, not the packed one."""
+        return to_hf(mb) if self.batch_format in (HF, PACKED) else mb
+
     @property
     def unpacked(self) -> bool:
         """Whether the reference calls the model the hf way: under ``hf``, and under ``packed``, whose reference is

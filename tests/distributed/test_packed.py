@@ -70,3 +70,16 @@ def test_the_sequence_mean_recipe_passes_on_packed_rows_counting_sequences_not_r
     for scenario in ("uneven", "one_empty"):
         _passes(RunSpec("harness.recipes.objectives:sequence_mean", scenario, world_size, "fp32",
                         batch_format="packed", objective="sequence_mean"), ("parity", "logged_loss", "one_sync"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "objective"), [
+    ("weighted_token_mean", "weighted_token_mean"), ("pg_token_mean", "token_mean"),
+    ("pg_sequence_mean", "sequence_mean"), ("fixed_normalizer", "fixed_normalizer"),
+    ("token_mean_with_z_loss", "token_mean"), ("token_mean_with_load_balance", "token_mean")])
+def test_every_objective_recipe_passes_on_packed_rows(recipe: str, objective: str) -> None:
+    """Each declared objective's correct recipe on packed rows, W=2, ``uneven``: the weights placed like the labels,
+    the sequences counted by seq_idx, the auxiliary terms (per token, per microbatch) computed on the packed rows by
+    the ranks and on the same sequences unpacked by the reference."""
+    _passes(RunSpec(f"harness.recipes.objectives:{recipe}", "uneven", 2, "fp32", batch_format="packed",
+                    objective=objective))
