@@ -87,5 +87,16 @@ def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str
         raise ValueError(msg)
 
 
+def check_format_over(layout: Mesh | None, batch_format: str, argument: str = "batch_format") -> None:
+    """ValueError when ``batch_format`` cannot run over ``layout``: packed rows are built for data-parallel ranks (a
+    rank's whole sequences), not cut into cp chunks, tp shards or pipeline stages."""
+    if layout is not None and batch_format == "packed" and any(layout.size(d) > 1 for d in ("cp", "tp", "pp")):
+        msg = (f"{argument}='packed' over the mesh {layout.label}: packed rows are built for data-parallel ranks "
+               "only (a cp chunk, a tp shard or a pipeline stage of a packed row is not built); run this mesh with "
+               "--batch-format harness, or packed rows over dp")
+        raise ValueError(msg)
+
+
 __all__ = ["CHUNKING_HELP", "DDP_OVER_TP", "MESH_HELP", "PP_MAX_MICROBATCHES", "PP_MICROBATCHES_HELP",
-           "PP_SCHEDULE_HELP", "PP_STEPS_HELP", "check_pp_count", "check_pp_schedule", "check_strategy_over"]
+           "PP_SCHEDULE_HELP", "PP_STEPS_HELP", "check_format_over", "check_pp_count", "check_pp_schedule",
+           "check_strategy_over"]

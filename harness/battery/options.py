@@ -24,6 +24,7 @@ from harness.battery.mesh_options import (
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
     PP_STEPS_HELP,
+    check_format_over,
     check_pp_count,
     check_pp_schedule,
     check_strategy_over,
@@ -276,6 +277,7 @@ class RunSpec:
         if self.layout is not None:
             check_layout(self.layout, self.world_size)
             check_strategy_over(self.layout, (self.strategy,))
+            check_format_over(self.layout, self.batch_format)
         if self.chunking not in CHUNKINGS:
             msg = f"chunking={self.chunking!r} must be one of {', '.join(CHUNKINGS)}"
             raise ValueError(msg)
@@ -351,6 +353,7 @@ class BatteryOptions:
         meshes = parse_meshes(mesh)
         for shape in meshes:
             check_strategy_over(shape, strategies(strategy), "--strategy")
+            check_format_over(shape, batch_format, "--batch-format")
         return cls(model=model, batch_format=_choice(batch_format, BATCH_FORMATS, "--batch-format"),
                    strategy=strategy, precision=precision,
                    world_sizes=parse_world_sizes(world_sizes), examples=examples,
@@ -429,6 +432,7 @@ __all__ = [
     "RunSpec",
     "add_lane_options",
     "check_find_unused",
+    "check_format_over",
     "check_objective",
     "check_pp_count",
     "check_pp_schedule",

@@ -145,3 +145,20 @@ def test_precision_takes_lanes_separated_by_commas() -> None:
     assert ("fp32", "bf16") == BatteryOptions.parse(precision="fp32,bf16").lanes
     with pytest.raises(ValueError, match=r"--precision='fp32,fp16' must be one of .* \(from fp32, fp64, bf16"):
         precisions("fp32,fp16")
+
+
+@pytest.mark.parametrize("shape", ["dp=2,cp=2", "dp=2,tp=2", "pp=2", "dp=2"])
+def test_packed_rows_run_over_data_parallel_meshes_only(shape: str) -> None:
+    """Packed rows are built for data-parallel ranks: over cp, tp or pp the option is refused on the command line and
+    by RunSpec, naming the mesh and the fix; over dp alone (the control) both accept it."""
+    mesh = Mesh.parse(shape)
+    strategy = "fsdp2" if mesh.size("tp") > 1 else "ddp"
+    if shape == "dp=2":
+        BatteryOptions.parse(batch_format="packed", mesh=[shape])
+        RunSpec("r:r", "uneven", mesh.world_size, "fp32", batch_format="packed", layout=mesh)
+        return
+    with pytest.raises(ValueError, match=r"--batch-format='packed' over the mesh .*: packed rows are built for "
+                                         r"data-parallel ranks only"):
+        BatteryOptions.parse(batch_format="packed", mesh=[shape], strategy=strategy)
+    with pytest.raises(ValueError, match=r"batch_format='packed' over the mesh"):
+        RunSpec("r:r", "uneven", mesh.world_size, "fp32", batch_format="packed", layout=mesh, strategy=strategy)
