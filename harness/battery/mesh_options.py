@@ -89,7 +89,13 @@ def check_strategy_over(layout: Mesh | None, names: Sequence[str], argument: str
 
 def check_format_over(layout: Mesh | None, batch_format: str, argument: str = "batch_format") -> None:
     """ValueError when ``batch_format`` cannot run over ``layout``: packed rows are built for data-parallel ranks (a
-    rank's whole sequences), not cut into cp chunks, tp shards or pipeline stages."""
+    rank's whole sequences), not cut into cp chunks, tp shards or pipeline stages; a pipeline's stages take the
+    harness's microbatches (``pipeline.batch`` stacks their token ids and aligned labels), not hf dicts."""
+    if layout is not None and batch_format == "hf" and layout.size("pp") > 1:
+        msg = (f"{argument}='hf' over the mesh {layout.label}: a pipeline's stages take the harness's microbatches "
+               "(pipeline.batch stacks their token ids and aligned labels into a schedule step), not hf dicts; run "
+               "pipelines with --batch-format harness")
+        raise ValueError(msg)
     if layout is not None and batch_format == "packed" and any(layout.size(d) > 1 for d in ("cp", "tp", "pp")):
         msg = (f"{argument}='packed' over the mesh {layout.label}: packed rows are built for data-parallel ranks "
                "only (a cp chunk, a tp shard or a pipeline stage of a packed row is not built); run this mesh with "

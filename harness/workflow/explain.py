@@ -168,7 +168,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         options = BatteryOptions.parse(strategy=args.strategy, precision=args.precision, objective=args.objective,
                                        batch_format=args.batch_format, chunking=args.cp_chunking,
                                        pp_schedule=args.pp_schedule, pp_steps=args.pp_steps,
-                                       pp_microbatches=args.pp_microbatches)
+                                       pp_microbatches=args.pp_microbatches,
+                                       mesh=None if args.layout is None else [args.layout.label])
         args.pp_steps, args.pp_microbatches = options.pp_steps, options.pp_microbatches
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -162,3 +162,19 @@ def test_packed_rows_run_over_data_parallel_meshes_only(shape: str) -> None:
         BatteryOptions.parse(batch_format="packed", mesh=[shape], strategy=strategy)
     with pytest.raises(ValueError, match=r"batch_format='packed' over the mesh"):
         RunSpec("r:r", "uneven", mesh.world_size, "fp32", batch_format="packed", layout=mesh, strategy=strategy)
+
+
+@pytest.mark.parametrize(("batch_format", "shape"), [("hf", "pp=2"), ("hf", "dp=2,pp=2"), ("harness", "pp=2"),
+                                                     ("hf", "dp=2,cp=2")])
+def test_hf_dicts_do_not_run_through_a_pipeline(batch_format: str, shape: str) -> None:
+    """A pipeline's stages take the harness's microbatches: hf over pp is refused naming the fix (it would raise
+    deep in every rank); the harness format over pp and hf over cp (the controls) are accepted."""
+    mesh = Mesh.parse(shape)
+    if batch_format == "harness" or mesh.size("pp") == 1:
+        BatteryOptions.parse(batch_format=batch_format, mesh=[shape])
+        return
+    with pytest.raises(ValueError, match=r"--batch-format='hf' over the mesh .*: a pipeline's stages take the "
+                                         r"harness's microbatches"):
+        BatteryOptions.parse(batch_format=batch_format, mesh=[shape])
+    with pytest.raises(ValueError, match=r"batch_format='hf' over the mesh"):
+        RunSpec("r:r", "uneven", mesh.world_size, "fp32", batch_format=batch_format, layout=mesh)
