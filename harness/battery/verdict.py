@@ -46,6 +46,9 @@ class Verdict:
     """The data-parallel strategy the ranks ran under (``"ddp"``, ``"fsdp2"``)."""
     mesh: str | None = None
     """The mesh the ranks ran over (``"dp=2,cp=2"``, ``--mesh``); None: ``dp=W``."""
+    fix: str | None = None
+    """What to change in the recipe, in the words of the user's code, where a failure's cause is known (a parity
+    failure's diagnosis, a missing ``no_sync``, a global generator moved); None: a pass, or a cause not read."""
 
     @property
     def passed(self) -> bool:
