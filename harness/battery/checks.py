@@ -15,6 +15,7 @@ from harness.battery.failed_runs import failed_run, unexpected_error
 from harness.battery.rank_program import SKIP_SYNC
 from harness.battery.registry import check
 from harness.battery.run import Run, token_mean_at
+from harness.battery.run_fixes import verdict_fix
 from harness.battery.run_readings import rounding_only
 from harness.battery.verdict import NOT_APPLICABLE, Verdict, failed, make_verdict, passed, strategy
 from harness.core.compare import compare, max_abs_difference, tolerances
@@ -129,7 +130,7 @@ def parity(run: Run) -> Verdict:
     if found is not None:
         detail += "\n  " + found.line()
     return failed("parity", run, detail, k, finding=finding, diagnosis=None if found is None else found.to_dict(),
-                  **numbers)
+                  fix=verdict_fix("parity", run, finding) if finding or found is None else found.fix, **numbers)
 
 
 def _parity_bf16(run: Run) -> Verdict:
@@ -171,7 +172,8 @@ def _parity_bf16(run: Run) -> Verdict:
         found = diagnose(run, k, rank)
     if found is not None:
         detail += "\n  " + found.line() + f" (read from a bf16 gradient: weights to within {within:.1e})"
-    return failed("parity", run, detail, k, diagnosis=None if found is None else found.to_dict(), **numbers)
+    return failed("parity", run, detail, k, diagnosis=None if found is None else found.to_dict(),
+                  fix=verdict_fix("parity", run) if found is None else found.fix, **numbers)
 
 
 @check()
@@ -200,7 +202,7 @@ def one_sync(run: Run) -> Verdict:
                        else f"forward and backward of all but the last microbatch inside "
                        f"{SKIP_SYNC.get(strategy(run), 'model.no_sync()')}")
                 return failed("one_sync", run, f"rank {rank} synchronized gradients {rec.syncs} times in a window "
-                              f"of {n} microbatches; expected {expected} ({why})", k)
+                              f"of {n} microbatches; expected {expected} ({why})", k, fix=verdict_fix("one_sync", run))
     if pipelined and most > 1:
         return passed("one_sync", run, f"one synchronization per schedule step on every rank (up to {most} per "
                       "window: torch's schedules reduce a data-parallel stage at the end of every step)")
@@ -222,7 +224,7 @@ def ranks_agree(run: Run) -> Verdict:
                 where = _differing_dimension(run, params)
                 say = (f"rank {rank}'s parameters differ from rank 0's by up to {d:.3e} after the step" if where is None
                        else where)
-                return failed("ranks_agree", run, say, k, max_error=d)
+                return failed("ranks_agree", run, say, k, max_error=d, fix=verdict_fix("ranks_agree", run))
     return passed("ranks_agree", run, "parameters identical on every rank after every step", max_error=0.0)
 
 
@@ -262,7 +264,8 @@ def logged_loss(run: Run) -> Verdict:
         if all(v is None for v in values):
             continue
         if any(v is None for v in values):
-            return failed("logged_loss", run, f"some ranks returned a loss and others None: {values}", k)
+            return failed("logged_loss", run, f"some ranks returned a loss and others None: {values}", k,
+                          fix=verdict_fix("logged_loss", run))
         truth: dict[bytes, float] = {}
         for rank, v in enumerate(values):
             before = run.records[rank][k].params_before
@@ -274,7 +277,7 @@ def logged_loss(run: Run) -> Verdict:
             if not err <= atol + rtol * abs(want):
                 what = "the global token mean" if run.objective.plain else f"the {run.objective.name} objective"
                 return failed("logged_loss", run, f"rank {rank} logged {v!r}; {what} at its weights "
-                              f"is {want!r} (error {err:.3e})", k, max_error=err)
+                              f"is {want!r} (error {err:.3e})", k, max_error=err, fix=verdict_fix("logged_loss", run))
             worst = err if worst is None else max(worst, err)
     if worst is None:
         return passed("logged_loss", run, "no logged loss returned (it is optional)")
@@ -295,13 +298,15 @@ def hygiene(run: Run) -> Verdict:
     for rank, records in enumerate(run.records):
         for k, rec in enumerate(records):
             if rec.mode_changed:
-                return failed("hygiene", run, f"rank {rank}: the recipe took the model out of train mode", k)
+                return failed("hygiene", run, f"rank {rank}: the recipe took the model out of train mode", k,
+                              fix=verdict_fix("hygiene", run))
             if rec.rng_changed:
                 return failed("hygiene", run, f"rank {rank}: the recipe moved the global random generator(s) "
-                              f"{', '.join(rec.rng_changed)}: use a generator of its own", k)
+                              f"{', '.join(rec.rng_changed)}: use a generator of its own", k,
+                              fix=verdict_fix("hygiene", run))
             if any(d != dtype for d in rec.grad_dtypes):
                 return failed("hygiene", run, f"rank {rank}: gradients in {sorted(set(rec.grad_dtypes))}, the model "
-                              f"is {dtype}", k)
+                              f"is {dtype}", k, fix=verdict_fix("hygiene", run))
             notes += [f"rank {rank}, window {k}: {n}" for n in rec.notes]
     detail = "mode, random generators and dtype untouched" + (f" (notes: {'; '.join(notes)})" if notes else "")
     return passed("hygiene", run, detail, notes=tuple(notes))
@@ -332,7 +337,8 @@ def clipping(run: Run) -> Verdict:
             got = records[k].grad_norm
             if got is None:
                 return failed("clipping", run, f"rank {rank} returned no norm: a clipping recipe returns (loss, "
-                              "total_norm), the norm clip_grad_norm_ returns", k)
+                              "total_norm), the norm clip_grad_norm_ returns", k,
+                              fix=verdict_fix("clipping", run, "clipping_no_norm"))
             err = abs(got - want)
             if not err <= atol + rtol * abs(want):
                 from harness.battery.clipping_diagnosis import read_norm
@@ -340,7 +346,8 @@ def clipping(run: Run) -> Verdict:
                 norm = read_norm(run, k, rank, got)  # which norm it is, named only where the number fits
                 return failed("clipping", run, f"rank {rank} returned the gradient norm {got:.6g}, {norm.ratio:.4g}x "
                               f"the reference's global norm before clipping, {want:.6g} (error {err:.3e}; max_norm "
-                              f"{run.max_norm:.6g}): {norm.sentence}", k, max_error=err, finding=norm.name)
+                              f"{run.max_norm:.6g}): {norm.sentence}", k, max_error=err, finding=norm.name,
+                              fix=verdict_fix("clipping", run, norm.name))
             worst_error = max(worst_error, err)
     return passed("clipping", run, f"every rank returned the reference's global norm (max_norm {run.max_norm:.6g}, "
                   f"clipping engaged in {engaged} window(s))", max_error=worst_error)
@@ -373,16 +380,17 @@ def empty_window(run: Run) -> Verdict:
         touched = (f", and changed weights by up to {rec.weights_touched:.3e}" if rec.weights_touched != 0.0 else "")
         others = (f"; so did rank(s) {', '.join(str(r) for r in returned[1:])}" if len(returned) > 1 else "")
         return failed("empty_window", run, f"rank {rank} returned {value} instead of raising ValueError on a window "
-                      f"without any supervised token, leaving {grads}{touched} ({consequence}){others}", 0)
+                      f"without any supervised token, leaving {grads}{touched} ({consequence}){others}", 0,
+                      fix=verdict_fix("empty_window", run))
     for rank, records in enumerate(run.records):
         rec = records[0]
         if rec.grads_left not in ("none", "zero"):
             grads = left.get(rec.grads_left, (f"{rec.grads_left} gradients in .grad", ""))[0]
             return failed("empty_window", run, f"rank {rank} raised ValueError, but left {grads} for the next "
-                          "window to add to", 0)
+                          "window to add to", 0, fix=verdict_fix("empty_window", run))
         if rec.weights_touched != 0.0:
             return failed("empty_window", run, f"rank {rank} changed weights by up to {rec.weights_touched:.3e} "
-                          "before raising", 0, max_error=rec.weights_touched)
+                          "before raising", 0, max_error=rec.weights_touched, fix=verdict_fix("empty_window", run))
     return passed("empty_window", run, "every rank raised ValueError and left no gradient and no weight changed")
 
 
@@ -403,7 +411,8 @@ def weights_unchanged(run: Run) -> Verdict:
                               f"{len(rec.weights_changed)} weight tensor(s) in place ({names}) by up to "
                               f"{rec.weights_touched:.3e}; a recipe must leave the weights alone (an in-place weight "
                               "decay, an optimizer step or a weight clamp belongs to the training loop, after "
-                              "backward_window returns)", k, max_error=rec.weights_touched)
+                              "backward_window returns)", k, max_error=rec.weights_touched,
+                              fix=verdict_fix("weights_unchanged", run))
     return passed("weights_unchanged", run, "every call left every weight bitwise unchanged on every rank",
                   max_error=0.0)
 

@@ -23,6 +23,7 @@ from harness.battery.diagnosis_result import Diagnosis
 from harness.battery.packing_probe import packing_gap
 from harness.battery.pipeline_diagnosis import pipeline_reading, pipeline_rows_reading
 from harness.battery.run import Run
+from harness.battery.run_fixes import reading_fix
 from harness.core.compare import compare, flat_grad, tolerances
 from harness.core.count_groups import count_group, mesh_factor
 from harness.core.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
@@ -80,7 +81,8 @@ def diagnose(run: Run, window: int | None = None, rank: int | None = None,
     from harness.battery.facts import rank_threads
 
     with rank_threads():  # a clipping run: what the clip did is read first (clipping_diagnosis)
-        return clipping_diagnosis.reread(run, _diagnose(run, window, rank, per_sequence))
+        found = clipping_diagnosis.reread(run, _diagnose(run, window, rank, per_sequence))
+    return None if found is None else dataclasses.replace(found, fix=reading_fix(found, run))
 
 
 def _weights_edited(run: Run, window: int, rank: int) -> Signature | None:

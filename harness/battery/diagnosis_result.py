@@ -39,6 +39,9 @@ class Diagnosis:
     """Its ``Z`` over the window: every block's right weight is ``1/Z`` (None: the token mean's N)."""
     auxiliary_weights: tuple[float, ...] = ()
     """The auxiliary term's fitted weight per block, where the recipe declares one."""
+    fix: str | None = None
+    """What to change in the recipe, in the words of its strategy, objective and mesh
+    (:func:`harness.core.fixes.fix_for`; :func:`harness.battery.diagnose.diagnose` sets it)."""
 
     @property
     def tokens(self) -> int:
@@ -131,6 +134,7 @@ class Diagnosis:
             "objective_computed": self.signature.objective,
             "normalizer": self.z,
             "auxiliary_weights": list(self.auxiliary_weights),
+            "fix": self.fix,
         }
 
 

@@ -21,6 +21,7 @@ from harness.battery.facts import ModelFacts
 from harness.battery.options import WORLD_SIZES, BatteryOptions, RunSpec
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
 from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery.witness import keeps_reading, reading_key, shrunk_note, witness
 from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
@@ -333,8 +334,12 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
     def every_layout(layout: Layout) -> None:
         check(layout)
 
-    def fails(layout: Layout) -> bool:
-        return bool(_failing(judge_layout(recipe, layout, options, precision, strategy, mesh)))
+    judged: dict[Layout, list[Verdict]] = {}
+
+    def failing_on(layout: Layout) -> list[Verdict]:
+        if layout not in judged:
+            judged[layout] = _failing(judge_layout(recipe, layout, options, precision, strategy, mesh))
+        return judged[layout]
 
     try:
         for layout in first:
@@ -352,19 +357,28 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
             # Every smaller layout would cost a whole deadline too, and the size of a layout is rarely the reason.
             message = head + "not shrunk (the run hit its deadline)"
         else:
-            small, spent = shrink(exc.layout, fails, facts=facts, world_sizes=worlds)
+            # A candidate is taken only where it fails with the failing layout's own reading (keeps_reading): one
+            # that still fails but reads otherwise (one row per microbatch makes a mean per microbatch the sequence
+            # mean; a lone rank makes a missing W a mean of local means) is a worse witness, of a mistake its counts
+            # cannot name, and the smallest layout is worth showing only as a witness of the mistake the verdict
+            # reports.
+            want = reading_key(witness(exc.verdicts))
+            small, spent = shrink(exc.layout, lambda lay: keeps_reading(want, failing_on(lay)), facts=facts,
+                                  world_sizes=worlds)
             if small == exc.layout:
-                message = head + f"not shrunk: no smaller layout fails ({spent} launches)"
+                message = head + f"not shrunk: no smaller layout fails with the same reading ({spent} launches)"
             else:
-                shown = _failing(judge_layout(recipe, small, options, precision, strategy, mesh)) or exc.verdicts
+                shown = failing_on(small) or exc.verdicts
                 message = head + f"shrunk ({spent} launches) to:\n{small.describe()}\n" + "\n".join(
                     v.message for v in shown)
-        # The diagnosis is read on the failing layout itself: a shrunk one (one rank's single token, say) can make
-        # several mistakes give one gradient.
-        read = next((v for v in exc.verdicts if v.diagnosis is not None), exc.verdicts[0])
+                note = shrunk_note(witness(exc.verdicts), witness(shown))
+                message += f"\n{note}" if note else ""
+        # The diagnosis and its fix are read on the failing layout itself: a shrunk one (one rank's single token, say)
+        # can make several mistakes give one gradient.
+        read = witness(exc.verdicts)
         return Verdict("drawn", recipe, "drawn", 0, precision, FAIL, message, cause=exc.verdicts[0].cause,
                        details=exc.verdicts[0].details, diagnosis=read.diagnosis, finding=read.finding, label=label,
-                       strategy=strategy)
+                       strategy=strategy, fix=read.fix)
     how = "derandomized" if derandomize else "random"
     said = (f"check drawn passed: recipe {recipe}, {precision}, {strategy}: {examples} layouts ({len(first)} chosen to "
             f"tell mistakes apart, the rest drawn, {how}; W in {','.join(map(str, sorted(worlds)))}) pass every "

@@ -247,6 +247,8 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     print(found.weight_table())
     line = right_in_objective_words(found, args.objective) if found.right else found.line()
     print(f"\n{in_strategy_form(line, strategy)}")
+    if found.fix:  # in the run's strategy, objective and mesh words already (harness.core.fixes)
+        print(f"fix: {found.fix}")
     if precision == "bf16" and run.bf16 is not None:
         print(f"(read from a bf16 gradient: weights to within {float(run.bf16.bound):.1e}, the lane's bound)")
     if found.sequence_signature is not None or found.sequence_residual is not None:
@@ -257,6 +259,8 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
         print(f"\nthe battery's checks on this run ({args.scenario}, W={args.world_size}, {lane}) reject it:")
         for v in failed:
             print("  " + in_strategy_form(v.message.splitlines()[0], strategy))
+            if v.fix and v.fix != found.fix:
+                print(f"    fix: {v.fix}")
     out = Path(args.outputs)
     layout = getattr(args, "layout", None)
     stem = _stem(args.recipe, args.scenario, args.world_size, precision, strategy, layout.label if layout else None)

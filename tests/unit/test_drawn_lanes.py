@@ -18,16 +18,19 @@ from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
 CORRECT = "harness.recipes:global_token_mean"
 
 
-def _judge(seen: list[tuple[int, str, str]], *, status: str = PASS, fail_from: int | None = None) -> object:
+def _judge(seen: list[tuple[int, str, str]], *, status: str = PASS, fail_from: int | None = None,
+           same_reading: bool = False) -> object:
     """A stand-in for :func:`harness.battery.layouts.judge_layout`: records (W, precision, strategy); parity gets
-    ``status``, and fails with a diagnosis naming W on layouts of at least ``fail_from`` ranks."""
+    ``status``, and fails with a diagnosis naming W on layouts of at least ``fail_from`` ranks (its signature one
+    name at every W where ``same_reading``, its line naming W)."""
 
     def judge(recipe: str, layout: Layout, options: BatteryOptions, precision: str = "fp32",
               strategy: str | None = None, mesh: object = None) -> list[Verdict]:
         seen.append((layout.world_size, precision, strategy or "ddp"))
         if fail_from is not None and layout.world_size >= fail_from:
             return [Verdict("parity", recipe, "drawn", layout.world_size, precision, FAIL, "parity off",
-                            cause="numbers", diagnosis={"signature": f"read at W={layout.world_size}",
+                            cause="numbers", diagnosis={"signature": "one reading" if same_reading else
+                                                        f"read at W={layout.world_size}",
                                                         "line": f"read at W={layout.world_size}"})]
         return [Verdict("parity", recipe, "drawn", layout.world_size, precision, status, "parity")]
 
@@ -125,10 +128,24 @@ def test_a_bf16_lane_that_could_judge_parity_on_no_layout_says_so(monkeypatch: p
 def test_a_failing_drawn_verdict_reads_its_diagnosis_on_the_failing_layout_not_the_shrunk_one(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A layout that fails at W=4 shrinks to W=3; the verdict's diagnosis is the W=4 layout's, and both are shown."""
+    """A layout that fails at W=4 shrinks to W=3 (the same reading there); the verdict's diagnosis is the W=4
+    layout's, and both are shown."""
+    monkeypatch.setattr(lay, "judge_layout", _judge([], fail_from=2, same_reading=True))
+    (verdict,) = drawn_verdicts(CORRECT, BatteryOptions.parse(examples=1, world_sizes="3,4", precision="fp32"),
+                                derandomize=True)
+    assert (FAIL, "read at W=4") == (verdict.status, verdict.diagnosis["line"] if verdict.diagnosis else None)
+    assert "a drawn layout at W=4 fails parity" in verdict.message
+    assert "shrunk (" in verdict.message and "Layout(world_size=3" in verdict.message
+
+
+def test_a_smaller_layout_that_fails_with_another_reading_is_not_taken_by_the_shrinker(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every smaller layout fails too, but W=3 reads otherwise (a worse witness of another mistake): the shrunk
+    layout keeps W=4, where the reading holds (the test above is the control: the same reading at W=3 shrinks
+    to it)."""
     monkeypatch.setattr(lay, "judge_layout", _judge([], fail_from=2))
     (verdict,) = drawn_verdicts(CORRECT, BatteryOptions.parse(examples=1, world_sizes="3,4", precision="fp32"),
                                 derandomize=True)
     assert (FAIL, "read at W=4") == (verdict.status, verdict.diagnosis["signature"] if verdict.diagnosis else None)
-    assert "a drawn layout at W=4 fails parity" in verdict.message
-    assert "shrunk (" in verdict.message and "Layout(world_size=3" in verdict.message
+    assert "shrunk (" in verdict.message and "Layout(world_size=3" not in verdict.message
