@@ -69,12 +69,11 @@ FIXES: dict[str, str] = {
     "wrong_normalizer": "{right}; not by another all-reduced quantity",
     "per_rank_normalizer": "{right}; not by a normalizer of each rank's own (its batch's padded length, its row count)",
     "auxiliary_token_normalized": "average the auxiliary term over the window's microbatches: add aux / k on each "
-                                  "rank ({data}), not aux scaled by the main loss's {size} over its count",
+                                  "rank ({data}), not aux times the main loss's factor ({size}) over its count",
     "auxiliary_divided_twice": "divide the auxiliary term by the microbatch count k once ({data}): aux / k, added "
                                "where the loss is, not divided again where it is summed",
-    "auxiliary_summed_over_ranks": "average the auxiliary term over the ranks: add aux / k on each rank ({data}), "
-                                   "without the main loss's {size} (the gradients' average over the ranks does the "
-                                   "rest)",
+    "auxiliary_summed_over_ranks": "average the auxiliary term over the ranks, do not sum it: add aux / k on each "
+                                   "rank ({data}), without the main loss's factor ({size})",
     "auxiliary_misweighted": "weigh the auxiliary term by its unit's 1/D on every microbatch alike: a per-microbatch "
                              "term aux / k on each rank ({data}); a per-token term summed over the microbatch's "
                              "supervised tokens and divided like the main loss ({right})",

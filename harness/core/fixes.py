@@ -236,4 +236,13 @@ def check_fix(check: str, *, finding: str | None = None, strategy: str = "ddp", 
     return f.fill(CHECK_FIXES[check])
 
 
-__all__ = ["COUNTS", "SKIP", "SYNC", "TERMS", "Forms", "check_fix", "fix_for", "forms"]
+def fix_table() -> str:
+    """The catalog's readings and their fixes under DDP, the token mean and ``dp=W``, as the Markdown table
+    docs/diagnosis.md shows (``tests/unit/test_fixes.py`` holds the page to it)."""
+    lines = ["| reading | fix (ddp, token_mean, dp=W) |", "| --- | --- |"]
+    for name in FIXES:
+        lines.append(f"| `{name}` | {fix_for(name).replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+__all__ = ["COUNTS", "SKIP", "SYNC", "TERMS", "Forms", "check_fix", "fix_for", "fix_table", "forms"]

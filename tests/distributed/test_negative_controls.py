@@ -73,6 +73,9 @@ def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name
     # The same run, diagnosed: the weights name the control's own mistake (harness.recipes.DIAGNOSES).
     line = result.diagnosis["line"] if result.diagnosis else "no gradient to read"
     assert DIAGNOSES[name] == result.signature, line
+    # Every reading ends with its fix, and so does the failing verdict of a check's own comparison.
+    assert result.diagnosis is None or result.diagnosis["fix"], line
+    assert result.verdict.cause != "numbers" or result.verdict.fix, result.verdict.message
     # One truth, on the same cached run: a parity verdict that fails never reads "correct" (a control whose own check
     # is another reads "correct" only where parity passes).
     target = CONTROLS[name]

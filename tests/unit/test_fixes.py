@@ -14,7 +14,7 @@ import pytest
 import harness.battery.clipping_diagnosis  # noqa: F401  (adds the clipping readings to the catalog)
 from harness.battery import registry
 from harness.core.fix_catalog import CHECK_FIXES, FIXES, NORM_FIXES
-from harness.core.fixes import check_fix, fix_for
+from harness.core.fixes import check_fix, fix_for, fix_table
 from harness.core.objectives import OBJECTIVES
 from harness.core.row_weights import GROUPS
 from harness.core.signature_catalog import SIGNATURES
@@ -154,3 +154,12 @@ def test_model_faults_are_fixed_in_the_model_and_right_readings_change_nothing()
     assert fix_for("packing_crosses_boundaries").startswith("fix the model, not the recipe")
     assert fix_for("correct").startswith("nothing to change")
     assert "--precision fp32" in fix_for("float32_computation")
+
+
+def test_the_diagnosis_page_shows_the_catalog_s_fixes_as_they_are() -> None:
+    """docs/diagnosis.md's table of fixes is fix_table() as it is now (regenerate it from there); a stale row is
+    found (the control)."""
+    page = (HARNESS.parent / "docs" / "diagnosis.md").read_text()
+    shown = page.split("<!-- fix-table:", 1)[1].split("-->", 1)[1].split("<!-- /fix-table -->", 1)[0].strip()
+    assert fix_table() == shown
+    assert fix_table() != shown.replace("not by its own count, not by k", "not by k")
