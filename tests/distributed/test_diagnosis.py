@@ -105,10 +105,15 @@ def test_explain_prints_the_weights_and_signature_and_writes_figure_and_json(
                                 "--scenario", "long")
     assert 1 == status, out + err
     assert "diagnosis (global_scale): an extra division by the microbatch count k=5" in out
+    # The reading ends with its fix, on the next line: the factor it found, named, and the right division.
+    after = out.split("diagnosis (global_scale)", 1)[1].splitlines()[1]
+    assert after.startswith("fix: every weight is 0.2x the right one: drop the extra division by the microbatch "
+                            "count k=5"), after
     assert "expected 1/N" in out and "parameter" in out
     stem = "explain-harness.recipes-extra_microbatch_division-long-W2-fp32"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert "global_scale" == data["signature"] and 10 == len(data["weights"])
+    assert after == f"fix: {data['fix']}"
     assert all(abs(w["ratio"] - 0.2) < 1e-5 for w in data["weights"])
     assert (tmp_path / f"{stem}.png").read_bytes().startswith(b"\x89PNG")
 
@@ -225,6 +230,7 @@ def test_explain_under_fsdp2_never_reads_right_what_the_battery_rejects_and_spea
     assert 1 == status, out + err
     assert "FAILED: explain: the weighting is right, but the battery rejects this case (fsdp2, fp32): one_sync" in out
     assert "set_requires_gradient_sync(False)" in out and "no_sync()" not in out
+    assert "    fix: call model.set_requires_gradient_sync(False) before every microbatch but the last" in out
     assert (tmp_path / "explain-harness.recipes-fsdp2_sync_every_microbatch-uneven-W2-fp32-fsdp2.json").exists()
 
 
