@@ -82,9 +82,8 @@ FIXES: dict[str, str] = {
     "not_reduced_over_group": "all-reduce the gradients of the replicated parameters this reading names over the "
                               "dimension it names (a hand-written tensor-parallel layer's norms), or let DTensor "
                               "(parallelize_module, SequenceParallel) reduce them",
-    "pp_scale_grads": "build the schedule with scale_grads=False and normalize the loss yourself: {right}; run one "
-                      "schedule step per window, or keep scale_grads=False so that no step rescales the gradients "
-                      "the earlier steps left",
+    "pp_scale_grads": "normalize the loss yourself and turn the schedule's own scaling off: {right}; under "
+                      "scale_grads=True each step rescales the gradients the window's earlier steps left",
     "pp_last_step_only": "let every schedule step of the window add into .grad: no zero_grad between the steps of one "
                          "window (or one schedule step per window, every microbatch in one step()); {right}",
     "pp_divided_by_microbatches": "pass scale_grads=False to the schedule: a loss already divided by the global count "

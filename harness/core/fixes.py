@@ -64,8 +64,9 @@ class Forms:
 
     @property
     def multi(self) -> bool:
-        """A mesh of more than one dimension (its token group is then named by its dimensions)."""
-        return self.mesh is not None and len([n for n in self.mesh.names if self.mesh.size(n) > 1]) > 1
+        """A mesh with a dimension other than dp (its token group is then named by its dimensions: the world size is
+        no longer the factor a count's division needs)."""
+        return self.mesh is not None and any(self.mesh.size(n) > 1 for n in self.mesh.names if n != "dp")
 
     @property
     def pipelined(self) -> bool:
@@ -76,7 +77,10 @@ class Forms:
         if not self.multi:
             return "every data-parallel rank (dist.all_reduce over the default group)"
         assert self.mesh is not None
-        return f"{' x '.join(self.mesh.token_dims)} (harness.recipes.token_group(mesh))"
+        dims = [d for d in self.mesh.token_dims if self.mesh.size(d) > 1]
+        if not dims:
+            return "harness.recipes.token_group(mesh) (a single rank on this mesh)"
+        return f"{' x '.join(dims)} (harness.recipes.token_group(mesh))"
 
     @property
     def size(self) -> str:

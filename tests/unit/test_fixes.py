@@ -124,6 +124,8 @@ def test_on_a_mesh_the_fix_reduces_over_the_token_group_and_a_pipeline_sets_scal
     plain = fix_for("per_microbatch_mean", mesh="dp=4")
     assert "token_group" not in plain and "every data-parallel rank" in plain
     assert "scale_grads=False" in fix_for("per_microbatch_mean", mesh="dp=2,pp=2")
+    stages = fix_for("per_microbatch_mean", mesh="pp=2")  # two ranks, one token group of one: W is not the factor
+    assert "token_group_size(mesh)" in stages and "get_world_size" not in stages
     assert "scale_grads=False" not in plain
     assert "data_group(mesh)" in fix_for("auxiliary_summed_over_ranks", mesh="dp=2,cp=2")
 
