@@ -4,11 +4,12 @@
     python benchmarks/figures.py --write    # rewrite the documents' figures from the files
 
 ``REGISTRY`` holds one ``Figure`` per quoted sentence: the document, the sentence as an *anchor* (its text with a
-``{name}`` placeholder for each figure in it), the results file, and the function that turns the file's JSON into the
-placeholders' text. An anchor matches its document with any run of whitespace standing for any other (a sentence may
-be rewrapped), must match exactly once, and is the figure's own sentence, so an edit elsewhere in the document leaves
-it alone. A placeholder is one word (``{name:text}``: several, on one line; at the end of an anchor: the rest of its
-line; ``{name:table}``: a whole markdown table).
+``{name}`` placeholder for each figure in it), the results file, and the function that turns the file's JSON (a
+log's text, for ``gpu-check.log``) into the placeholders' text. An anchor matches its document with any run of
+whitespace standing for any other (a sentence may be rewrapped), must match exactly once, and is the figure's own
+sentence, so an edit elsewhere in the document leaves it alone. A placeholder is one word (``{name:text}``: several,
+on one line; at the end of an anchor: the rest of its line; ``{name:table}``: a whole markdown table); a leading
+``^`` ties the anchor to a line's start (a table row).
 
 A results file that does not exist fails the check, unless its entry says ``until_measured`` (the command that
 writes it) and the document does not quote the figure yet: that entry is reported as pending and the check passes.
@@ -189,6 +190,26 @@ def _gpu_two_ranks(data: dict[str, Any]) -> dict[str, str]:
             "bad_ratio": sci(bad["worst_ratio"], 1, 1)}
 
 
+PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+) in ([\d.]+)s\b", re.MULTILINE)
+
+
+def _pytest_summaries(log: str) -> list[tuple[dict[str, int], float]]:
+    """Each pytest summary line of a log (``1 failed, 12 passed, 16 skipped in 29.91s``): its counts and seconds."""
+    found = [({word: int(n) for n, word in re.findall(r"(\d+) (\w+)", m.group(1))}, float(m.group(2)))
+             for m in PYTEST_SUMMARY.finditer(log)]
+    if not found:
+        raise ValueError("the log holds no pytest summary line ('N passed ... in S s')")
+    return found
+
+
+def _gpu_lane(log: str) -> dict[str, str]:
+    """The first pytest run of ``benchmarks/gpu_check.sh``'s log is the gpu lanes (the skipped tests are ``gpu2``'s,
+    on a machine with one device): how many passed of those that ran, in how long."""
+    counts, seconds = _pytest_summaries(log)[0]
+    ran = sum(counts.get(k, 0) for k in ("passed", "failed", "error", "errors"))
+    return {"passed": str(counts.get("passed", 0)), "of": str(ran), "s": fixed(seconds, 1)}
+
+
 def _reliability(data: dict[str, Any]) -> dict[str, str]:
     m = data["modes"]
     return {"raised": fixed(m["rank_raises"]["median_s"], 2), "died": fixed(m["rank_sigkilled"]["median_s"], 2),
@@ -256,7 +277,7 @@ class Figure:
     doc: str  # the document, relative to the repository root
     anchor: str  # the sentence, a {name} per figure; whitespace matches any whitespace
     source: str  # the results file, under benchmarks/results/
-    render: Render  # parsed JSON -> {name: text}
+    render: Render  # parsed JSON (a log's text, for a file that is not .json) -> {name: text}
     until_measured: str | None = None  # the command that writes `source`, for a file that may not exist yet
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -411,6 +432,10 @@ REGISTRY: tuple[Figure, ...] = (
     Figure("docs/gpu.md", "sharing the GPU over gloo: the correct recipe {ok} (ratio {ok_ratio}), the mean of local "
            "means rejected at {bad} (ratio {bad_ratio})", "gpu-probe.json", _gpu_two_ranks),
 
+    Figure("docs/gpu.md", "the `gpu` lane passed {passed} of {of} in {s} s;", "gpu-check.log", _gpu_lane),
+    Figure("docs/gpu.md", "The unit tier passed there too ({unit} tests).", "gpu-check.log",
+           _one("unit", lambda log: str(_pytest_summaries(log)[-1][0].get("passed", 0)))),
+
     # docs/launcher.md
     Figure("docs/launcher.md", "a rank that raises (reported as `raised`, median {raised} s), a SIGKILLed rank "
            "(`died`, {died} s), a skipped collective (`raised` at the process-group timeout, {skipped} s with a "
@@ -501,7 +526,8 @@ def examine(figure: Figure, text: str, results: Path = RESULTS) -> Outcome:
         return Outcome(figure, (f"{figure}: {where} the anchor (it must match exactly once; change the anchor in "
                                 "benchmarks/figures.py with the sentence)",))
     try:
-        expected = figure.render(json.loads(path.read_text()))
+        raw = path.read_text()
+        expected = figure.render(json.loads(raw) if path.suffix == ".json" else raw)
     except (KeyError, IndexError, StopIteration, TypeError, ValueError) as e:
         return Outcome(figure, (f"{figure}: cannot render from the file: {type(e).__name__}: {e}",))
     m = matches[0]

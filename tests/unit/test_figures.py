@@ -147,3 +147,11 @@ def test_numbers_are_written_as_the_documents_write_them() -> None:
                                                 figures.sci(1.3586e-08, 2))
     assert ("2.7e-7", "1.0e-6") == (figures.sci_ceil(2.62e-07), figures.sci_ceil(9.96e-07))
     assert "2 min 16 s" == figures.min_s(136.4)
+
+
+def test_a_logs_pytest_summary_counts_a_failure_among_the_tests_that_ran() -> None:
+    """The gpu lane's "passed N of M" reads M as every test that ran: a log with a failure gives 11 of 12."""
+    log = "===== 1 failed, 11 passed, 16 skipped in 29.91s =====\n...\n430 passed in 23.20s\n"
+    assert {"passed": "11", "of": "12", "s": "29.9"} == figures._gpu_lane(log)
+    with pytest.raises(ValueError, match="no pytest summary"):
+        figures._gpu_lane("no summary here\n")
