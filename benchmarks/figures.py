@@ -582,17 +582,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 listing each figure that differs from its file")
     mode.add_argument("--write", action="store_true", help="rewrite the documents' figures from the files")
     args = parser.parse_args(argv)
-    outcomes = write() if args.write else examine_all()
+    if args.write:
+        write()
+    outcomes = examine_all()
     problems = [p for o in outcomes for p in o.problems]
-    for o in outcomes:
-        if o.pending:
-            print(o.pending)
-    for p in problems:
-        print(p)
-    checked = sum(1 for o in examine_all() if not o.problems and not o.pending) if args.write else \
-        sum(1 for o in outcomes if not o.problems and not o.pending)
-    print(f"figures: {checked} of {len(REGISTRY)} entries match their files, {len(problems)} problem(s)",
-          file=sys.stderr)
+    for line in [o.pending for o in outcomes if o.pending] + problems:
+        print(line)
+    matching = sum(1 for o in outcomes if not o.problems and not o.pending)
+    print(f"figures: {matching} of {len(outcomes)} entries match their files, {len(problems)} problem(s)")
     return 1 if problems else 0
 
 
