@@ -94,15 +94,14 @@ def judge(run: Run) -> Verdict:
     values = sorted({_returned(rec) for rec in recs})
     detail = (f"every rank returned {' / '.join(values)} and left {' / '.join(kept)} (the zero-gradient policy: no "
               "NaN or inf, no weight changed)")
-    if any(rec.grads_left == "zero" for rec in recs):
-        detail += "; the loop must skip its optimizer step on such a window (zero gradients still move momentum)"
     notes: tuple[str, ...] = ()
     nonfinite = [r for r, rec in enumerate(recs) if rec.logged is not None and not math.isfinite(rec.logged)]
     if nonfinite:
         notes = (f"{_ranks(nonfinite)} logged {_returned(recs[nonfinite[0]])} beside zero gradients (a mean over no "
-                 f"token is 0/0): {SKIP_THE_STEP}, and a NaN logged loss reaches the loop's logs and any check on "
-                 "it",)
+                 f"token is 0/0): {SKIP_THE_STEP}",)
         detail += f"; note: {notes[0]}"
+    elif any(rec.grads_left == "zero" for rec in recs):
+        detail += "; a loop must still skip its optimizer step on such a window (zero gradients still move momentum)"
     return passed("empty_window", run, detail, notes=notes)
 
 
