@@ -102,7 +102,7 @@ def judge(run: Run) -> Verdict:
         detail += f"; note: {notes[0]}"
     elif any(rec.grads_left == "zero" for rec in recs):
         detail += "; a loop must still skip its optimizer step on such a window (zero gradients still move momentum)"
-    return passed("empty_window", run, detail, notes=notes)
+    return passed("empty_window", run, detail, notes=notes, finding="nan_logged_loss" if nonfinite else None)
 
 
 __all__ = ["EMPTY_LEFT", "SKIP_THE_STEP", "judge"]

@@ -11,6 +11,7 @@ import pytest
 
 from harness.battery import checks, registry, runner, scenarios
 from harness.battery.run import Run
+from harness.battery.table import format_table
 from harness.battery.verdict import Verdict
 
 ZERO_POLICY = ("harness.recipes:skip_empty_window", "harness.recipes:zero_loss_on_empty_window")
@@ -62,6 +63,16 @@ def test_a_nan_logged_loss_beside_zero_gradients_passes_with_a_note_naming_the_s
     assert ("momentum and weight decay move the weights (and the schedule advances) unless the loop skips "
             "optimizer.step() when the window's global count is 0") in note
     assert note in verdict.message
+
+
+def test_the_battery_table_prints_the_nan_logged_loss_note_once_for_every_world_size() -> None:
+    """The note is what the user must act on: the table says it once, with the cases it holds in."""
+    verdicts = [_empty("user_recipes.empty_policies:NanLossZeroGradients", w) for w in (1, 2)]
+    assert ["nan_logged_loss", "nan_logged_loss"] == [v.finding for v in verdicts]
+    notes = [line for line in format_table(verdicts).splitlines() if line.startswith("  note: ")]
+    assert 1 == len(notes), notes
+    assert notes[0].startswith("  note: nan_loss_zero_gradients, empty_window (all_empty, W=1, fp32) and 1 more: "
+                               "rank 0 logged nan beside zero gradients"), notes
 
 
 def test_a_nan_gradient_on_an_empty_window_fails_naming_the_division_by_zero() -> None:
