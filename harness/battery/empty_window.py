@@ -97,11 +97,13 @@ def judge(run: Run) -> Verdict:
     notes: tuple[str, ...] = ()
     nonfinite = [r for r, rec in enumerate(recs) if rec.logged is not None and not math.isfinite(rec.logged)]
     if nonfinite:
-        notes = (f"{_ranks(nonfinite)} logged {_returned(recs[nonfinite[0]])} beside zero gradients (a mean over no "
-                 f"token is 0/0): {SKIP_THE_STEP}",)
+        beside = "zero gradients" if any(rec.grads_left == "zero" for rec in recs) else "no gradient"
+        notes = (f"{_ranks(nonfinite)} logged {_returned(recs[nonfinite[0]])} beside {beside} (a mean over no token "
+                 f"is 0/0): {SKIP_THE_STEP}",)
         detail += f"; note: {notes[0]}"
     elif any(rec.grads_left == "zero" for rec in recs):
-        detail += "; a loop must still skip its optimizer step on such a window (zero gradients still move momentum)"
+        detail += ("; a loop must still skip its optimizer step on such a window (momentum and weight decay move the "
+                   "weights on zero gradients)")
     return passed("empty_window", run, detail, notes=notes, finding="nan_logged_loss" if nonfinite else None)
 
 
