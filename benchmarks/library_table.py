@@ -44,8 +44,11 @@ def _cell(status: str, cause: str | None, finding: str | None, max_error: float 
         text += f" ({syncs.group(1)} syncs)"
     elif status == "fail" and max_error is not None:
         text += f" {max_error:.1e}"
-    elif status == "fail" and (returned := re.search(r"returned (\S+) instead of raising", message)):
-        # What came back instead of the ValueError: the logged loss, and NaN gradients where they were left.
+    elif status == "pass" and (logged := re.search(r"logged (\S+) beside zero gradients", message)):
+        # The empty window's zero-gradient policy with a NaN logged loss: a pass whose note says to skip the step.
+        text += f" (logged {logged.group(1)}, zero grads: skip the step)"
+    elif status == "fail" and (returned := re.search(r"returned (\S+) on a window without", message)):
+        # What an empty window's rank returned: the logged loss, and NaN gradients where they were left.
         text += f" (returned {returned.group(1)}{', NaN grads' if 'NaN/inf in .grad' in message else ''}, no error)"
     return text
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.battery import empty_window as empty
 from harness.battery.diagnose import diagnose, worst
 from harness.battery.failed_runs import failed_run, unexpected_error
 from harness.battery.rank_program import SKIP_SYNC
@@ -247,15 +248,41 @@ def _differing_dimension(run: Run, params: list[torch.Tensor]) -> str | None:
     return None
 
 
+def _loss_dtype(run: Run) -> tuple[torch.dtype, str | None]:
+    """The dtype a logged loss is judged at: the lane's, but float32 in the float64 lane where the loss is known to be
+    computed in float32 (the model probe found float32 in the forward: its note says the lane judges the model at
+    float32's tolerances; or a rank returned its loss as a float32 tensor), with the reason (None: the lane's own)."""
+    if run.precision != "fp64":
+        return (torch.float32 if run.precision == "fp32" else torch.float64), None
+    if run.computes_in == "torch.float32":
+        return torch.float32, "the model computes part of its forward in float32 (the model's note)"
+    for records in run.records or ():
+        for rec in records:
+            if rec.logged_dtype == "torch.float32":
+                return torch.float32, "the recipe returned its loss as a torch.float32 tensor"
+    return torch.float64, None
+
+
+def _logged_tolerances(run: Run) -> tuple[float, float, str | None]:
+    """``(atol, rtol, why)`` for a logged loss: the bf16 lane's derived bound, else the tolerances of the dtype the
+    loss was computed in (:func:`_loss_dtype`)."""
+    if run.precision == "bf16":
+        return (*_scalar_tolerances(run), None)
+    dtype, why = _loss_dtype(run)
+    return (*tolerances(dtype), why)
+
+
 @check()
 def logged_loss(run: Run) -> Verdict:
     """When the recipe returns a loss, it is the global token mean at the weights the recipe started the window
-    from (its own, right or wrong), the same on every rank."""
+    from (its own, right or wrong), the same on every rank; judged at the tolerances of the dtype the loss was
+    computed in (float32's in the float64 lane for a model or a returned tensor in float32)."""
     bad = _broken("logged_loss", run)
     if bad:
         return bad
     assert run.records is not None
-    atol, rtol = _scalar_tolerances(run)
+    atol, rtol, lowered = _logged_tolerances(run)
+    judged = f" (float32 tolerances: {lowered})" if lowered else ""
     worst: float | None = None
     for k, ref in enumerate(run.references):
         if ref is None:
@@ -276,12 +303,24 @@ def logged_loss(run: Run) -> Verdict:
             err = abs(v - want)  # type: ignore[operator]
             if not err <= atol + rtol * abs(want):
                 what = "the global token mean" if run.objective.plain else f"the {run.objective.name} objective"
-                return failed("logged_loss", run, f"rank {rank} logged {v!r}; {what} at its weights "
-                              f"is {want!r} (error {err:.3e})", k, max_error=err, fix=verdict_fix("logged_loss", run))
+                detail = f"rank {rank} logged {v!r}; {what} at its weights is {want!r} (error {err:.3e}){judged}"
+                finding = None
+                f32_atol, f32_rtol = tolerances(torch.float32)
+                if run.precision == "fp64" and not lowered and err <= f32_atol + f32_rtol * abs(want):
+                    finding = "float32_computation"
+                    detail += ("; the error is at float32 rounding scale (within float32's tolerances): the loss was "
+                               "computed in float32 (a .float() on the logits, as transformers' loss does) and "
+                               "returned as a Python float or a float64 tensor, which hide the dtype it was computed "
+                               "in. Return the loss as the tensor it was computed in (loss.detach()) to have it "
+                               "judged at float32's tolerances in this lane, or run the float32 lane alone "
+                               "(--precision fp32)")
+                return failed("logged_loss", run, detail, k, max_error=err, finding=finding,
+                              fix=verdict_fix("logged_loss", run, finding))
             worst = err if worst is None else max(worst, err)
     if worst is None:
         return passed("logged_loss", run, "no logged loss returned (it is optional)")
-    return passed("logged_loss", run, "the logged loss is the global token mean on every rank", max_error=worst)
+    return passed("logged_loss", run, f"the logged loss is the global token mean on every rank{judged}",
+                  max_error=worst)
 
 
 @check(per_precision=True)
@@ -355,43 +394,12 @@ def clipping(run: Run) -> Verdict:
 
 @check(scenarios="all_empty")
 def empty_window(run: Run) -> Verdict:
-    """A window without any supervised token: every rank raises ValueError, none hangs, and the recipe leaves no
-    gradient other than zero and no weight changed (what a training loop would otherwise step on)."""
-    bad = failed_run("empty_window", run)
-    if bad:
-        return bad
-    assert run.records is not None
-    # What a rank left in .grad, and what a training loop that went on would do with it.
-    left = {
-        "nonfinite": ("NaN/inf in .grad", "a training loop would step its optimizer on it"),
-        "nonzero": ("nonzero gradients in .grad", "a training loop would step its optimizer on gradients of no token"),
-        "zero": ("zero gradients in .grad", "a training loop would step its optimizer on nothing: momentum, weight "
-                 "decay and the schedule still move"),
-        "none": ("no gradient in .grad", "a training loop would step its optimizer and schedule on nothing"),
-    }
-    returned = [rank for rank, records in enumerate(run.records)
-                if records[0].error is None or not records[0].error.startswith("ValueError")]
-    if returned:
-        rank, rec = returned[0], run.records[returned[0]][0]
-        # The value that came back: the logged loss (nan from a 0/0 mean, 0.0 from a zero sum) or None.
-        value = "None" if rec.logged is None else str(float(f"{rec.logged:.6g}"))
-        grads, consequence = left.get(rec.grads_left, (f"{rec.grads_left} gradients in .grad",
-                                                       "a training loop would step its optimizer on them"))
-        touched = (f", and changed weights by up to {rec.weights_touched:.3e}" if rec.weights_touched != 0.0 else "")
-        others = (f"; so did rank(s) {', '.join(str(r) for r in returned[1:])}" if len(returned) > 1 else "")
-        return failed("empty_window", run, f"rank {rank} returned {value} instead of raising ValueError on a window "
-                      f"without any supervised token, leaving {grads}{touched} ({consequence}){others}", 0,
-                      fix=verdict_fix("empty_window", run))
-    for rank, records in enumerate(run.records):
-        rec = records[0]
-        if rec.grads_left not in ("none", "zero"):
-            grads = left.get(rec.grads_left, (f"{rec.grads_left} gradients in .grad", ""))[0]
-            return failed("empty_window", run, f"rank {rank} raised ValueError, but left {grads} for the next "
-                          "window to add to", 0, fix=verdict_fix("empty_window", run))
-        if rec.weights_touched != 0.0:
-            return failed("empty_window", run, f"rank {rank} changed weights by up to {rec.weights_touched:.3e} "
-                          "before raising", 0, max_error=rec.weights_touched, fix=verdict_fix("empty_window", run))
-    return passed("empty_window", run, "every rank raised ValueError and left no gradient and no weight changed")
+    """A window without any supervised token has two correct answers, taken alike on every rank, none hanging, no
+    weight changed by the recipe: every rank raises ValueError leaving no gradient but zeros, or every rank returns
+    leaving zero gradients or none (a loop that skips the window, or whose loss over no token is 0). A NaN or inf
+    gradient, nonzero gradients, a raise on some ranks only, or a hang fail; a NaN logged loss beside zero gradients
+    is a note (the optimizer would still step). The judging is :func:`harness.battery.empty_window.judge`."""
+    return failed_run("empty_window", run) or empty.judge(run)
 
 
 @check(scenarios="every")

@@ -135,6 +135,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         wrapped.reset_syncs()
         error = None
         logged = None
+        logged_dtype = None
         norm = None
         if isinstance(wrapped, pipeline.PipelineWrapped):
             wrapped.pipeline.watch(mine)  # the window's schedule steps, recorded by pipeline.step
@@ -144,6 +145,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                 if isinstance(out, tuple) and len(out) == 2:
                     out, norm = out[0], None if out[1] is None else watch.as_float(out[1])
             logged = None if out is None else float(out)
+            logged_dtype = str(out.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
         except ValueError as exc:
             error = f"ValueError: {exc}"
         except AttributeError as exc:
@@ -168,6 +170,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
                 rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
                 autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(), shards=shards,
                 pipeline_steps=tuple(wrapped.pipeline.steps) if isinstance(wrapped, pipeline.PipelineWrapped) else (),
+                logged_dtype=logged_dtype,
             )
         )
         if error is not None:

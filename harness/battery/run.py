@@ -61,6 +61,10 @@ class WindowRecord:
     """On a mesh with pp: the window's schedule steps in order, each with its microbatch count, ``scale_grads`` and the
     window's rows it held (:class:`harness.distributed.pipeline.ScheduleStep`); read by
     :mod:`harness.battery.pipeline_diagnosis`."""
+    logged_dtype: str | None = None
+    """The dtype of the logged loss when the recipe returned it as a tensor (``"torch.float32"``), else None: a loss
+    computed in float32 and returned so is judged at float32's tolerances in the float64 lane (the logged_loss
+    check)."""
 
 
 @dataclass(frozen=True)

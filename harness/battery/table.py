@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.battery import plan, registry, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.options import BatteryOptions
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, Verdict
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
 from harness.recipes import CONTROLS
 from harness.recipes.catalog import IN_PROCESS
 
@@ -175,6 +175,9 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
     # An n/a with a finding says why, once per recipe and reason (the float64 lane's parity under autocast: the note
     # names the autocast and where it was entered), not once per case.
     skipped: dict[tuple[str, str], list[str]] = {}
+    # A pass that carries a consequence (the empty window's NaN logged loss: skip the optimizer step) says it once per
+    # recipe and finding, with the cases it holds in.
+    noted: dict[tuple[str, str], tuple[list[str], str]] = {}
     for key in keys:
         parts = [key.ljust(first)]
         for recipe, width in zip(recipes, widths):
@@ -182,10 +185,15 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
             parts.append(("" if v is None else _cell(v)).ljust(width))
             if v is not None and v.status == NOT_APPLICABLE and v.finding:
                 skipped.setdefault((recipe, v.message.split(": ", 2)[-1]), []).append(key)
+            elif v is not None and v.status == PASS and v.finding and v.notes:
+                noted.setdefault((recipe, v.finding), ([], v.notes[0]))[0].append(key)
             elif v is not None and (v.finding or v.diagnosis):
                 said = str(v.diagnosis["line"]) if v.diagnosis else str(v.finding)
                 footnotes.append(f"{titles[recipe]}, {key}: {said}")
         lines.append(" | ".join(parts))
+    for (recipe, _), (where, said) in noted.items():
+        footnotes.append(f"{titles[recipe]}, {where[0]}{f' and {len(where) - 1} more' if len(where) > 1 else ''}: "
+                         f"{said}")
     for (recipe, why), where in skipped.items():
         footnotes.append(f"{titles[recipe]}, n/a in {where[0]}"
                          f"{f' and {len(where) - 1} more' if len(where) > 1 else ''}: {why}")

@@ -103,10 +103,11 @@ def test_the_recipe_leaves_mode_random_generators_and_dtype_alone(
 
 
 @for_check("empty_window")
-def test_a_window_without_any_supervised_token_is_refused_on_every_rank(
+def test_a_window_without_any_supervised_token_is_refused_or_left_at_zero_on_every_rank(
     case: plan.Case, judge: Callable[[plan.Case], None]
 ) -> None:
-    """No supervised token anywhere: every rank raises ValueError, none hangs, no gradient or weight is left changed."""
+    """No supervised token anywhere: every rank raises ValueError, or every rank leaves zero gradients (no NaN, no
+    inf); none hangs, and no weight is changed."""
     judge(case)
 
 

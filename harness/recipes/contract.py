@@ -14,6 +14,12 @@ from harness.core.paths import resolve
 
 @runtime_checkable
 class Recipe(Protocol):
+    """One optimizer step's gradient, run on every rank (docs/recipe-contract.md): ``backward_window`` leaves in
+    ``.grad`` the gradient of the global token mean over every rank's window and may return that mean (a float or a
+    0-d tensor, judged at the tolerances of its dtype). On a window without any supervised token it raises
+    ``ValueError`` on every rank, or leaves zero gradients (or none) and no NaN or inf on every rank; either way the
+    decision is the global count's, so that no rank is left in a collective."""
+
     name: str
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None: ...

@@ -147,6 +147,42 @@ class HfGlobalTokenMean:
 
 hf_global_token_mean = HfGlobalTokenMean()
 
+
+class SkipEmptyWindow:
+    """The correct recipe under the other empty-window policy: a window without any supervised token is skipped on
+    every rank (no forward, no backward, no gradient left; the loop then skips its optimizer step) instead of raising
+    ``ValueError``. The decision is the global count's, the same on every rank, so every rank skips together and none
+    is left in a collective; a rank that skipped on its own count would leave its peers in DDP's all-reduce (the
+    ``skip_backward_when_empty`` control)."""
+
+    name = "skip_empty_window"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch]) -> float | None:
+        total, world = global_count(sum(supervised_tokens(mb) for mb in window)), _world_size()
+        if total == 0:
+            return None
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, world))
+        return global_sum(local) / total
+
+
+skip_empty_window = SkipEmptyWindow()
+
+
+class ZeroLossOnEmptyWindow:
+    """The correct recipe under the zero-gradient policy with the backward kept: the loss sum divided by
+    ``max(count, 1)``, so a window without any supervised token gives a loss of 0 and zero gradients (cross-entropy
+    gives ignored positions none) on every rank, and logs 0.0; the loop then skips its optimizer step."""
+
+    name = "zero_loss_on_empty_window"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Batch]) -> float | None:
+        total, world = global_count(sum(supervised_tokens(mb) for mb in window)), _world_size()
+        local = accumulate(model, window, lambda s: s * (world / max(total, 1)))
+        return global_sum(local) / max(total, 1)
+
+
+zero_loss_on_empty_window = ZeroLossOnEmptyWindow()
+
 CORRECT_RECIPE = "harness.recipes:global_token_mean"
 """The correct recipe's import path: the battery's default ``--recipe`` and the reference column of every table."""
 

@@ -54,6 +54,8 @@ def test_a_library_recipe_gives_its_declared_verdict(recipe: LibraryRecipe, colu
         assert "numbers" == verdict.cause, f"failed for another reason than its numbers: {context}"
     if want.finding is not None:
         assert want.finding == verdict.finding, context
+    if want.note is not None:
+        assert any(want.note in note for note in verdict.notes), context
     if want.diagnosis is not None:
         if check == "parity":
             assert verdict.diagnosis is not None, f"a failing parity verdict without a diagnosis: {context}"
@@ -103,3 +105,28 @@ def test_accelerate_prepare_wraps_an_already_wrapped_model_in_a_second_ddp() -> 
     chains = launch(prepare_wrapped_model, 2, deadline=120)
     for chain in chains:
         assert ["DistributedDataParallel", "DistributedDataParallel", "TinyCausalLM"] == chain
+
+
+def test_the_trainer_step_on_a_transformers_model_passes_the_float64_lanes_logged_loss_at_float32s_tolerances(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float64 lane on a float64 Llama: its forward computes partly in float32 (the probe's note says the lane
+    judges it at float32's tolerances), and so does its loss (``logits.float()``); the logged loss misses float64's
+    tolerance by float32 rounding and is judged, as the note says, at float32's. The negative control: the same run
+    with a logged loss off by 1e-3 (ten times float32's relative tolerance) still fails."""
+    import dataclasses
+
+    _require("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = runner.run("harness.recipes.libraries.transformers_loss:transformers_global_items_hf", "uneven", 2, "fp64",
+                     model="integrations.hf_models:tiny_llama", batch_format="hf")
+    assert "torch.float32" == run.computes_in
+    assert any("judges it at torch.float32's tolerances" in note for note in run.notes), run.notes
+    verdict = registry.CHECKS["logged_loss"](run)
+    assert "pass" == verdict.status, verdict.message
+    assert "(float32 tolerances: the model computes part of its forward in float32" in verdict.message
+    assert verdict.max_error is not None and verdict.max_error > 1e-9, verdict.message  # over float64's tolerance
+    assert run.records is not None
+    off = [[dataclasses.replace(rec, logged=rec.logged * (1 + 1e-3)) if rec.logged is not None else rec
+            for rec in records] for records in run.records]
+    wrong = registry.CHECKS["logged_loss"](dataclasses.replace(run, records=off))
+    assert ("fail", "numbers") == (wrong.status, wrong.cause), wrong.message

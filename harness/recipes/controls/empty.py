@@ -1,5 +1,6 @@
 """Negative controls, empty family. Windows, ranks and microbatches without any supervised token: a rank that skips
-its backward (a desync), a guard on the local count, NaN from 0/0, an empty window that passes silently.
+its backward (a desync), a guard on the local count, NaN from 0/0 on a rank, a microbatch or the whole window, a raise
+on some ranks only.
 
 Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
 :mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it."""
@@ -99,16 +100,32 @@ class NanOnEmptyMicrobatch:
         return None
 
 
-@control(Target("empty_window", "all_empty"), None, only_its_scenario=True)
-class SilentEmptyWindow:
-    """Right on every window with tokens; on a window without any it backpropagates zero and returns, so a training
-    loop steps its optimizer (momentum, weight decay, the schedule) on nothing."""
+def _masked_backward(model: nn.Module, window: Sequence[Microbatch]) -> torch.Tensor:
+    """Forward and backward of every microbatch with its masked token loss sum divided by the window's count, an
+    all-reduced tensor, with no guard: right on every window with a token; on one without any, ``0 / 0`` is NaN and
+    its backward ``0 * inf`` puts NaN in every gradient. Returns the count."""
+    count = torch.tensor(float(sum(mb.supervised for mb in window)), dtype=torch.float64, device=count_device())
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    world = _world_size()
+    for i, mb in enumerate(window):
+        with _sync_last(model, i, len(window)):
+            logits = model(mb.inputs)
+            s = _masked_token_losses(logits, mb.labels).sum()
+            (s * world / count.to(s.device, s.dtype)).backward()
+    return count
 
-    name = "silent_empty_window"
+
+@control(Target("empty_window", "all_empty"), None, only_its_scenario=True)
+class NanOnEmptyWindow:
+    """Divides its masked token loss sum by the all-reduced count and never looks at it: right on every window with a
+    token; on a window without any, the 0/0 leaves NaN in every gradient on every rank, which a training loop would
+    step its optimizer on (zeroing ignored positions by multiplication, then dividing by zero)."""
+
+    name = "nan_on_empty_window"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        total, world = global_count(sum(mb.supervised for mb in window)), _world_size()
-        accumulate(model, window, lambda s: s * (world / max(total, 1)))
+        _masked_backward(model, window)
         return None
 
 
@@ -121,14 +138,23 @@ class NanGradientsThenRaise:
     name = "nan_gradients_then_raise"
 
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
-        count = torch.tensor(float(sum(mb.supervised for mb in window)), dtype=torch.float64, device=count_device())
-        if dist.is_initialized():
-            dist.all_reduce(count)
-        world = _world_size()
-        for i, mb in enumerate(window):
-            with _sync_last(model, i, len(window)):
-                logits = model(mb.inputs)
-                s = _masked_token_losses(logits, mb.labels).sum()
-                (s * world / count.to(s.device, s.dtype)).backward()
-        check_global_count(int(count))
+        check_global_count(int(_masked_backward(model, window)))
+        return None
+
+
+@control(Target("empty_window", "all_empty"), None)
+class RaiseOnRankZeroOnly:
+    """Checks the global count on the main process only, where the loop logs: on a window without any supervised
+    token rank 0 raises ValueError while every other rank skips the window and returns, so the ranks go on
+    differently (right at W=1, where rank 0 is every rank; every window with a token is the correct recipe's)."""
+
+    name = "raise_on_rank_zero_only"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = global_count(sum(mb.supervised for mb in window)), _world_size()
+        if total == 0:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                check_global_count(total)
+            return None
+        accumulate(model, window, lambda s: global_token_loss(s, total, world))
         return None
