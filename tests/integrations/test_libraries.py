@@ -103,3 +103,18 @@ def test_accelerate_prepare_wraps_an_already_wrapped_model_in_a_second_ddp() -> 
     chains = launch(prepare_wrapped_model, 2, deadline=120)
     for chain in chains:
         assert ["DistributedDataParallel", "DistributedDataParallel", "TinyCausalLM"] == chain
+
+
+def test_the_trainer_recipes_build_their_trainer_without_moving_a_global_generator() -> None:
+    """``setup(model=...)`` builds the recipe's ``Trainer`` around the DDP model's module with every global generator
+    put back, and its accelerator sees both ranks; a bare ``Trainer(...)`` moves them (``set_seed`` in ``__init__``),
+    which is why the recipes keep them."""
+    _require("transformers")
+    from integrations.bodies import trainer_seeding
+
+    from harness.distributed.launcher import launch
+
+    for kept, bare, processes in launch(trainer_seeding, 2, deadline=120):
+        assert () == kept
+        assert {"python random", "numpy", "torch CPU"} == set(bare)
+        assert 2 == processes
