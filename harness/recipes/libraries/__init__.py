@@ -1,4 +1,4 @@
-"""Recipes for real libraries: transformers' loss as its Trainer normalizes it, accelerate's gradient accumulation,
+"""Recipes for real libraries: transformers' Trainer driven through its inner loop, accelerate's gradient accumulation,
 torchtitan's loss, each as users write it and corrected, and :data:`LIBRARY_RECIPES`, the verdicts the battery must
 give each one and the signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must read off each failing
 gradient (the integrations tests assert both; ``benchmarks/library_table.py`` measures them for the README).
