@@ -18,6 +18,9 @@ microbatches are the ``epoch_iterator``, ``model`` is the DDP-wrapped model the 
   causal-LM loss from them (its labels already aligned: ``shift_labels=``). With a transformers model
   (``--model your.module:factory --batch-format hf``), drop ``compute_loss_func`` and pass the batches as they are.
 
+``ForCausalLMLoss`` computes in float32 (``.float()`` on the logits): on the battery's built-in model the float64
+lane's parity fails reading ``float32_computation``, so the commands below judge the loop with ``--precision fp32``.
+
 - ``recipe``: ``TrainingArguments(average_tokens_across_devices=True)``, the default: the global token mean.
 - ``wrong``: ``average_tokens_across_devices=False``: each rank divides by its own count, DDP averages: the battery
   reads ``mean_of_local_means``.
