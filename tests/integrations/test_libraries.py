@@ -130,3 +130,18 @@ def test_the_trainer_step_on_a_transformers_model_passes_the_float64_lanes_logge
             for rec in records] for records in run.records]
     wrong = registry.CHECKS["logged_loss"](dataclasses.replace(run, records=off))
     assert ("fail", "numbers") == (wrong.status, wrong.cause), wrong.message
+
+
+def test_the_trainer_recipes_build_their_trainer_without_moving_a_global_generator() -> None:
+    """``setup(model=...)`` builds the recipe's ``Trainer`` around the DDP model's module with every global generator
+    put back, and its accelerator sees both ranks; a bare ``Trainer(...)`` moves them (``set_seed`` in ``__init__``),
+    which is why the recipes keep them."""
+    _require("transformers")
+    from integrations.bodies import trainer_seeding
+
+    from harness.distributed.launcher import launch
+
+    for kept, bare, processes in launch(trainer_seeding, 2, deadline=120):
+        assert () == kept
+        assert {"python random", "numpy", "torch CPU"} == set(bare)
+        assert 2 == processes

@@ -1,4 +1,4 @@
-"""Recipes for real libraries: transformers' loss as its Trainer normalizes it, accelerate's gradient accumulation,
+"""Recipes for real libraries: transformers' Trainer driven through its inner loop, accelerate's gradient accumulation,
 torchtitan's loss, each as users write it and corrected, and :data:`LIBRARY_RECIPES`, the verdicts the battery must
 give each one and the signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must read off each failing
 gradient (the integrations tests assert both; ``benchmarks/library_table.py`` measures them for the README).
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import metadata
 
-TESTED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0", "torchtitan": "0.3.0"}
+TESTED_WITH = {"torch": "2.13.0", "transformers": "5.25.0", "accelerate": "1.15.0", "torchtitan": "0.3.0"}
 """The versions the expected verdicts were measured with."""
 
 CASES: dict[str, tuple[str, str, int, str]] = {
@@ -86,13 +86,14 @@ _TT = "harness.recipes.libraries.torchtitan_loss"
 LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
     LibraryRecipe(
         f"{_T}:transformers_global_items", "transformers",
-        "Trainer loss, `average_tokens_across_devices=True` (the default): gathered `num_items_in_batch`, loss x W",
+        "`Trainer`'s inner loop (`get_batch_samples`, `training_step` under `no_sync` but the last), "
+        "`average_tokens_across_devices=True` (the default): gathered `num_items_in_batch`, loss x W",
         "skip the step when the gathered `num_items_in_batch` is 0; judge it with `--precision fp32`",
         {"parity fp64": FLOAT32_LOSS, "empty_window": NAN_ON_EMPTY},
     ),
     LibraryRecipe(
         f"{_T}:transformers_local_items", "transformers",
-        "Trainer loss, `average_tokens_across_devices=False`: this rank's `num_items_in_batch`",
+        "the same `Trainer` loop, `average_tokens_across_devices=False`: this rank's `num_items_in_batch`",
         "set `average_tokens_across_devices=True`",
         {
             "parity": Expect("fail", "a mean of local means: each rank divides by its own count, DDP averages",
@@ -111,7 +112,8 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
         "`Accelerator(gradient_accumulation_steps=2, cpu=True)`, `with accumulate(model)`: mean loss, "
         "`accelerator.backward`",
         "normalize the loss sum by the global count x `num_processes` x `gradient_accumulation_steps` (backward "
-        "divides by it); `no_sync(model)` around all but the window's last microbatch instead of `accumulate`; stop "
+        "divides by it); set `gradient_accumulation_steps` to the window's length and `step` to 0 before each "
+        "window (or `no_sync(model)` around all but the window's last microbatch instead of `accumulate`); stop "
         "on a zero global count",
         {
             "parity": Expect("fail", "a mean of per-microbatch means, divided by gradient_accumulation_steps",
@@ -132,8 +134,8 @@ LIBRARY_RECIPES: tuple[LibraryRecipe, ...] = (
     ),
     LibraryRecipe(
         f"{_A}:accelerate_corrected", "accelerate",
-        "the same `Accelerator`: loss sum x `num_processes` x `gradient_accumulation_steps` / global count, "
-        "`no_sync(model)` but the last",
+        "the same `accumulate` loop: loss sum x `num_processes` x `gradient_accumulation_steps` / global count, "
+        "`gradient_accumulation_steps = len(window)` and `step = 0` before each window",
         "",
     ),
     LibraryRecipe(

@@ -22,10 +22,12 @@ the wrapper's ``no_sync``, so the harness's model is passed to them as it is.
   of ``gradient_accumulation_steps``, not at the window's end: a window of one microbatch (a short final window)
   never synchronizes, and a longer one synchronizes in its middle. The logged loss is
   ``accelerator.reduce(mean of the microbatch losses, "mean")``.
-- ``accelerate_corrected``: the same ``Accelerator``, with the window's supervised count summed over the ranks
-  before any backward (``ValueError`` on every rank when it is 0), each microbatch's loss *sum* scaled by
-  ``num_processes * gradient_accumulation_steps / count`` (the last factor undoes ``backward``'s division), and
-  ``accelerator.no_sync(model)`` around every microbatch but the window's last instead of ``accumulate``. The loss is
+- ``accelerate_corrected``: the same ``Accelerator`` and the same ``accumulate(model)`` / ``accelerator.backward``
+  loop, with the window's supervised count summed over the ranks before any backward (``ValueError`` on every rank
+  when it is 0), each microbatch's loss *sum* scaled by ``num_processes * gradient_accumulation_steps / count`` (the
+  last factor undoes ``backward``'s division), and ``accumulate`` told where the window ends: before the window
+  ``accelerator.gradient_accumulation_steps = len(window)`` and ``accelerator.step = 0``, so its counter reaches a
+  multiple of the steps on the window's last microbatch and only there (a short final window included). The loss is
   computed in the model's dtype, so the verdicts hold in both precisions.
 
 Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` is the table the tests assert):
@@ -45,14 +47,14 @@ reads 0.70), not the W a right loss left unsynchronized would give, because acce
 halved by ``backward``; the sentence names that ratio.
 
 What to change: normalize by the global token count (the window's ``labels != -100`` summed with
-``accelerator.reduce``), multiply the loss sum by ``num_processes`` and by ``gradient_accumulation_steps``, put
-``accelerator.no_sync(model)`` around all microbatches but the window's last (or give ``accumulate`` a prepared
-dataloader whose windows are exactly ``gradient_accumulation_steps`` long), and stop on a zero global count.
+``accelerator.reduce``), multiply the loss sum by ``num_processes`` and by ``gradient_accumulation_steps``, set
+``accelerator.gradient_accumulation_steps`` to the window's length and ``accelerator.step`` to 0 before each window
+(or put ``accelerator.no_sync(model)`` around all microbatches but the window's last instead of ``accumulate``), and
+stop on a zero global count.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +112,8 @@ class AccelerateNaive(_AccelerateRecipe):
 
 
 class AccelerateCorrected(_AccelerateRecipe):
-    """The same Accelerator: the global count, ``num_processes * gradient_accumulation_steps / count``, ``no_sync``."""
+    """The same ``accumulate`` loop: the global count, ``num_processes * gradient_accumulation_steps / count``, and
+    ``accumulate``'s counter set to sync on the window's last microbatch."""
 
     name = "accelerate_corrected"
 
@@ -118,14 +121,20 @@ class AccelerateCorrected(_AccelerateRecipe):
         accelerator = self._ready()
         total = int(accelerator.reduce(torch.tensor(local_count(window)), reduction="sum"))
         check_global_count(total)  # ValueError on every rank alike, before any backward
+        # accumulate() syncs when its own counter reaches a multiple of gradient_accumulation_steps, not where the
+        # window ends: a window of another length (a short final one) would sync in its middle or never. Telling it
+        # the window's length and starting the count here makes the last microbatch the only synchronized one.
+        accelerator.gradient_accumulation_steps = len(window)
+        accelerator.step = 0
+        # backward() divides by gradient_accumulation_steps and DDP averages over the processes: both undone here.
         scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / total
         local = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(window):
-            with accelerator.no_sync(model) if i < len(window) - 1 else contextlib.nullcontext():
+        for mb in window:
+            with accelerator.accumulate(model):
                 logits = model(mb.inputs)
                 s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX,
                                     reduction="sum")
-                accelerator.backward(s * scale)  # backward divides by gradient_accumulation_steps
+                accelerator.backward(s * scale)
             local += s.detach().double()
         return float(accelerator.reduce(local, reduction="sum")) / total
 
