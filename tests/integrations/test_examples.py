@@ -27,9 +27,6 @@ from harness.recipes.libraries._common import EXTRA_HINT
 
 ROOT = Path(__file__).resolve().parents[2]
 
-ALLOWED_TO_FAIL: dict[str, set[str]] = {"trainer_loop": {"empty_window"}}
-"""Checks a correct example may still fail, per example: the Trainer's NaN on a window with no supervised token."""
-
 WRONG_READS = {"nanogpt_loop": "per_microbatch_mean", "trainer_loop": "mean_of_local_means",
                "accelerate_loop": "per_microbatch_mean"}
 """The diagnosis the wrong recipe's parity failure on the uneven scenario carries."""
@@ -62,9 +59,8 @@ def battery(module: str, attr: str, user: Path) -> tuple[subprocess.CompletedPro
 def test_a_library_loops_correct_recipe_passes_from_a_users_directory(module: str, tmp_path: Path) -> None:
     done, report = battery(module, "recipe", tmp_path)
     failed = {c["check"] for c in report["checks"] if c["status"] == "fail"}
-    allowed = ALLOWED_TO_FAIL.get(module, set())
-    assert set() == failed - allowed, done.stdout[-3000:]
-    assert (1 if failed else 0) == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    assert set() == failed, done.stdout[-3000:]
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert [] == report["errors"]
     assert report["counts"]["pass"] > 0
 
