@@ -67,6 +67,7 @@ from harness.battery.options import (
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
+from harness.battery.skips import check_skips, skip_all
 from harness.battery.verdict import FAIL, Verdict
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
@@ -156,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                skip=args.skip, quick=args.quick),
                           world_sizes=(world,), meshes=parse_meshes(args.mesh, max_world_size=None))
         _meshes(options, world)
+        check_skips(options.skip)
         data_ranks = options.meshes[0].data_ranks if options.meshes else world
         if not 1 <= data_ranks <= scenarios.MAX_SCENARIO_WORLD_SIZE:
             msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
@@ -358,7 +360,6 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
 def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
             stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False) -> int:
     from harness.battery.junit import write_junit
-    from harness.battery.selection import skip_all
     from harness.battery.summary import compact_table, format_summary, write_full_report
     from harness.battery.table import format_table, report_json
 

@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.battery.selection import skip_message
+from harness.battery.skips import skip_message
 from harness.battery.table import ControlResult, row_label, write_text_atomic
 from harness.battery.verdict import FAIL, NOT_APPLICABLE, SKIPPED, Verdict
 

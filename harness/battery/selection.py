@@ -2,18 +2,13 @@
 (a check whose verdicts are recorded as skipped, with the reason and what they would have said) and ``--quick`` (the
 cases that tell the known mistakes apart, and nothing else).
 
-Pure Python, like :mod:`harness.battery.options` which re-exports the help texts: the check names are read from the
-registry (which imports torch) only when ``--battery-skip`` is given.
+Pure Python and importing nothing of the harness, like :mod:`harness.battery.options` which re-exports the help texts:
+recording a verdict as skipped and checking the names against the registry is :mod:`harness.battery.skips`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from harness.battery.verdict import Verdict
 
 SKIP_HELP = ("record CHECK's verdicts as skipped instead of failing the battery (repeatable; CHECK is a check of the "
              "registry or drawn, e.g. --battery-skip 'empty_window=our loop skips empty windows'): the check still "
@@ -61,55 +56,17 @@ def _is_default(name: str, value: object) -> bool:
 
 def parse_skips(values: str | Sequence[str] | None, option: str = "--battery-skip") -> tuple[tuple[str, str], ...]:
     """``["empty_window=our loop skips them", "hygiene"]`` -> ``(("empty_window", "our loop skips them"), ("hygiene",
-    "no reason given"))``; each name checked against the registry (:func:`skippable`). ValueError naming the option,
-    the value and the names it may take."""
+    "no reason given"))``: the syntax only; each surface checks the names against the registry
+    (:func:`harness.battery.skips.check_skips`), which this pure-Python module does not import."""
     if not values:
         return ()
     texts = [values] if isinstance(values, str) else list(values)
     out: dict[str, str] = {}
     for text in texts:
         name, _, reason = str(text).partition("=")
-        name = name.strip()
-        valid = skippable()
-        if name not in valid:
-            msg = (f"{option}={text!r}: {name or 'no check'} is not a check of the battery; give one of "
-                   f"{', '.join(valid)}, optionally with =reason (e.g. {option} 'empty_window=our loop skips empty "
-                   "windows')")
-            raise ValueError(msg)
-        out[name] = reason.strip() or NO_REASON
+        out[name.strip()] = reason.strip() or NO_REASON
     return tuple(out.items())
 
 
-def skippable() -> tuple[str, ...]:
-    """The names ``--battery-skip`` takes: every registered check, then the drawn lane's ``drawn``."""
-    import harness.battery.checks  # noqa: F401  (the checks register themselves when imported)
-    from harness.battery.registry import REGISTRY
-
-    return (*REGISTRY, "drawn")
-
-
-def skip(verdict: Verdict, skips: Sequence[tuple[str, str]]) -> Verdict:
-    """``verdict`` recorded as skipped when its check is among ``skips`` (its status kept in ``skipped_status``, its
-    message unchanged, the reason beside them); else unchanged."""
-    from harness.battery.verdict import SKIPPED
-
-    reason = dict(skips).get(verdict.check)
-    if reason is None or verdict.status == SKIPPED:
-        return verdict
-    return replace(verdict, status=SKIPPED, skip_reason=reason, skipped_status=verdict.status)
-
-
-def skip_all(verdicts: Sequence[Verdict], skips: Sequence[tuple[str, str]]) -> list[Verdict]:
-    return [skip(v, skips) for v in verdicts]
-
-
-def skip_message(verdict: Verdict) -> str:
-    """A skipped verdict in one line: the check, the reason, and what it would have said."""
-    would = {"fail": "would have FAILED", "pass": "would have passed", "n/a": "would not have applied"}
-    first = verdict.message.strip().splitlines()[0] if verdict.message.strip() else ""
-    return (f"check {verdict.check} skipped (--battery-skip, reason: {verdict.skip_reason}); it "
-            f"{would.get(str(verdict.skipped_status), 'would have said')}: {first}")
-
-
-__all__ = ["QUICK_EXAMPLES", "QUICK_HELP", "QUICK_PRECISION", "QUICK_SCENARIOS", "QUICK_WORLD_SIZES", "SKIP_HELP",
-           "parse_skips", "quick_choices", "skip", "skip_all", "skip_message", "skippable"]
+__all__ = ["NO_REASON", "QUICK_EXAMPLES", "QUICK_HELP", "QUICK_PRECISION", "QUICK_SCENARIOS", "QUICK_WORLD_SIZES",
+           "SKIP_HELP", "parse_skips", "quick_choices"]

@@ -297,9 +297,14 @@ def options_from(config: pytest.Config) -> BatteryOptions:
     from harness.battery.options import from_pytest
 
     try:
-        return from_pytest(config)
+        options = from_pytest(config)
+        if options.skip:  # the registry's names (importing it imports torch: only when --battery-skip is given)
+            from harness.battery.skips import check_skips
+
+            check_skips(options.skip)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    return options
 
 
 def resume_options_from(config: pytest.Config) -> ResumeOptions:
@@ -359,7 +364,7 @@ def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
     """Record a verdict for ``--battery-report``; fail the test with its message when it failed (with every rank's
     whole report under ``-v``), skip it when the check does not apply or ``--battery-skip`` names it (the reason
     and what it would have said in the skip's message)."""
-    from harness.battery.selection import skip, skip_message
+    from harness.battery.skips import skip, skip_message
     from harness.battery.verdict import NOT_APPLICABLE, SKIPPED
 
     skips = options_from(request.config).skip

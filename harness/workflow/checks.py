@@ -42,8 +42,10 @@ def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, 
 def battery_options(args: argparse.Namespace) -> BatteryOptions:
     """The battery's options from the command line, parsed once (the pytest plugin parses its own options through the
     same :meth:`~harness.battery.options.BatteryOptions.parse`); bad input names the option."""
+    from harness.battery.skips import check_skips
+
     try:
-        return BatteryOptions.parse(
+        options = BatteryOptions.parse(
             model=getattr(args, "model", None), batch_format=getattr(args, "batch_format", "harness"),
             strategy=getattr(args, "strategy", "ddp"), precision=args.precision, world_sizes=args.world_sizes,
             examples=args.examples, deadline=args.deadline,
@@ -52,8 +54,10 @@ def battery_options(args: argparse.Namespace) -> BatteryOptions:
             chunking=getattr(args, "cp_chunking", "contiguous"), pp_schedule=getattr(args, "pp_schedule", "gpipe"),
             pp_steps=getattr(args, "pp_steps", 1), pp_microbatches=getattr(args, "pp_microbatches", 2),
             skip=getattr(args, "skip", None), quick=getattr(args, "quick", False))
+        check_skips(options.skip)  # the registry's names: an unknown one is bad input before any run
     except ValueError as exc:
         raise BadInput(str(exc)) from None
+    return options
 
 
 def cmd_battery(args: argparse.Namespace) -> int:
@@ -64,7 +68,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     check failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
     """
     from harness.battery import plan
-    from harness.battery.selection import skip_all
+    from harness.battery.skips import skip_all
     from harness.battery.summary import compact_table, format_summary, write_full_report
     from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
     from harness.recipes import CONTROLS, RecipeError, load_recipe

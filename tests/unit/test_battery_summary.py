@@ -12,7 +12,7 @@ import pytest
 from harness.battery import dist, summary
 from harness.battery.junit import junit_xml
 from harness.battery.options import BatteryOptions
-from harness.battery.selection import skip, skip_all
+from harness.battery.skips import skip, skip_all
 from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, SKIPPED, Verdict
 from harness.workflow.cli import main
 

@@ -55,3 +55,29 @@ def test_without_quick_the_options_are_untouched() -> None:
     assert ((1, 2, 3, 4), "both", 12, False) == (options.world_sizes, options.precision, options.examples,
                                                  options.quick)
     assert "all_empty" in {c.scenario for c in plan.session_cases(options)}
+
+
+def test_the_command_line_and_pytest_parse_quick_into_the_same_options() -> None:
+    """``battery --quick`` and pytest's ``--quick`` give one value; without it, another (the negative control)."""
+    from harness.testing.plugin import options_from
+    from harness.workflow.checks import battery_options
+    from harness.workflow.cli import build_parser
+
+    class Config:
+        def __init__(self, quick: bool) -> None:
+            self.quick = quick
+
+        def getoption(self, name: str) -> object:
+            defaults = build_parser().parse_args(["battery"])
+            pytest_names = {"battery_world_sizes": "world_sizes", "battery_examples": "examples",
+                            "battery_deadline": None, "battery_report": "json", "battery_skip": "skip",
+                            "battery_quick": "quick", "find_unused_parameters": "find_unused_parameters"}
+            if name == "battery_quick":
+                return self.quick
+            if name == "battery_deadline":
+                return None
+            return getattr(defaults, pytest_names.get(name) or name)
+
+    cli = battery_options(build_parser().parse_args(["battery", "--quick"]))
+    assert cli == options_from(Config(True)) == BatteryOptions.parse(quick=True)  # type: ignore[arg-type]
+    assert cli != options_from(Config(False))  # type: ignore[arg-type]
