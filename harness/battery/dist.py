@@ -6,7 +6,7 @@ torchrun set up, on one machine or many.
         [--precision fp32|fp64|both] \\
         [--scenarios uneven,long,...] [--battery-report out.json] [--battery-junit out.xml] \\
         [--backend gloo|nccl] [--battery-deadline 30] [--find-unused-parameters auto|on|off] \\
-        [--mesh dp=2,cp=2]
+        [--mesh dp=2,cp=2] [--battery-skip CHECK[=reason]] [--quick] [-v]
 
 Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
 overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
@@ -16,8 +16,9 @@ single-device references of its share (:func:`harness.battery.prepare.prepare`);
 rank's records and says whether the battery goes on; at the end each rank judges its share with the battery's checks,
 so no rank carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts, writes
 the report (``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per
-verdict) and prints the table. Every worker exits with the same status: 0 every check holds, 1 a check failed, 2 bad
-input.
+verdict; the full report always, in a temporary folder without ``--battery-report``) and prints the table's failing
+rows and the grouped summary (:mod:`harness.battery.summary`). Every worker exits with the same status: 0 every check
+holds (or only ``--battery-skip``'s checks failed), 1 a check failed, 2 bad input.
 
 Over a device mesh (``--mesh dp=2,cp=2``, repeatable; the sizes' product must be the job's world size) every run
 is over that mesh instead of ``dp=W``, as ``--mesh`` does on the other surfaces. The mesh numbers the job's ranks
