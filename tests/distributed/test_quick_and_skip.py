@@ -88,3 +88,24 @@ def test_pytest_quick_collects_the_quick_plan() -> None:
     assert sorted(c.id for c in plan.session_cases(BatteryOptions.parse(quick=True))) == collected, done.stdout[-2000:]
     done = _pytest("--battery-skip", "nope", "--collect-only")
     assert 4 == done.returncode and "nope is not a check of the battery" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow  # a torchrun job: a rendezvous plus a battery
+@pytest.mark.xdist_group("torchrun-agents")
+def test_torchrun_skips_a_named_check_and_runs_quick_s_cases(tmp_path: Path) -> None:
+    """Under torchrun (two workers), --quick --battery-skip hygiene on a recipe that shuffles Python's generator: exit
+    0 on every worker, only the quick scenarios in fp32 in the report, hygiene recorded as skipped, and rank 0's last
+    screen says it would have failed."""
+    from support.battery_jobs import job
+
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:python_random_shuffle", "--quick",
+                              "--battery-skip", "hygiene=we shuffle on purpose", nodes=1, per_node=2)
+    assert [0] == codes, text[-3000:]
+    assert report is not None and {"uneven", "single", "one_empty"} >= {c["scenario"] for c in report["checks"]}
+    assert {"fp32"} == {c["precision"] for c in report["checks"]}
+    hygiene = [c for c in report["checks"] if c["check"] == "hygiene"]
+    assert {"skipped"} == {c["status"] for c in hygiene}
+    failing = sum(c["skipped_status"] == "fail" for c in hygiene)
+    assert failing > 0
+    assert f"hygiene: skipped (reason: we shuffle on purpose); it would have FAILED in {failing} cases" in text, \
+        text[-3000:]
