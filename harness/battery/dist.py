@@ -6,7 +6,7 @@ torchrun set up, on one machine or many.
         [--precision fp32|fp64|both] \\
         [--scenarios uneven,long,...] [--battery-report out.json] [--battery-junit out.xml] \\
         [--backend gloo|nccl] [--battery-deadline 30] [--find-unused-parameters auto|on|off] \\
-        [--mesh dp=2,cp=2]
+        [--mesh dp=2,cp=2] [--battery-skip CHECK[=reason]] [--quick] [-v]
 
 Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
 overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
@@ -16,8 +16,9 @@ single-device references of its share (:func:`harness.battery.prepare.prepare`);
 rank's records and says whether the battery goes on; at the end each rank judges its share with the battery's checks,
 so no rank carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts, writes
 the report (``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per
-verdict) and prints the table. Every worker exits with the same status: 0 every check holds, 1 a check failed, 2 bad
-input.
+verdict; the full report always, in a temporary folder without ``--battery-report``) and prints the table's failing
+rows and the grouped summary (:mod:`harness.battery.summary`). Every worker exits with the same status: 0 every check
+holds (or only ``--battery-skip``'s checks failed), 1 a check failed, 2 bad input.
 
 Over a device mesh (``--mesh dp=2,cp=2``, repeatable; the sizes' product must be the job's world size) every run
 is over that mesh instead of ``dp=W``, as ``--mesh`` does on the other surfaces. The mesh numbers the job's ranks
@@ -58,6 +59,8 @@ from harness.battery.options import (
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
     PP_STEPS_HELP,
+    QUICK_HELP,
+    SKIP_HELP,
     BatteryOptions,
     RunSpec,
     parse_meshes,
@@ -65,6 +68,7 @@ from harness.battery.options import (
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
+from harness.battery.skips import check_skips, skip_all
 from harness.battery.verdict import FAIL, Verdict
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
@@ -100,6 +104,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp-schedule", default="gpipe", metavar="gpipe|1f1b|...", help=PP_SCHEDULE_HELP)
     p.add_argument("--pp-steps", default="1", metavar="A", help=PP_STEPS_HELP)
     p.add_argument("--pp-microbatches", default="2", metavar="M", help=PP_MICROBATCHES_HELP)
+    p.add_argument("--battery-skip", dest="skip", action="append", metavar="CHECK[=REASON]", help=SKIP_HELP)
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + " (here: fp32 and the quick scenarios at the "
+                   "job's world size)")
+    p.add_argument("-v", "--verbose", action="store_true", help="every row of the table and every failure's message")
     return p.parse_args(argv)
 
 
@@ -146,9 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                deadline=args.deadline, find_unused=args.find_unused,
                                                report=args.report, objective=args.objective,
                                                chunking=args.cp_chunking, pp_schedule=args.pp_schedule,
-                                               pp_steps=args.pp_steps, pp_microbatches=args.pp_microbatches),
+                                               pp_steps=args.pp_steps, pp_microbatches=args.pp_microbatches,
+                                               skip=args.skip, quick=args.quick),
                           world_sizes=(world,), meshes=parse_meshes(args.mesh, max_world_size=None))
         _meshes(options, world)
+        check_skips(options.skip)
         data_ranks = options.meshes[0].data_ranks if options.meshes else world
         if not 1 <= data_ranks <= scenarios.MAX_SCENARIO_WORLD_SIZE:
             msg = (f"torchrun started {world} ranks; the battery's scenarios are built for 1 to "
@@ -174,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=options.deadline))
     try:
-        return _battery(args.recipe, options, names, backend, args.junit)
+        return _battery(args.recipe, options, names, backend, args.junit, args.verbose)
     finally:
         gc.collect()  # a DDP module held by a reference cycle must not outlive the process group
         dist.destroy_process_group()
@@ -265,7 +275,8 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
     return mine
 
 
-def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None) -> int:
+def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None,
+             verbose: bool = False) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(options.deadline)
     device = "cuda" if backend == "nccl" else "cpu"
@@ -310,7 +321,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     status = 0
     if rank == 0:
         verdicts: list[Verdict] = [v for i in range(done) for v in _get(store, f"{i}/verdicts", options.deadline)]
-        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world)
+        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world, verbose)
         _put(store, "status", status)
     status = int(_get(store, "status", options.deadline))
     _say(rank, f"prepared and judged {len(judged)} of {done} run(s)", everyone=True)
@@ -348,9 +359,10 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
 
 
 def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
-            stopped: str | None, junit: str | None, seconds: float, world: int) -> int:
+            stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False) -> int:
     from harness.battery.junit import write_junit
-    from harness.battery.table import format_table, report_json, write_report
+    from harness.battery.summary import compact_table, format_summary, write_full_report
+    from harness.battery.table import format_table, report_json
 
     judged = {(v.check, v.scenario, v.precision, v.strategy, v.mesh) for v in verdicts}
     for c in cases:
@@ -359,25 +371,27 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
             verdicts.append(Verdict(c.check, recipe, c.scenario, c.world_size, c.precision, FAIL,
                                     f"check {c.check} not run: the battery stopped: {stopped}", cause="stopped",
                                     strategy=c.strategy, mesh=label))
+    verdicts[:] = skip_all(verdicts, options.skip)
     failed = [v for v in verdicts if not v.passed]
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed else 0
-    print(format_table(verdicts), flush=True)
+    print(format_table(verdicts) if verbose else compact_table(verdicts), flush=True)
     notes = list(dict.fromkeys(n for v in verdicts for n in v.notes))
     if notes:
         print(f"\nabout the model {options.model or '(built-in)'}:\n" + "\n".join(f"  {n}" for n in notes), flush=True)
-    print(f"\n{len(verdicts)} checks at W={world} under torchrun in {seconds:.1f} s", flush=True)
-    if options.report:
-        payload = report_json([recipe], verdicts, len(cases), status, world_sizes=options.world_sizes,
-                              precision=options.precision, model=options.model, batch_format=options.batch_format)
-        write_report(options.report, payload)
-        print(f"report written to {options.report}", flush=True)
+    quick = " (--quick)" if options.quick else ""
+    print(f"\n{len(verdicts)} checks at W={world}{quick} under torchrun in {seconds:.1f} s", flush=True)
+    payload = report_json([recipe], verdicts, len(cases), status, world_sizes=options.world_sizes,
+                          precision=options.precision, model=options.model, batch_format=options.batch_format)
+    report, text = write_full_report(options.report, payload, verdicts)
     if junit:
         write_junit(junit, verdicts, duration_s=seconds)
         print(f"junit written to {junit}", flush=True)
-    for v in failed:
-        if v.cause != "stopped":
-            print(v.message, file=sys.stderr, flush=True)
+    if verbose:
+        for v in failed:
+            if v.cause != "stopped":
+                print(v.message, file=sys.stderr, flush=True)
+    print("\n" + format_summary(verdicts, report, text), flush=True)
     not_run = sum(v.cause == "stopped" for v in failed)
     if not_run:
         print(f"{not_run} check(s) not run: the battery stopped after the run that failed", file=sys.stderr,

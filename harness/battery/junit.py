@@ -2,9 +2,10 @@
 the pytest lane writes its own with pytest's ``--junitxml=PATH``, one test case per verdict there too).
 
 One ``<testsuite>`` per recipe under test (named by its import path, so writing the report loads no recipe), one
-``<testcase>`` per verdict: a failing verdict holds a ``<failure>``, a check that does not apply a ``<skipped>``, a
-pass nothing. The negative controls, when given, make one more suite: a control's case passes when its targeted check
-rejected it, and fails otherwise."""
+``<testcase>`` per verdict: a failing verdict holds a ``<failure>``, a check that does not apply a ``<skipped>``, so
+does a check ``--battery-skip`` named (its message: the reason and what it would have said), a pass nothing. The
+negative controls, when given, make one more suite: a control's case passes when its targeted check rejected it, and
+fails otherwise."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.battery.skips import skip_message
 from harness.battery.table import ControlResult, row_label, write_text_atomic
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, Verdict
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, SKIPPED, Verdict
 
 CONTROLS_SUITE = "negative controls"
 
@@ -77,7 +79,7 @@ def junit_xml(verdicts: Sequence[Verdict], controls: Sequence[ControlResult] = (
     for recipe in dict.fromkeys(v.recipe for v in verdicts):
         mine = [v for v in verdicts if v.recipe == recipe]
         failures = sum(v.status == FAIL for v in mine)
-        skipped = sum(v.status == NOT_APPLICABLE for v in mine)
+        skipped = sum(v.status in (NOT_APPLICABLE, SKIPPED) for v in mine)
         suite = _suite(root, recipe, len(mine), failures, skipped)
         for v in mine:
             case = _case(suite, recipe, row_label(v))
@@ -85,6 +87,8 @@ def junit_xml(verdicts: Sequence[Verdict], controls: Sequence[ControlResult] = (
                 _child(case, "failure", _first_line(v.message), _failure_text(v), v.cause or "failure")
             elif v.status == NOT_APPLICABLE:
                 _child(case, "skipped", _first_line(v.message))
+            elif v.status == SKIPPED:
+                _child(case, "skipped", skip_message(v), _failure_text(v))
         totals = [totals[0] + len(mine), totals[1] + failures, totals[2] + skipped]
     if controls:
         unrejected = [c for c in controls if not c.rejected]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.core.mesh import PP_SCHEDULES, REFUSED_PP_SCHEDULES, Mesh
+from harness.core.mesh import PP_SCHEDULES, REFUSED_PP_SCHEDULES, TOKEN_DIMS, Mesh
 
 MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of pp, dp, or dp_replicate and "
              "dp_shard, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
@@ -104,5 +104,27 @@ def check_format_over(layout: Mesh | None, batch_format: str, argument: str = "b
 
 
 __all__ = ["CHUNKING_HELP", "DDP_OVER_TP", "MESH_HELP", "PP_MAX_MICROBATCHES", "PP_MICROBATCHES_HELP",
-           "PP_SCHEDULE_HELP", "PP_STEPS_HELP", "check_format_over", "check_pp_count", "check_pp_schedule",
-           "check_strategy_over"]
+           "PP_SCHEDULE_HELP", "PP_STEPS_HELP", "check_format_over", "check_layout", "check_pp_count",
+           "check_pp_schedule", "check_strategy_over"]
+
+
+def check_layout(layout: object, world_size: int, argument: str = "layout") -> Mesh:
+    """``layout`` if it is a mesh the battery runs over ``world_size`` ranks; ValueError naming it otherwise."""
+    if not isinstance(layout, Mesh):
+        msg = f"{argument}={layout!r} must be a harness.core.mesh.Mesh, e.g. Mesh.parse('dp=2,cp=2')"
+        raise ValueError(msg)
+    if layout.world_size != world_size:
+        msg = (f"{argument}={layout.label} has {layout.world_size} ranks but world_size={world_size}: the sizes' "
+               "product is the world size")
+        raise ValueError(msg)
+    other = [n for n in layout.names if n not in (*TOKEN_DIMS, "tp", "pp")]
+    if other:
+        msg = (f"{argument}={layout.label}: the battery runs meshes of pp, data-parallel, cp and tp dimensions "
+               f"(pp, {', '.join(TOKEN_DIMS)}, tp); {', '.join(other)} is not run yet")
+        raise ValueError(msg)
+    beside = [n for n in layout.names if n not in ("pp", "dp") and layout.size(n) > 1]
+    if layout.size("pp") > 1 and beside:
+        msg = (f"{argument}={layout.label}: a pipeline (pp > 1) runs beside dp only for now; {', '.join(beside)} "
+               "with pp is not run yet (e.g. pp=2 or dp=2,pp=2)")
+        raise ValueError(msg)
+    return layout

@@ -25,11 +25,13 @@ from harness.battery.mesh_options import (
     PP_SCHEDULE_HELP,
     PP_STEPS_HELP,
     check_format_over,
+    check_layout,
     check_pp_count,
     check_pp_schedule,
     check_strategy_over,
 )
-from harness.core.mesh import CHUNKINGS, TOKEN_DIMS, Mesh
+from harness.battery.selection import QUICK_HELP, SKIP_HELP, parse_skips, quick_choices
+from harness.core.mesh import CHUNKINGS, Mesh
 from harness.core.objective_names import OBJECTIVES, check_objective
 
 DEADLINE = 30.0
@@ -80,7 +82,6 @@ DEFAULT_EXAMPLES = 12
 
 REDUCTIONS = ("mean", "sum")
 """How the harness's comm hook combines the ranks' gradients: DDP's average, or a sum."""
-
 
 
 LANE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -199,28 +200,6 @@ def _deadline(value: object, option: str = "--battery-deadline") -> float:
     return float(value)
 
 
-def check_layout(layout: object, world_size: int, argument: str = "layout") -> Mesh:
-    """``layout`` if it is a mesh the battery runs over ``world_size`` ranks; ValueError naming it otherwise."""
-    if not isinstance(layout, Mesh):
-        msg = f"{argument}={layout!r} must be a harness.core.mesh.Mesh, e.g. Mesh.parse('dp=2,cp=2')"
-        raise ValueError(msg)
-    if layout.world_size != world_size:
-        msg = (f"{argument}={layout.label} has {layout.world_size} ranks but world_size={world_size}: the sizes' "
-               "product is the world size")
-        raise ValueError(msg)
-    other = [n for n in layout.names if n not in (*TOKEN_DIMS, "tp", "pp")]
-    if other:
-        msg = (f"{argument}={layout.label}: the battery runs meshes of pp, data-parallel, cp and tp dimensions "
-               f"(pp, {', '.join(TOKEN_DIMS)}, tp); {', '.join(other)} is not run yet")
-        raise ValueError(msg)
-    beside = [n for n in layout.names if n not in ("pp", "dp") and layout.size(n) > 1]
-    if layout.size("pp") > 1 and beside:
-        msg = (f"{argument}={layout.label}: a pipeline (pp > 1) runs beside dp only for now; {', '.join(beside)} "
-               "with pp is not run yet (e.g. pp=2 or dp=2,pp=2)")
-        raise ValueError(msg)
-    return layout
-
-
 @dataclass(frozen=True)
 class RunSpec:
     """One battery run: ``recipe`` (``"pkg.mod:attr"``) on ``scenario`` at ``world_size`` in ``precision``, on
@@ -332,6 +311,10 @@ class BatteryOptions:
     """``--pp-steps``: the schedule steps of each pipelined window (A)."""
     pp_microbatches: int = 2
     """``--pp-microbatches``: the microbatches of each schedule step (M)."""
+    skip: tuple[tuple[str, str], ...] = ()
+    """``--battery-skip``: (check, reason) pairs whose verdicts are recorded as skipped (:mod:`.selection`)."""
+    quick: bool = False
+    """``--quick``: only the scenarios that tell the known mistakes apart (:data:`.selection.QUICK_SCENARIOS`)."""
 
     @classmethod
     def parse(cls, *, model: str | None = None, batch_format: str = "harness", strategy: str = "ddp",
@@ -340,8 +323,12 @@ class BatteryOptions:
               report: str | None = None, objective: str = "token_mean",
               mesh: str | Sequence[str] | None = None, chunking: str | None = "contiguous",
               pp_schedule: str | None = "gpipe", pp_steps: int | str | None = 1,
-              pp_microbatches: int | str | None = 2) -> BatteryOptions:
-        """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix."""
+              pp_microbatches: int | str | None = 2, skip: str | Sequence[str] | None = None,
+              quick: bool = False) -> BatteryOptions:
+        """Validated options; ValueError naming the option (the name both surfaces share), the value and the fix.
+        ``quick``: :func:`.selection.quick_choices` picks the world sizes, precision and examples left at default."""
+        if quick:
+            world_sizes, precision, examples = quick_choices(world_sizes, precision, examples)  # type: ignore[assignment]
         precisions(precision)
         strategies(strategy)
         if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
@@ -362,7 +349,8 @@ class BatteryOptions:
                    meshes=meshes, chunking=_choice(chunking or "contiguous", CHUNKINGS, "--cp-chunking"),
                    pp_schedule=check_pp_schedule(pp_schedule or "gpipe"),
                    pp_steps=check_pp_count(pp_steps, "--pp-steps", 1),
-                   pp_microbatches=check_pp_count(pp_microbatches, "--pp-microbatches", 2))
+                   pp_microbatches=check_pp_count(pp_microbatches, "--pp-microbatches", 2),
+                   skip=parse_skips(skip), quick=bool(quick))
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -389,7 +377,8 @@ PYTEST_OPTIONS = {"model": "model", "batch_format": "batch_format", "strategy": 
                   "world_sizes": "battery_world_sizes", "examples": "battery_examples",
                   "deadline": "battery_deadline", "find_unused": "find_unused_parameters", "report": "battery_report",
                   "objective": "objective", "mesh": "mesh", "chunking": "cp_chunking",
-                  "pp_schedule": "pp_schedule", "pp_steps": "pp_steps", "pp_microbatches": "pp_microbatches"}
+                  "pp_schedule": "pp_schedule", "pp_steps": "pp_steps", "pp_microbatches": "pp_microbatches",
+                  "skip": "battery_skip", "quick": "battery_quick"}
 """Each :meth:`BatteryOptions.parse` argument's pytest option (its ``dest``; the flags are the command line's)."""
 
 _CACHED = "_harness_battery_options"
@@ -426,6 +415,8 @@ __all__ = [
     "PRECISIONS",
     "PRECISION_CHOICES",
     "PYTEST_OPTIONS",
+    "QUICK_HELP",
+    "SKIP_HELP",
     "STRATEGY_CHOICES",
     "WORLD_SIZES",
     "BatteryOptions",

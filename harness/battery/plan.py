@@ -22,6 +22,7 @@ from harness.battery.options import (
     strategies,
 )
 from harness.battery.registry import REGISTRY
+from harness.battery.selection import QUICK_SCENARIOS
 from harness.core.mesh import Mesh
 
 
@@ -74,8 +75,11 @@ def cases(world_sizes: Sequence[int] = WORLD_SIZES, precision: str = "both",
 
 
 def session_cases(options: BatteryOptions, checks: Sequence[str] | None = None) -> list[Case]:
-    """The cases a battery session runs under ``options`` (its world sizes and precision lanes)."""
-    return cases(options.world_sizes, options.precision, checks, options.strategy, options.meshes)
+    """The cases a battery session runs under ``options`` (its world sizes and precision lanes); under ``--quick``
+    only those on :data:`harness.battery.selection.QUICK_SCENARIOS` (its world sizes and precision are already the
+    options')."""
+    out = cases(options.world_sizes, options.precision, checks, options.strategy, options.meshes)
+    return [c for c in out if c.scenario in QUICK_SCENARIOS] if options.quick else out
 
 
 FIRST_LAYOUTS = 2

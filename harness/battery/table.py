@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.battery import plan, registry, runner
 from harness.battery.diagnose import diagnose
 from harness.battery.options import BatteryOptions
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, SKIPPED, Verdict
 from harness.recipes import CONTROLS
 from harness.recipes.catalog import IN_PROCESS
 
@@ -123,6 +123,9 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
 def _cell(v: Verdict) -> str:
     if v.status == NOT_APPLICABLE:
         return "n/a"
+    if v.status == SKIPPED:  # what it would have said stays on the row: a skip hides no failure
+        would = {FAIL: "FAIL", NOT_APPLICABLE: "n/a"}.get(str(v.skipped_status), "PASS")
+        return f"SKIP ({would})"
     text = "PASS" if v.status != FAIL else "FAIL"
     if v.status == FAIL and v.cause not in (None, "numbers"):
         return f"{text} ({v.cause})"
@@ -159,9 +162,10 @@ def recipe_names(recipes: Sequence[str]) -> dict[str, str]:
     return names
 
 
-def format_table(verdicts: Sequence[Verdict]) -> str:
+def format_table(verdicts: Sequence[Verdict], notes: bool = True) -> str:
     """Rows are cases (the drawn lane: one row), columns recipes, titled by their ``name``; a cell is PASS/FAIL with
-    the max error where there is one, or n/a."""
+    the max error where there is one, n/a, or SKIP with what it would have been. ``notes``: a footnote per failing
+    row's reading (off where :mod:`harness.battery.summary` says each reading once)."""
     recipes = list(dict.fromkeys(v.recipe for v in verdicts))
     keys = list(dict.fromkeys(row_label(v) for v in verdicts))
     cell = {(v.recipe, row_label(v)): v for v in verdicts}
@@ -187,7 +191,7 @@ def format_table(verdicts: Sequence[Verdict]) -> str:
                 skipped.setdefault((recipe, v.message.split(": ", 2)[-1]), []).append(key)
             elif v is not None and v.status == PASS and v.finding and v.notes:
                 noted.setdefault((recipe, v.finding), ([], v.notes[0]))[0].append(key)
-            elif v is not None and (v.finding or v.diagnosis):
+            elif notes and v is not None and (v.finding or v.diagnosis):
                 said = str(v.diagnosis["line"]) if v.diagnosis else str(v.finding)
                 footnotes.append(f"{titles[recipe]}, {key}: {said}")
         lines.append(" | ".join(parts))
@@ -242,7 +246,7 @@ def report_payload(*, recipes: Sequence[str], checks: Sequence[Mapping[str, obje
         "precision": precision,
         "expected": expected,
         "run": len(checks),
-        "counts": {s: statuses.count(s) for s in ("pass", "fail", "n/a")},
+        "counts": {s: statuses.count(s) for s in ("pass", "fail", "n/a", "skipped")},
         "errors": list(errors),
         "exit_status": exit_status,
         "checks": [dict(c) for c in checks],

@@ -39,7 +39,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     from harness.battery.options import from_pytest
 
-    cases = plan.session_cases(from_pytest(metafunc.config), checks=(name,))
+    options = from_pytest(metafunc.config)
+    cases = plan.session_cases(options, checks=(name,))
+    if not cases and options.quick:  # say why, rather than pytest's "got empty parameter set"
+        why = f"--quick: {name} runs on none of its scenarios; the full battery runs it"
+        metafunc.parametrize("case", [pytest.param(None, id="quick", marks=pytest.mark.skip(reason=why))])
+        return
     # One xdist group per launch: with --dist loadgroup the checks sharing a run stay on the worker that ran it.
     params = [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(c.run_key)) for c in cases]
     metafunc.parametrize("case", params)

@@ -2,10 +2,11 @@
 and every reading of a failed run builds it with.
 
 A verdict never raises. Its ``status`` is ``"pass"``, ``"fail"`` or ``"n/a"`` (the check means nothing here: there is
-nothing to synchronize or agree on with one rank); a failure carries its ``cause``: ``"numbers"`` when the check's own
-comparison failed, else how the run itself failed (``"desync"``, ``"crash"``, ``"died"``, ``"deadline"``,
-``"refused"``). The battery's tests fail with ``verdict.message``; the negative-control tests require the cause their
-control's mistake produces; the command line prints verdicts as a table.
+nothing to synchronize or agree on with one rank), or ``"skipped"`` (``--battery-skip``: the check ran, its verdict is
+kept in ``skipped_status`` and its message, and does not count); a failure carries its ``cause``: ``"numbers"`` when
+the check's own comparison failed, else how the run itself failed (``"desync"``, ``"crash"``, ``"died"``,
+``"deadline"``, ``"refused"``). The battery's tests fail with ``verdict.message``; the negative-control tests require
+the cause their control's mistake produces; the command line prints verdicts as a table.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from harness.battery.run import Run
 
-PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
+PASS, FAIL, NOT_APPLICABLE, SKIPPED = "pass", "fail", "n/a", "skipped"
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,15 @@ class Verdict:
     fix: str | None = None
     """What to change in the recipe, in the words of the user's code, where a failure's cause is known (a parity
     failure's diagnosis, a missing ``no_sync``, a global generator moved); None: a pass, or a cause not read."""
+    skip_reason: str | None = None
+    """Why the user skipped this check (``--battery-skip CHECK=reason``); set only on a ``"skipped"`` verdict."""
+    skipped_status: str | None = None
+    """What a skipped verdict would have been (``"pass"``, ``"fail"``, ``"n/a"``): a skip never hides a failure."""
 
     @property
     def passed(self) -> bool:
-        """True unless the check failed (a check that does not apply did not fail; ``status`` tells them apart)."""
+        """True unless the check failed (a check that does not apply did not fail, nor did one the user skipped:
+        ``status`` tells them apart, and a skipped verdict's ``skipped_status`` says what it would have been)."""
         return self.status != FAIL
 
     def to_dict(self) -> dict[str, object]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -44,6 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         PP_MICROBATCHES_HELP,
         PP_SCHEDULE_HELP,
         PP_STEPS_HELP,
+        QUICK_HELP,
+        SKIP_HELP,
     )
 
     group = parser.getgroup("ddp-harness", "distributed gradient semantics")
@@ -103,6 +105,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--battery-examples", default=12, type=int, metavar="N",
         help="drawn layouts the battery's property lane checks (default: 12; each is one multi-rank launch; 0: none)",
     )
+    group.addoption("--battery-skip", dest="battery_skip", action="append", default=None, metavar="CHECK[=REASON]",
+                    help=SKIP_HELP)
+    group.addoption("--quick", dest="battery_quick", action="store_true", default=False, help=QUICK_HELP)
     group.addoption(
         "--trainer", default=None, metavar="PKG.MODULE:FACTORY",
         help="the training loop the resume battery checks (pytest --pyargs harness.resume): a zero-argument factory "
@@ -242,14 +247,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("battery_report")
     if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
         return
-    from harness.battery.table import report_payload, write_report
+    from harness.battery.summary import verdict_from_dict, write_full_report
+    from harness.battery.table import report_payload
 
     options = options_from(session.config)
-    write_report(path, report_payload(
+    write_full_report(path, report_payload(
         recipes=[chosen_recipe(session.config)], checks=_CONTROLLER_VERDICTS, expected=_SESSION.get("expected", 0),
         exit_status=int(exitstatus), errors=_ERRORS, model=options.model, batch_format=options.batch_format,
         model_notes=_MODEL_NOTES, world_sizes=options.world_sizes, precision=options.precision,
-    ))
+    ), [verdict_from_dict(c) for c in _CONTROLLER_VERDICTS], _ERRORS)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    # The battery's grouped summary, once, after pytest's own failures: each cause with its cases, reading and fix,
+    # and what --battery-skip recorded (the controller's verdicts: with or without xdist).
+    if hasattr(config, "workerinput") or not _CONTROLLER_VERDICTS:
+        return
+    if not any(c.get("status") in ("fail", "skipped") for c in _CONTROLLER_VERDICTS):
+        return
+    from harness.battery.summary import format_summary, text_path, verdict_from_dict
+
+    path = config.getoption("battery_report")
+    said = format_summary([verdict_from_dict(c) for c in _CONTROLLER_VERDICTS], path,
+                          text_path(path) if path else None)
+    terminalreporter.write_sep("=", "battery summary")
+    for line in said.splitlines():
+        terminalreporter.write_line(line)
 
 
 def chosen_recipe(config: pytest.Config) -> str:
@@ -274,9 +297,14 @@ def options_from(config: pytest.Config) -> BatteryOptions:
     from harness.battery.options import from_pytest
 
     try:
-        return from_pytest(config)
+        options = from_pytest(config)
+        if options.skip:  # the registry's names (importing it imports torch: only when --battery-skip is given)
+            from harness.battery.skips import check_skips
+
+            check_skips(options.skip)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    return options
 
 
 def resume_options_from(config: pytest.Config) -> ResumeOptions:
@@ -334,11 +362,18 @@ def batch_format(battery_options: BatteryOptions) -> str:
 @pytest.fixture
 def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
     """Record a verdict for ``--battery-report``; fail the test with its message when it failed (with every rank's
-    whole report under ``-v``), skip it when the check does not apply."""
-    from harness.battery.verdict import NOT_APPLICABLE
+    whole report under ``-v``), skip it when the check does not apply or ``--battery-skip`` names it (the reason
+    and what it would have said in the skip's message)."""
+    from harness.battery.skips import skip, skip_message
+    from harness.battery.verdict import NOT_APPLICABLE, SKIPPED
+
+    skips = options_from(request.config).skip
 
     def check(verdict: Verdict) -> None:
+        verdict = skip(verdict, skips)  # --battery-skip: recorded as skipped, with what it would have said
         request.node.user_properties.append((_PROPERTY, verdict.to_dict()))
+        if verdict.status == SKIPPED:
+            pytest.skip(skip_message(verdict))
         if verdict.status == NOT_APPLICABLE:
             pytest.skip(verdict.message)
         if not verdict.passed:

@@ -42,17 +42,22 @@ def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, 
 def battery_options(args: argparse.Namespace) -> BatteryOptions:
     """The battery's options from the command line, parsed once (the pytest plugin parses its own options through the
     same :meth:`~harness.battery.options.BatteryOptions.parse`); bad input names the option."""
+    from harness.battery.skips import check_skips
+
     try:
-        return BatteryOptions.parse(
+        options = BatteryOptions.parse(
             model=getattr(args, "model", None), batch_format=getattr(args, "batch_format", "harness"),
             strategy=getattr(args, "strategy", "ddp"), precision=args.precision, world_sizes=args.world_sizes,
             examples=args.examples, deadline=args.deadline,
             find_unused=getattr(args, "find_unused_parameters", "auto"), report=args.json,
             objective=getattr(args, "objective", "token_mean"), mesh=getattr(args, "mesh", None),
             chunking=getattr(args, "cp_chunking", "contiguous"), pp_schedule=getattr(args, "pp_schedule", "gpipe"),
-            pp_steps=getattr(args, "pp_steps", 1), pp_microbatches=getattr(args, "pp_microbatches", 2))
+            pp_steps=getattr(args, "pp_steps", 1), pp_microbatches=getattr(args, "pp_microbatches", 2),
+            skip=getattr(args, "skip", None), quick=getattr(args, "quick", False))
+        check_skips(options.skip)  # the registry's names: an unknown one is bad input before any run
     except ValueError as exc:
         raise BadInput(str(exc)) from None
+    return options
 
 
 def cmd_battery(args: argparse.Namespace) -> int:
@@ -63,6 +68,8 @@ def cmd_battery(args: argparse.Namespace) -> int:
     check failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
     """
     from harness.battery import plan
+    from harness.battery.skips import skip_all
+    from harness.battery.summary import compact_table, format_summary, write_full_report
     from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
     from harness.recipes import CONTROLS, RecipeError, load_recipe
 
@@ -111,12 +118,13 @@ def cmd_battery(args: argparse.Namespace) -> int:
                                           precision=lane.precision, strategy=lane.strategy, examples=lane.examples,
                                           mesh=lane.mesh))
     results = run_controls(controls, options, progress) if controls else []
+    verdicts = skip_all(verdicts, options.skip)  # recorded as skipped, never dropped: the summary says what they said
     elsewhere = [c for c in controls if CONTROLS[c].launch != "in-process"]
     if elsewhere:
         print(f"not run here (they need ranks on more than one node; run them under torchrun across nodes, "
               f"python -m harness.battery.dist): {', '.join(elsewhere)}")
     if verdicts:
-        print(format_table(verdicts))
+        print(format_table(verdicts) if args.verbose else compact_table(verdicts))
     if results:
         head = "negative controls, each on its target, and what the diagnosis reads in their gradients:"
         print(("\n" if verdicts else "") + head + "\n" + format_controls(results))
@@ -128,26 +136,28 @@ def cmd_battery(args: argparse.Namespace) -> int:
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed or unrejected else 0
     meshes = f", the cases over mesh {' and '.join(m.label for m in options.meshes)}" if options.meshes else ""
+    quick = " (--quick)" if options.quick else ""
     print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
-          f"{list(worlds)}{meshes}, precision {options.precision}, in {time.monotonic() - start:.1f} s (CPU, gloo)")
-    for path in filter(None, (options.report,)):
-        from harness.battery.table import write_report
-
-        expected = (len(cases) + len(lanes)) * len(recipes)
-        write_report(path, report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
-                                       precision=options.precision, model=model, batch_format=batch_format,
-                                       model_notes=notes))
-        print(f"report written to {path}")
+          f"{list(worlds)}{meshes}, precision {options.precision}{quick}, in {time.monotonic() - start:.1f} s "
+          "(CPU, gloo)")
+    expected = (len(cases) + len(lanes)) * len(recipes)
+    payload = report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
+                          precision=options.precision, model=model, batch_format=batch_format, model_notes=notes)
+    unrejected_lines = [f"control {c.control} not rejected: {c.verdict.message}" for c in unrejected]
+    report, text = write_full_report(options.report, payload, verdicts, [format_controls(results), *unrejected_lines])
     junit = getattr(args, "junit", None)
     if junit:
         from harness.battery.junit import write_junit
 
         write_junit(junit, verdicts, results, duration_s=time.monotonic() - start)
         print(f"junit written to {junit}")
-    for v in failed:
-        err(v.message)
-    for c in unrejected:
-        err(f"control {c.control} not rejected: {c.verdict.message}")
+    if args.verbose:
+        sys.stdout.flush()
+        for v in failed:
+            err(v.message)
+    print("\n" + format_summary(verdicts, report, text), flush=True)  # the last screen: each cause once, its fix
+    for line in unrejected_lines:
+        err(line)
     if usage:
         err(f"usage error: {usage[0].message.split('usage error on ', 1)[-1]}")
     elif failed:
@@ -158,7 +168,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
         err(f"FAILED: negative control(s) not rejected by their targeted check: "
              f"{sorted({c.control for c in unrejected})}")
     else:
-        print("every check holds" + ("; every negative control is rejected by its targeted check" if results else ""))
+        skipped = sorted({v.check for v in verdicts if v.status == "skipped"})
+        print("every check holds" + ("; every negative control is rejected by its targeted check" if results else "")
+              + (f" (skipped: {', '.join(skipped)}; see above what they said)" if skipped else ""))
     return status
 
 

@@ -25,6 +25,8 @@ from harness.battery.options import (
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
     PP_STEPS_HELP,
+    QUICK_HELP,
+    SKIP_HELP,
     add_lane_options,
 )
 from harness.workflow import explain, resume
@@ -142,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--battery-junit", dest="junit", metavar="PATH", default=None,
                    help="write the verdicts and controls as JUnit XML, one test case each, for CI systems (pytest's "
                    "lane: --junitxml=PATH)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print each run as it starts")
+    p.add_argument("--battery-skip", dest="skip", action="append", metavar="CHECK[=REASON]", help=SKIP_HELP)
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print each run as it starts, every row of the table and every failure's whole message")
     p.set_defaults(fn=cmd_battery)
 
     explain.add_parser(sub)

@@ -19,7 +19,7 @@ FLAGS = {"--battery-world-sizes": "2,3", "--precision": "fp32", "--battery-examp
          "--battery-deadline": "45", "--batch-format": "hf", "--find-unused-parameters": "off",
          "--battery-report": "out.json", "--strategy": "both", "--objective": "sequence_mean", "--mesh": "dp=2,cp=2",
          "--cp-chunking": "load_balanced", "--pp-schedule": "1f1b",
-         "--pp-steps": "3", "--pp-microbatches": "4"}
+         "--pp-steps": "3", "--pp-microbatches": "4", "--battery-skip": "hygiene=we seed ourselves"}
 
 
 class _Config:
@@ -30,7 +30,8 @@ class _Config:
             "model": None, "batch_format": "harness", "strategy": "ddp", "precision": "both",
             "battery_world_sizes": "1,2,3,4", "battery_examples": 12, "battery_deadline": None,
             "find_unused_parameters": "auto", "battery_report": None, "objective": "token_mean", "mesh": None,
-            "cp_chunking": "contiguous", "pp_schedule": "gpipe", "pp_steps": "1", "pp_microbatches": "2"}
+            "cp_chunking": "contiguous", "pp_schedule": "gpipe", "pp_steps": "1", "pp_microbatches": "2",
+            "battery_skip": None, "battery_quick": False}
         for flag, value in pytester_args.items():
             dest = flag.lstrip("-").replace("-", "_")
             self.values[dest] = int(value) if dest == "battery_examples" else (
@@ -51,7 +52,8 @@ def test_both_surfaces_parse_the_same_flags_into_the_same_options() -> None:
     assert cli == BatteryOptions(batch_format="hf", precision="fp32", world_sizes=(2, 3), examples=4, deadline=45.0,
                                  find_unused="off", report="out.json", strategy="both", objective="sequence_mean",
                                  meshes=(Mesh.parse("dp=2,cp=2"),), chunking="load_balanced",
-                                 pp_schedule="1f1b", pp_steps=3, pp_microbatches=4)
+                                 pp_schedule="1f1b", pp_steps=3, pp_microbatches=4,
+                                 skip=(("hygiene", "we seed ourselves"),))
     assert _cli({}) == options_from(_Config({})) == BatteryOptions()  # type: ignore[arg-type]
     # Its negative control: one flag apart is another value.
     assert _cli({"--precision": "fp64"}) != options_from(_Config({}))  # type: ignore[arg-type]

@@ -163,7 +163,7 @@ def test_the_command_line_gives_the_drawn_lane_its_deadline_and_world_sizes(
     monkeypatch.setattr(table, "run_cases", lambda *args, **kwargs: [])
     monkeypatch.setattr(lay, "drawn_verdict", drawn)
     assert 0 == main(["battery", "--recipe", CORRECT, "--battery-world-sizes", "2,3", "--battery-examples", "2",
-                      "--battery-deadline", "120"])
+                      "--battery-deadline", "120", "-v"])  # -v: every row, the passing drawn rows included
     assert 2 == len(calls)  # --precision both: the float32 and the float64 lane
     assert (120.0, (2, 3), 2) == (calls[0].deadline, calls[0].world_sizes, calls[0].examples)
     out = capsys.readouterr().out
