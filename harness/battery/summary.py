@@ -180,6 +180,21 @@ def format_skipped(verdicts: Sequence[Verdict], titles: Mapping[str, str] | None
     return lines
 
 
+def format_notes(verdicts: Sequence[Verdict], titles: Mapping[str, str] | None = None) -> list[str]:
+    """A passing verdict's consequence (the empty window's NaN logged loss beside zero gradients: the optimizer still
+    steps), once per recipe and finding, with where it held: the compact table shows no passing row to footnote."""
+    noted: dict[tuple[str, str], list[Verdict]] = {}
+    for v in verdicts:
+        if v.status == PASS and v.finding and v.notes:
+            noted.setdefault((v.recipe, v.finding), []).append(v)
+    out = []
+    for (recipe, _), vs in noted.items():
+        title = (titles or {}).get(recipe)
+        head = f"{title}: " if title else ""
+        out += _wrapped(f"{head}{vs[0].check} ({_cases(len(vs))}: {where(vs)}): {vs[0].notes[0]}", "")
+    return out
+
+
 def format_summary(verdicts: Sequence[Verdict], report: str | Path | None = None,
                    text: str | Path | None = None) -> str:
     """The last screen before the status line: the failing groups, then what was skipped, then where the full
@@ -193,6 +208,10 @@ def format_summary(verdicts: Sequence[Verdict], report: str | Path | None = None
         out.append(f"failing checks, grouped by cause ({failing} case(s) in {len(groups)} group(s)):")
         for g in groups:
             out += format_group(g, titles.get(g.recipe), "  ")
+    noted = format_notes(verdicts, titles)
+    if noted:
+        out.append("notes on passing checks (they hold, and say what a training loop would do next):")
+        out += ["  " + line for line in noted]
     skipped = format_skipped(verdicts, titles)
     if skipped:
         out.append("skipped (--battery-skip; each check still ran):")

@@ -221,3 +221,20 @@ def test_a_failing_check_not_skipped_still_exits_1(monkeypatch: pytest.MonkeyPat
     assert "parity: skipped (reason: no reason given); it would have passed in 1 case" in captured.out
     assert captured.err.strip().splitlines()[-1].startswith("FAILED: 1 check(s) failed; first: hygiene")
     assert "full report: " in captured.out  # written to a fresh folder, named on the last screen
+
+
+def test_a_passing_check_s_consequence_is_said_once_with_where_it_held() -> None:
+    """The empty window's NaN logged loss beside zero gradients passes with a note (the optimizer still steps): the
+    last screen says it once for its cases, since the compact table shows no passing row to footnote."""
+    note = "ranks 0, 1 logged nan beside zero gradients: the optimizer still steps"
+    verdicts = [Verdict("empty_window", R, "all_empty", w, "fp32", PASS, "passed", finding="nan_logged_loss",
+                        notes=(note,)) for w in (1, 2)]
+    screen = summary.format_summary(verdicts)
+    assert 1 == screen.count("the optimizer still steps")
+    assert "empty_window (2 cases: W=1,2; all_empty; fp32)" in screen
+
+
+def test_a_pass_without_a_finding_adds_no_note() -> None:
+    """The negative control: a plain pass, even one carrying notes of the run, says nothing on the last screen."""
+    verdicts = [Verdict("parity", R, "uneven", 2, "fp32", PASS, "passed", notes=("the model ...",))]
+    assert "" == summary.format_summary(verdicts)
