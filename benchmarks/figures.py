@@ -261,11 +261,19 @@ def _bf16_scale_row(data: dict[str, Any], scenario: str, world: int) -> str:
 
 
 def _quick_seconds(data: dict[str, Any]) -> dict[str, str]:
-    """The quick run's median wall time, under whichever name ``benchmarks/quick_bench.py`` gives it."""
+    """A single quick time at the file's top level, under whichever name a results file gives it."""
     for key in ("median_wall_s", "wall_median_s", "median_s"):
-        if isinstance(data.get(key), (int, float)):
+        if key in data:
             return {"quick": fixed(data[key], 1)}
     raise KeyError("quick.json holds none of 'median_wall_s', 'wall_median_s', 'median_s' at its top level")
+
+
+def _quick_and_full(data: dict[str, Any]) -> dict[str, str]:
+    """``--quick``'s and the full battery's median wall times for the correct recipe, fresh processes, in one run of
+    ``benchmarks/quick_bench.py``, and their ratio."""
+    return {"quick": fixed(data["results"]["quick"]["median_s"], 1),
+            "full": fixed(data["results"]["full"]["median_s"], 1),
+            "ratio": fixed(data["ratio_full_over_quick"], 2)}
 
 
 # --- the registry --------------------------------------------------------------------------------------------------
@@ -338,8 +346,10 @@ REGISTRY: tuple[Figure, ...] = (
     Figure(README, "with a two-layer GPT-2 and Llama from transformers, {gpt2} s and {llama} s",
            "model_battery.json", lambda d: {"gpt2": fixed(d["results"]["GPT-2 (2 layers)"]["wall_median_s"], 1),
                                             "llama": fixed(d["results"]["Llama (2 layers)"]["wall_median_s"], 1)}),
-    Figure(README, "`--quick` gives a first verdict in {quick} s on the built-in model", "quick.json", _quick_seconds,
-           until_measured="python benchmarks/quick_bench.py"),
+    Figure(README, "`--quick` gives a first verdict in {quick} s on the built-in model, the full battery in {full} s",
+           "quick.json", _quick_and_full),
+    Figure("docs/battery.md", "its last run: `--quick` {quick} s, the full battery {full} s ({ratio}x)", "quick.json",
+           _quick_and_full),
     Figure(README, "`bash scripts/test.sh` from a fresh clone: {tests} tests in {time:text} (median of the runs in",
            "suite.json", lambda d: {"tests": str(suite_tests(d)), "time": min_s(d["median_wall_s"])}),
     *(Figure(README, f"{row} | {{cell}}", "libraries.json",
