@@ -23,11 +23,11 @@ from functools import lru_cache
 
 import torch
 
-from harness.battery import gradless, scenarios
+from harness.battery import gradless, model_limits, scenarios
 from harness.battery.backward_check import BackwardCheck, check_backward, dtypes_seen, moves_loss
 from harness.battery.finite_difference import RANK
 from harness.battery.spec import ModelSpec
-from harness.core.formats import HARNESS, HF, PACKED, hf_forward, to_packed
+from harness.core.formats import HARNESS, PACKED, hf_forward, to_packed
 from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 
@@ -81,6 +81,9 @@ class ModelFacts:
     """Under ``--batch-format packed``, the sentence of a model whose packed forward is not its unpacked one
     (:func:`harness.battery.packing_probe.packing_gap`: its attention crosses the sequences of a packed row); None:
     it keeps them apart, or another batch format."""
+    label_loss: str | None = None
+    """The note of a forward that takes labels (or targets) and whose own loss cannot take the battery's ignore index
+    (:func:`harness.battery.model_limits.label_loss_note`); None: no such forward, or its loss takes -100."""
 
     @property
     def computes_in(self) -> str | None:
@@ -117,9 +120,14 @@ class ModelFacts:
                        "by 1/N, which rounds differently in the lower precision")
         if self.packing is not None:
             out.append(self.packing)
+        if self.label_loss is not None:
+            out.append(self.label_loss)
         if self.refused:
             out.append("the model refuses some microbatch shapes (" + "; ".join(self.refused) + "): the drawn "
                        "layouts leave them out, and a fixed case holding one is n/a")
+        if self.max_len is not None:  # hf and packed rows hold one token more than the harness format's inputs
+            limit = self.max_len + (0 if self.batch_format == HARNESS else 1)
+            out[-1] += f"; {model_limits.limit_fix(self.batch_format, limit)} to check every case"
         return tuple(out)
 
     def allows(self, rows: int, positions: int) -> bool:
@@ -235,9 +243,11 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
             name = f"model={spec.path!r}" if spec.path is not None else "the built-in model"
             with torch.no_grad():
                 packing = packing_gap(model, name=name).note()
+        label_loss = model_limits.label_loss_note(spec, model, battery_mb)
     return ModelFacts(spec.path, spec.batch_format, min_positions=min_positions, max_len=max_len, unused=unused,
                       buffers_changed=changed, stateful=stateful, refused=tuple(refused),
-                      lower_precision=lower, gradless=causes, backward=backward, packing=packing)
+                      lower_precision=lower, gradless=causes, backward=backward, packing=packing,
+                      label_loss=label_loss)
 
 
 def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
@@ -252,17 +262,20 @@ def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
     spec = ModelSpec(path, batch_format)
     model = spec.build()
     mb = small_battery_microbatch()  # the shapes a model may refuse (one row, long rows) are probe_model's to find
-    try:
-        with rank_threads(), torch.random.fork_rng(devices=[]):
+    # Packed batches are judged against the same sequences unpacked: the probe runs the hf call. The model's own
+    # error is read by running it again (ids of 1, shorter rows), never by its text alone: docs/your-model.md.
+    with rank_threads(), torch.random.fork_rng(devices=[]):
+        try:
+            wrong = model_limits.check_logits(spec, model, mb)
+        except Exception as exc:
+            raise ModelError(model_limits.read_failure(spec, model, mb, exc)) from exc
+        if wrong is not None:
+            raise ModelError(wrong)
+        try:
             total = spec.loss_sum(model, mb)
-    except Exception as exc:
-        # packed batches are judged against the same sequences unpacked: the probe runs the hf call
-        call = ("model(input_ids=..., attention_mask=...)" if batch_format in (HF, PACKED) else "model(inputs)")
-        msg = (f"model={path!r}: {call} on one battery microbatch (batch format {batch_format!r}) failed: "
-               f"{type(exc).__name__}: {exc}. The model must take token ids [B, T] of the battery's vocabulary "
-               f"({scenarios.BATTERY_CONFIG.vocab_size}) and return logits [B, T, V] as a tensor, an object with "
-               ".logits, or a tuple whose first element is the logits")
-        raise ModelError(msg) from exc
+        except Exception as exc:
+            msg = f"{model_limits.who(path)}: the loss of its logits on one battery microbatch failed: {exc!r}"
+            raise ModelError(msg) from exc
     if total.dim() != 0 or not bool(torch.isfinite(total)):
         msg = f"model={path!r}: the loss sum of one battery microbatch is {total!r}, not a finite scalar"
         raise ModelError(msg)

@@ -34,6 +34,8 @@ RowShape = tuple[int, int]
 MAX_MICROBATCHES = 6
 MAX_WINDOWS = 2
 MAX_ROWS = 3
+SHORTEST_ROW = 2
+"""The fewest tokens of a drawn row (one input position and its target)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def layouts(max_world_size: int = MAX_WORLD_SIZE, max_microbatches: int = MAX_MI
                 mbs = []
                 for _ in range(n_mb):
                     empty = rank == empty_rank or draw(st.integers(0, 5)) == 0
-                    rows = draw(st.lists(st.tuples(st.integers(2, max_len), st.integers(0, prompt_max)),
+                    rows = draw(st.lists(st.tuples(st.integers(SHORTEST_ROW, max_len), st.integers(0, prompt_max)),
                                          min_size=1, max_size=MAX_ROWS))
                     mbs.append(_fit_rows([(n, n if empty else min(p, n - 1)) for n, p in rows], facts))
                 window.append(mbs)
