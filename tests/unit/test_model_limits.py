@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.battery import facts, layouts, model_limits
+from harness.battery import facts, layouts, model_limits, scenarios
 from harness.core.formats import to_packed
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.model import ModelError
@@ -48,6 +48,21 @@ def test_the_table_check_rejects_a_stale_number() -> None:
     """Negative control: a page saying another vocabulary differs from the code's."""
     stale = {**_table(), "vocab_size": 64}
     assert _code() != stale
+
+
+def test_the_docs_rows_per_scenario_are_the_scenarios_at_two_ranks() -> None:
+    """Each scenario's rows, positions and packed widths at W=2, rebuilt from harness.battery.scenarios, are the
+    page's table."""
+    section = DOC.read_text().split("## What the battery feeds your model", 1)[1].split("\n## ", 1)[0]
+    page = {m[1]: m.groups()[1:] for m in re.finditer(r"^  \| `(\w+)` \| (\d+-\d+) \| (\d+-\d+) \| (\d+-\d+) \| "
+                                                     r"(\d+-\d+) \|", section, flags=re.MULTILINE)}
+    built = {}
+    for name in scenarios.BATTERY_SCENARIOS:
+        mbs = [mb for window in scenarios.build(name, 2) for rank in window for mb in rank]
+        rows, ts = [mb.inputs.shape[0] for mb in mbs], [mb.inputs.shape[1] for mb in mbs]
+        widths = [to_packed(mb)["input_ids"].shape[1] for mb in mbs]
+        built[name] = tuple(f"{min(v)}-{max(v)}" for v in (rows, ts, [t + 1 for t in ts], widths))
+    assert built == page
 
 
 def test_the_widest_packed_row_is_two_of_the_longest_sequences() -> None:
