@@ -146,7 +146,9 @@ def check_logits(spec: ModelSpec, model: nn.Module, mb: Microbatch) -> str | Non
     if got != t:
         return (f"{who(spec.path)}: returns logits for {got} of {t} positions (shape {tuple(raw.shape)}): the battery "
                 "calls model(inputs) and reads every position's logits [B, T, V]; make forward return them all when "
-                "called without targets (nanoGPT: `logits = self.lm_head(x)` in both branches)")
+                "called without targets (nanoGPT: `logits = self.lm_head(x)` in both branches), or, to keep your model "
+                "file as it is, have the --model factory return a subclass whose forward passes targets (nanoGPT: "
+                "`super().forward(idx, torch.full_like(idx, -1))`)")
     if raw.shape[-1] < VOCAB:
         return (f"{who(spec.path)}: its logits have {raw.shape[-1]} entries per position, under the battery's "
                 f"vocabulary of {VOCAB} (token ids 1..{VOCAB - 1}; harness.battery.scenarios.BATTERY_CONFIG."

@@ -76,7 +76,9 @@ def test_nanogpt_returning_the_last_position_only_is_refused_with_the_fix() -> N
     """nanoGPT's logits[:, [-1], :] without targets: one of eight positions, and the line to change."""
     assert ("model='user_recipes.nanogpt:nanogpt': returns logits for 1 of 8 positions (shape (2, 1, 32)): the battery "
             "calls model(inputs) and reads every position's logits [B, T, V]; make forward return them all when called "
-            "without targets (nanoGPT: `logits = self.lm_head(x)` in both branches)") == _refused("nanogpt")
+            "without targets (nanoGPT: `logits = self.lm_head(x)` in both branches), or, to keep your model file as "
+            "it is, have the --model factory return a subclass whose forward passes targets (nanoGPT: "
+            "`super().forward(idx, torch.full_like(idx, -1))`)") == _refused("nanogpt")
 
 
 def test_a_last_position_of_shape_b_v_is_read_as_one_position() -> None:
