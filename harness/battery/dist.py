@@ -55,6 +55,7 @@ from harness.battery.options import (
     BATCH_FORMAT_HELP,
     BATCH_FORMATS,
     CHUNKING_HELP,
+    KEEP_GOING_HELP,
     MESH_HELP,
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
@@ -107,6 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--battery-skip", dest="skip", action="append", metavar="CHECK[=REASON]", help=SKIP_HELP)
     p.add_argument("--quick", action="store_true", help=QUICK_HELP + " (here: fp32 and the quick scenarios at the "
                    "job's world size)")
+    p.add_argument("--battery-keep-going", dest="keep_going", action="store_true", help=KEEP_GOING_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="every row of the table and every failure's message")
     return p.parse_args(argv)
 

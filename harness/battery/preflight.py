@@ -1,0 +1,51 @@
+"""The pre-flight: the recipe once on the smallest case before the matrix, so that a recipe that raises stops the
+battery within seconds with one message, not the same traceback from every case.
+
+The smallest case is the session's smallest world size on ``uneven`` (else its first scenario there), in the first
+precision lane, strategy and mesh of the session. It runs through :func:`harness.battery.runner.run`, whose cache the
+matrix shares: a recipe that passes the pre-flight is not launched twice for that case.
+``--battery-keep-going`` (:data:`harness.battery.options.KEEP_GOING_HELP`) runs the matrix anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from harness.battery import plan, runner
+from harness.battery.crash_report import read_crash
+from harness.battery.options import BatteryOptions
+
+PREFERRED = "uneven"
+"""The scenario the pre-flight prefers: every rank has tokens, with windows of several microbatches."""
+
+USAGE = "ContractViolation:"
+
+
+def smallest(cases: Sequence[plan.Case]) -> plan.Case | None:
+    """The case the pre-flight runs: the smallest world size, ``uneven`` there if the session has it."""
+    if not cases:
+        return None
+    least = min(c.world_size for c in cases)
+    first = [c for c in cases if c.world_size == least]
+    return next((c for c in first if c.scenario == PREFERRED), first[0])
+
+
+def preflight(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions) -> str | None:
+    """Run ``recipe`` on :func:`smallest` of ``cases``; None when no rank raised, else the one message that says
+    which exception, on which rank, where in the user's code, and the known fix."""
+    case = smallest(cases)
+    if case is None:
+        return None
+    run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision, strategy=case.strategy,
+                                  mesh=case.mesh))
+    crash = read_crash(run.failure)
+    if crash is None or crash.exception.split(":", 1)[0].endswith("ContractViolation"):
+        return None  # a usage error, a death or a deadline: the matrix's verdicts say those as they always have
+    mesh = "" if case.mesh is None else f", mesh {case.mesh.label}"
+    world = case.mesh.world_size if case.mesh is not None else case.world_size
+    return "\n".join([
+        f"the recipe {recipe} raised in the pre-flight (its first case: {case.scenario}, W={case.world_size}, "
+        f"{case.precision}, {case.strategy}{mesh}), on rank {crash.rank} of {world}:",
+        *crash.lines(),
+        "no other case was run: fix the recipe, or pass --battery-keep-going to run every case anyway",
+    ])

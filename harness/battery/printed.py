@@ -1,0 +1,67 @@
+"""What the ranks printed over a whole battery, said once per distinct line at its end.
+
+A recipe's ``print`` runs on every rank of every launch, and a library's warning (accelerate's, transformers') comes
+again in each launch: relayed per launch they bury the verdicts. A :class:`Printed` collects every launch's rank
+output (:func:`harness.distributed.output.collect`) and :meth:`Printed.lines` gives each distinct line once, with
+how many ranks and launches printed it (``[printed by 38 ranks in 12 launches] hello from my step``), the first
+:data:`SHOWN` of them unless every one is asked for; ``-v`` relays them as they come instead (:func:`start`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from harness.distributed import output
+
+SHOWN = 5
+"""Distinct lines printed at the end of a battery without ``-v``."""
+
+
+@dataclass
+class Printed:
+    """Each distinct line the ranks printed: how many ranks printed it, in how many launches (first seen first)."""
+
+    ranks: dict[str, int] = field(default_factory=dict)
+    launches: dict[str, int] = field(default_factory=dict)
+
+    def add(self, texts: Mapping[int, str]) -> None:
+        """One launch's output, each rank's whole text (what :func:`harness.distributed.output.read` returns)."""
+        seen: dict[str, int] = {}
+        for _, text in sorted(texts.items()):
+            for line in dict.fromkeys(output.same_line(ln) for ln in text.splitlines() if ln.strip()):
+                seen[line] = seen.get(line, 0) + 1
+        for line, n in seen.items():
+            self.ranks[line] = self.ranks.get(line, 0) + n
+            self.launches[line] = self.launches.get(line, 0) + 1
+
+    def lines(self, shown: int | None = SHOWN) -> list[str]:
+        """Each distinct line with its counts; past ``shown`` (None: no limit), one line counting the rest."""
+        out = []
+        for line, n in self.ranks.items():
+            k = self.launches[line]
+            out.append(f"[printed by {n} rank{'s' if n != 1 else ''} in {k} launch{'es' if k != 1 else ''}] {line}")
+        if shown is not None and len(out) > shown:
+            rest = len(out) - shown
+            out = [*out[:shown], f"{rest} more distinct line{'s' if rest != 1 else ''}: -v shows them"]
+        return out
+
+    def block(self) -> str:
+        """The end-of-battery block: a heading and :meth:`lines`, or ``""`` when no rank printed anything."""
+        said = self.lines()
+        return "what the ranks printed (each distinct line once):\n" + "\n".join(f"  {ln}" for ln in said) \
+            if said else ""
+
+
+def start(verbose: bool) -> Printed:
+    """Collect every following launch's rank output into a new :class:`Printed`; under ``verbose`` leave the relay
+    as it is (each launch's lines as they come) and return an empty one."""
+    printed = Printed()
+    output.collect(None if verbose else printed.add)
+    return printed
+
+
+def stop(printed: Printed) -> str:
+    """Relay again, and return ``printed``'s end-of-battery block."""
+    output.collect(None)
+    return printed.block()
