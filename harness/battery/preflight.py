@@ -9,6 +9,7 @@ matrix shares: a recipe that passes the pre-flight is not launched twice for tha
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from harness.battery import plan, runner
@@ -49,3 +50,14 @@ def preflight(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions) 
         *crash.lines(),
         "no other case was run: fix the recipe, or pass --battery-keep-going to run every case anyway",
     ])
+
+
+def session_preflight(recipe: str, options: BatteryOptions) -> str | None:
+    """:func:`preflight` on the cases a battery session runs under ``options`` (pytest's, torchrun's)."""
+    return preflight(recipe, plan.session_cases(options), options)
+
+
+BATTERY_CASE_ID = re.compile(r"(?:battery/test_battery\.py::|battery/test_drawn_layouts\.py::|\[[a-z_]+-world\d+-)")
+"""A pytest node id of a battery test: its file, or a parameter that is a case's :attr:`~harness.battery.plan.Case.id`
+(``[uneven-world2-fp32]``; under ``--pyargs`` from outside the package an id has no file). An xdist controller sees
+only the ids its workers collected."""

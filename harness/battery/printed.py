@@ -35,6 +35,16 @@ class Printed:
             self.ranks[line] = self.ranks.get(line, 0) + n
             self.launches[line] = self.launches.get(line, 0) + 1
 
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """Plain dicts (what an xdist worker can send its controller)."""
+        return {"ranks": dict(self.ranks), "launches": dict(self.launches)}
+
+    def merge(self, other: Mapping[str, Mapping[str, int]]) -> None:
+        """Add another collection's counts (an :meth:`as_dict`)."""
+        for line, n in other["ranks"].items():
+            self.ranks[line] = self.ranks.get(line, 0) + n
+            self.launches[line] = self.launches.get(line, 0) + other["launches"][line]
+
     def lines(self, shown: int | None = SHOWN) -> list[str]:
         """Each distinct line with its counts; past ``shown`` (None: no limit), one line counting the rest."""
         out = []
@@ -46,9 +56,9 @@ class Printed:
             out = [*out[:shown], f"{rest} more distinct line{'s' if rest != 1 else ''}: -v shows them"]
         return out
 
-    def block(self) -> str:
+    def block(self, shown: int | None = SHOWN) -> str:
         """The end-of-battery block: a heading and :meth:`lines`, or ``""`` when no rank printed anything."""
-        said = self.lines()
+        said = self.lines(shown)
         return "what the ranks printed (each distinct line once):\n" + "\n".join(f"  {ln}" for ln in said) \
             if said else ""
 
