@@ -129,6 +129,15 @@ def read_crash(failure: object) -> Crash | None:
     return None
 
 
+def every_rank_raised(failure: object, world: int) -> bool:
+    """Whether all ``world`` ranks raised the same exception at the same line in a failed run (none died, hung, or
+    failed in a collective a peer left): the ranks can go on to the next run."""
+    details: dict[int, str] = getattr(failure, "details", {})
+    crashes = [parse(details.get(r, "")) for r in range(world)]
+    return getattr(failure, "kind", None) == "raised" and len({c.key if c else None for c in crashes}) == 1 \
+        and crashes[0] is not None
+
+
 def _ranges(values: Sequence[object]) -> str:
     return ",".join(str(v) for v in dict.fromkeys(values))
 

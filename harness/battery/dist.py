@@ -69,6 +69,7 @@ from harness.battery.options import (
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
+from harness.battery.crash_report import every_rank_raised, grouped
 from harness.battery.skips import check_skips, skip_all
 from harness.battery.verdict import FAIL, Verdict
 from harness.distributed.errors import LaunchError
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=options.deadline))
     try:
-        return _battery(args.recipe, options, names, backend, args.junit, args.verbose)
+        return _battery(args.recipe, options, names, backend, args.junit, args.verbose, args.keep_going)
     finally:
         gc.collect()  # a DDP module held by a reference cycle must not outlive the process group
         dist.destroy_process_group()
@@ -278,7 +279,7 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
 
 
 def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None,
-             verbose: bool = False) -> int:
+             verbose: bool = False, keep_going: bool = False) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(options.deadline)
     device = "cuda" if backend == "nccl" else "cpu"
@@ -311,6 +312,8 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
         if i in mine:
             judged[i], stopped = _collect(store, i, mine[i], world, options.deadline, model_error)
+            if keep_going and every_rank_raised(judged[i].failure, world):
+                stopped = None  # --battery-keep-going: no rank is left in a collective, so the next run can start
             _put(store, f"{i}/go", stopped)
         stopped = _get(store, f"{i}/go", options.deadline)
         done = i + 1
@@ -393,6 +396,9 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
         for v in failed:
             if v.cause != "stopped":
                 print(v.message, file=sys.stderr, flush=True)
+    said = "\n".join(grouped(verdicts))
+    if said:
+        print("\n" + said, flush=True)
     print("\n" + format_summary(verdicts, report, text), flush=True)
     not_run = sum(v.cause == "stopped" for v in failed)
     if not_run:
