@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from harness.battery import mesh_scenarios, plan, registry, scenarios
+from harness.battery.crash_report import every_rank_raised, grouped
 from harness.battery.objective import windows_for
 from harness.battery.options import (
     BATCH_FORMAT_HELP,
@@ -69,7 +70,6 @@ from harness.battery.options import (
 from harness.battery.prepare import Prepared, prepare
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
-from harness.battery.crash_report import every_rank_raised, grouped
 from harness.battery.skips import check_skips, skip_all
 from harness.battery.verdict import FAIL, Verdict
 from harness.distributed.errors import LaunchError
