@@ -68,6 +68,7 @@ from harness.battery.options import (
     parse_meshes,
 )
 from harness.battery.prepare import Prepared, prepare
+from harness.battery.printed import Printed, captured
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
 from harness.battery.skips import check_skips, skip_all
@@ -303,13 +304,15 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         if published[0] == "raise":
             raise RuntimeError(published[1])
         _, model_error, digest, wrap, max_norm, weights = published
+        said: list[str] = []
         if model_error is None:
-            try:
-                out: tuple[Any, ...] = ("ok", _on_cpu(rank_body(spec, windows, digest, wrap, max_norm,
-                                                                       weights)))
-            except Exception as exc:
-                out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
+            with captured(not verbose) as said:  # the recipe's prints: once per distinct line, by rank 0 at the end
+                try:
+                    out: tuple[Any, ...] = ("ok", _on_cpu(rank_body(spec, windows, digest, wrap, max_norm, weights)))
+                except Exception as exc:
+                    out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
+        _put(store, f"{i}/printed{rank}", "".join(said))
         if i in mine:
             judged[i], stopped = _collect(store, i, mine[i], world, options.deadline, model_error)
             if keep_going and every_rank_raised(judged[i].failure, world):
@@ -326,7 +329,11 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     status = 0
     if rank == 0:
         verdicts: list[Verdict] = [v for i in range(done) for v in _get(store, f"{i}/verdicts", options.deadline)]
-        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world, verbose)
+        printed = Printed()
+        for i in range(done):
+            printed.add({r: _get(store, f"{i}/printed{r}", options.deadline) for r in range(world)})
+        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world, verbose,
+                         printed.block())
         _put(store, "status", status)
     status = int(_get(store, "status", options.deadline))
     _say(rank, f"prepared and judged {len(judged)} of {done} run(s)", everyone=True)
@@ -364,7 +371,8 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
 
 
 def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
-            stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False) -> int:
+            stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False,
+            said_by_ranks: str = "") -> int:
     from harness.battery.junit import write_junit
     from harness.battery.summary import compact_table, format_summary, write_full_report
     from harness.battery.table import format_table, report_json
@@ -396,9 +404,9 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
         for v in failed:
             if v.cause != "stopped":
                 print(v.message, file=sys.stderr, flush=True)
-    said = "\n".join(grouped(verdicts))
-    if said:
-        print("\n" + said, flush=True)
+    for said in (said_by_ranks, "\n".join(grouped(verdicts))):
+        if said:
+            print("\n" + said, flush=True)
     print("\n" + format_summary(verdicts, report, text), flush=True)
     not_run = sum(v.cause == "stopped" for v in failed)
     if not_run:

@@ -9,7 +9,11 @@ how many ranks and launches printed it (``[printed by 38 ranks in 12 launches] h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from harness.distributed import output
@@ -75,3 +79,31 @@ def stop(printed: Printed) -> str:
     """Relay again, and return ``printed``'s end-of-battery block."""
     output.collect(None)
     return printed.block()
+
+
+@contextlib.contextmanager
+def captured(quiet: bool = True) -> Iterator[list[str]]:
+    """In a torchrun worker, which is itself a rank: what the block prints to file descriptors 1 and 2 (Python's and
+    C++'s), appended to the yielded list when it ends, instead of the worker's output (``quiet=False``: nothing
+    captured, the list stays empty)."""
+    said: list[str] = []
+    if not quiet:
+        yield said
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield said
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+            f.seek(0)
+            said.append(f.read(output.MAX_BYTES).decode(errors="replace"))
