@@ -1,10 +1,11 @@
 """What the ranks printed over a whole battery, said once per distinct line at its end.
 
 A recipe's ``print`` runs on every rank of every launch, and a library's warning (accelerate's, transformers') comes
-again in each launch: relayed per launch they bury the verdicts. A :class:`Printed` collects every launch's rank
-output (:func:`harness.distributed.output.collect`) and :meth:`Printed.lines` gives each distinct line once, with
-how many ranks and launches printed it (``[printed by 38 ranks in 12 launches] hello from my step``), the first
-:data:`SHOWN` of them unless every one is asked for; ``-v`` relays them as they come instead (:func:`start`).
+again in each launch: relayed per launch they bury the verdicts. While a :class:`Printed` collects (:func:`start`),
+the battery's launches (:func:`harness.battery.runner.launch_run`) hand it their ranks' output (:func:`record`)
+instead of relaying it, and :meth:`Printed.lines` gives each distinct line once, with how many ranks and launches
+printed it (``[printed by 38 ranks in 12 launches] hello from my step``), the first :data:`SHOWN` of them unless every
+one is asked for; ``-v`` relays them as they come instead. Other launches (the launcher's own callers) still relay.
 """
 
 from __future__ import annotations
@@ -67,17 +68,34 @@ class Printed:
             if said else ""
 
 
-def start(verbose: bool) -> Printed:
-    """Collect every following launch's rank output into a new :class:`Printed`; under ``verbose`` leave the relay
-    as it is (each launch's lines as they come) and return an empty one."""
-    printed = Printed()
-    output.collect(None if verbose else printed.add)
+_ACTIVE: list[Printed | None] = []
+"""The collections started and not stopped, innermost last (None: ``verbose``, relay): a battery run inside a pytest
+session that collects its own has its own, and the session's resumes after it."""
+
+
+def start(verbose: bool, printed: Printed | None = None) -> Printed:
+    """Collect every following battery launch's rank output into ``printed`` (default: a new :class:`Printed`) until
+    :func:`stop`; under ``verbose`` relay each launch's lines as they come instead."""
+    printed = Printed() if printed is None else printed
+    _ACTIVE.append(None if verbose else printed)
     return printed
 
 
+def collecting() -> bool:
+    """Whether a battery launch should hand its ranks' output to :func:`record` rather than relay it."""
+    return bool(_ACTIVE) and _ACTIVE[-1] is not None
+
+
+def record(texts: Mapping[int, str]) -> None:
+    """One battery launch's rank output, to the innermost collecting :class:`Printed` (none: nothing)."""
+    if _ACTIVE and _ACTIVE[-1] is not None:
+        _ACTIVE[-1].add(texts)
+
+
 def stop(printed: Printed) -> str:
-    """Relay again, and return ``printed``'s end-of-battery block."""
-    output.collect(None)
+    """End the innermost collection (what was collecting before it resumes); ``printed``'s end-of-battery block."""
+    if _ACTIVE:
+        _ACTIVE.pop()
     return printed.block()
 
 

@@ -19,7 +19,7 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TextIO
 
 MAX_LINES = 200
@@ -110,21 +110,8 @@ def merged(texts: Mapping[int, str], max_lines: int = MAX_LINES) -> list[str]:
     return out
 
 
-_COLLECTOR: list[Callable[[Mapping[int, str]], None]] = []
-
-
-def collect(collector: Callable[[Mapping[int, str]], None] | None) -> None:
-    """Hand every launch's rank output to ``collector`` instead of relaying it (None: relay again), so that a caller
-    running many launches prints each distinct line once at its end (:mod:`harness.battery.printed`)."""
-    _COLLECTOR[:] = [] if collector is None else [collector]
-
-
 def relay(texts: Mapping[int, str], stream: TextIO | None = None) -> None:
-    """Write :func:`merged` to ``stream`` (the caller's ``sys.stderr`` by default), or hand ``texts`` to the
-    collector :func:`collect` set."""
-    if _COLLECTOR:
-        _COLLECTOR[0](texts)
-        return
+    """Write :func:`merged` to ``stream`` (the caller's ``sys.stderr`` by default)."""
     lines = merged(texts)
     if not lines:
         return

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from harness.battery.printed import SHOWN, Printed
+from harness.battery.printed import start as start_printed
+from harness.battery.printed import stop as stop_printed
 
 if TYPE_CHECKING:
     from harness.battery.options import BatteryOptions
@@ -137,9 +139,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
-    from harness.distributed import output
-
-    output.collect(_PRINTED.add)  # the ranks' prints: once per distinct line, in the terminal summary
+    start_printed(False, _PRINTED)  # the battery's ranks' prints: once per distinct line, in the terminal summary
     # A bad --recipe is a usage error now, in the parent, not a traceback from deep inside a rank later. The default
     # recipe needs no check (the harness's tests cover it), and so a run without --recipe does not import torch here.
     if config.getoption("recipe") is not None:
@@ -281,9 +281,7 @@ _PRINTED = Printed()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    from harness.distributed import output
-
-    output.collect(None)
+    stop_printed(_PRINTED)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

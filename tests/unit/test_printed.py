@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from harness.battery.printed import SHOWN, Printed, start, stop
-from harness.distributed import output
+from harness.battery.printed import SHOWN, Printed, collecting, record, start, stop
 
 
 def test_a_line_every_rank_of_every_launch_printed_is_one_line_with_its_counts() -> None:
@@ -34,19 +33,20 @@ def test_different_lines_are_not_merged() -> None:
     assert 2 == len(printed.lines())
 
 
-def test_collecting_replaces_the_relay_and_verbose_keeps_it() -> None:
-    """While collecting, a launch's relay writes nothing; under verbose it writes as before; stop relays again."""
-    import io
-
-    printed = start(verbose=False)
-    stream = io.StringIO()
-    output.relay({0: "hello\n"}, stream)
-    assert "" == stream.getvalue()
-    assert "[printed by 1 rank in 1 launch] hello" in stop(printed)
+def test_a_battery_inside_a_collecting_session_collects_its_own_and_the_session_resumes() -> None:
+    """start/stop nest: the inner collection gets the launch; verbose relays (negative control); then the outer."""
+    outer = start(verbose=False)
+    inner = start(verbose=False)
+    record({0: "inner\n"})
+    assert ["[printed by 1 rank in 1 launch] inner"] == inner.lines()
+    stop(inner)
     start(verbose=True)
-    output.relay({0: "hello\n"}, stream)
+    assert not collecting()
     stop(Printed())
-    assert "[rank 0] hello\n" == stream.getvalue()
+    assert collecting()
+    record({0: "outer\n"})
+    assert "[printed by 1 rank in 1 launch] outer" in stop(outer)
+    assert "inner" not in outer.block()
 
 
 def test_a_workers_counts_merge_into_the_controllers() -> None:
