@@ -16,10 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness.battery.printed import SHOWN, Printed
-from harness.battery.printed import start as start_printed
-from harness.battery.printed import stop as stop_printed
-
 if TYPE_CHECKING:
     from harness.battery.options import BatteryOptions
     from harness.battery.verdict import Verdict
@@ -139,7 +135,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
-    start_printed(False, _PRINTED)  # the battery's ranks' prints: once per distinct line, in the terminal summary
+    from harness.testing import preflight_plugin  # the pre-flight and the ranks' prints said once
+
+    config.pluginmanager.register(preflight_plugin, "harness-preflight")
     # A bad --recipe is a usage error now, in the parent, not a traceback from deep inside a rank later. The default
     # recipe needs no check (the harness's tests cover it), and so a run without --recipe does not import torch here.
     if config.getoption("recipe") is not None:
@@ -223,31 +221,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: every worker collects the same items; the controller reads one
         workeroutput["battery_expected"] = expected
-    elif expected:
-        _preflight(config)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
-    # The xdist controller collects nothing itself: the ids its workers collected say whether a battery test runs,
-    # and it hears them before it schedules any test.
-    from harness.battery.preflight import BATTERY_CASE_ID
-
-    if any(BATTERY_CASE_ID.search(i) for i in ids):
-        _preflight(node.config)
-
-
-def _preflight(config: pytest.Config) -> None:
-    """The recipe once on the smallest case, before any test (once per session, in the controlling process); a
-    recipe that raises there ends the session with one message and exit status 1 (unless --battery-keep-going)."""
-    if _SESSION.get("preflight") or config.getoption("battery_keep_going"):
-        return
-    _SESSION["preflight"] = 1
-    from harness.battery.preflight import session_preflight
-
-    stopped = session_preflight(chosen_recipe(config), options_from(config))
-    if stopped:
-        pytest.exit(stopped, returncode=1)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -255,8 +228,6 @@ def pytest_testnodedown(node: object, error: object) -> None:
     out = getattr(node, "workeroutput", None) or {}
     if "battery_expected" in out:
         _SESSION["expected"] = int(out["battery_expected"])
-    if "battery_printed" in out:
-        _PRINTED.merge(out["battery_printed"])
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -275,19 +246,10 @@ _CONTROLLER_VERDICTS: list[dict[str, object]] = []
 _ERRORS: list[str] = []
 _SESSION: dict[str, int] = {}
 _MODEL_NOTES: list[str] = []
-_PRINTED = Printed()
-"""What the ranks of this session's launches printed (:mod:`harness.battery.printed`)."""
 """What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), for the report."""
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    stop_printed(_PRINTED)
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker: its ranks' prints go to the controller's summary
-        workeroutput["battery_printed"] = _PRINTED.as_dict()
     path = session.config.getoption("battery_report")
     if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
         return
@@ -303,11 +265,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    said = "" if hasattr(config, "workerinput") else _PRINTED.block(None if config.option.verbose > 0 else SHOWN)
-    if said:
-        terminalreporter.write_sep("=", "what the battery's ranks printed")
-        for line in said.splitlines()[1:]:
-            terminalreporter.write_line(line)
     # The battery's grouped summary, once, after pytest's own failures: each cause with its cases, reading and fix,
     # and what --battery-skip recorded (the controller's verdicts: with or without xdist).
     if hasattr(config, "workerinput") or not _CONTROLLER_VERDICTS:
