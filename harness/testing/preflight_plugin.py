@@ -33,10 +33,15 @@ def _preflight(config: pytest.Config) -> None:
     if _DONE or config.getoption("battery_keep_going"):
         return
     _DONE.append(True)
+    from harness.battery.options import from_pytest
     from harness.battery.preflight import session_preflight
-    from harness.testing.plugin import chosen_recipe, options_from
+    from harness.recipes import CORRECT_RECIPE
 
-    stopped = session_preflight(chosen_recipe(config), options_from(config))
+    try:
+        options = from_pytest(config)  # harness.testing.plugin's options_from, without importing that module
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    stopped = session_preflight(str(config.getoption("recipe") or CORRECT_RECIPE), options)
     if stopped:
         pytest.exit(stopped, returncode=1)
 
