@@ -156,7 +156,7 @@ def grouped(verdicts: Sequence[Verdict]) -> list[str]:
     out = []
     for crash, members in groups.values():
         cases = len({(v.scenario, v.world_size, v.precision, v.strategy, v.mesh) for v in members})
-        worlds = _ranges(sorted({v.world_size for v in members}))
+        worlds = _ranges(sorted({v.world_size for v in members if v.world_size}))  # a drawn row's is 0: several
         where = _ranges([v.scenario for v in members])
         out.append(f"the recipe raised in {cases} case{'s' if cases != 1 else ''} (W={worlds}; scenarios {where}; "
                    f"{len(members)} verdict{'s' if len(members) != 1 else ''}):")
