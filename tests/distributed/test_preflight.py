@@ -4,7 +4,9 @@ launched twice for the pre-flight's case; the ranks' prints are said once with t
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,9 +47,14 @@ def test_a_raising_recipe_stops_after_one_launch_naming_the_users_line(
 
 
 def test_keep_going_runs_the_matrix_and_says_the_exception_once_with_its_count(
-        launches: Counter[RunSpec], capsys: pytest.CaptureFixture[str]) -> None:
-    """A recipe that passes alone and raises with a peer: every W=2 case crashes, one block says so."""
-    assert 1 == main(["battery", "--recipe", "user_recipes.failfast:RaisesWithPeers", "--battery-keep-going", *SMALL])
+        launches: Counter[RunSpec], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A recipe that passes alone and raises with a peer: every W=2 case crashes, one block says so; each verdict
+    keeps its own message in the report, naming the recipe's line."""
+    report = tmp_path / "r.json"
+    assert 1 == main(["battery", "--recipe", "user_recipes.failfast:RaisesWithPeers", "--battery-keep-going", *SMALL,
+                      "--battery-report", str(report)])
+    crashes = [c for c in json.loads(report.read_text())["checks"] if c["cause"] == "crash"]
+    assert crashes and all("failfast.py:34, in backward_window" in c["message"] for c in crashes)
     said = capsys.readouterr()
     text = said.out + said.err
     assert 1 == text.count("RuntimeError: this loop was only ever run on one device"), text
