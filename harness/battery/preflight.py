@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from harness.battery import plan, runner
 from harness.battery.crash_report import read_crash
 from harness.battery.options import BatteryOptions
+from harness.battery.run import Run
 
 PREFERRED = "uneven"
 """The scenario the pre-flight prefers: every rank has tokens, with windows of several microbatches."""
@@ -39,17 +40,33 @@ def preflight(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions) 
         return None
     run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision, strategy=case.strategy,
                                   mesh=case.mesh))
-    crash = read_crash(run.failure)
-    if crash is None or crash.exception.split(":", 1)[0].endswith("ContractViolation"):
-        return None  # a usage error, a death or a deadline: the matrix's verdicts say those as they always have
     mesh = "" if case.mesh is None else f", mesh {case.mesh.label}"
     world = case.mesh.world_size if case.mesh is not None else case.world_size
-    return "\n".join([
-        f"the recipe {recipe} raised in the pre-flight (its first case: {case.scenario}, W={case.world_size}, "
-        f"{case.precision}, {case.strategy}{mesh}), on rank {crash.rank} of {world}:",
-        *crash.lines(),
-        "no other case was run: fix the recipe, or pass --battery-keep-going to run every case anyway",
-    ])
+    where = f"in the pre-flight (its first case: {case.scenario}, W={case.world_size}, {case.precision}, " \
+            f"{case.strategy}{mesh})"
+    crash = read_crash(run.failure)
+    if crash is None:
+        refused = _refused(run)  # a ValueError is a window refused: on one with tokens, the same stop
+        if refused is None:
+            return None  # a usage error, a death or a deadline: the matrix's verdicts say those as they always have
+        rank, k, error = refused
+        lines = [f"the recipe {recipe} raised {where}, on rank {rank} of {world} in window {k}, a window with "
+                 f"supervised tokens (a recipe may refuse only a window without any):", f"  {error}"]
+    elif crash.exception.split(":", 1)[0].endswith("ContractViolation"):
+        return None
+    else:
+        lines = [f"the recipe {recipe} raised {where}, on rank {crash.rank} of {world}:", *crash.lines()]
+    return "\n".join([*lines, "no other case was run: fix the recipe, or pass --battery-keep-going to run every case "
+                      "anyway"])
+
+
+def _refused(run: Run) -> tuple[int, int, str] | None:
+    """The first rank and window where the recipe raised ValueError on a window with supervised tokens."""
+    for rank, records in enumerate(run.records or ()):
+        for k, rec in enumerate(records):
+            if rec.error is not None and run.references[k] is not None:
+                return rank, k, rec.error
+    return None
 
 
 def session_preflight(recipe: str, options: BatteryOptions) -> str | None:

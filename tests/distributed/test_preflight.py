@@ -46,6 +46,15 @@ def test_a_raising_recipe_stops_after_one_launch_naming_the_users_line(
     assert "[printed by 1 rank in 1 launch] hello from my step" in said.out
 
 
+def test_a_recipe_that_refuses_a_window_with_tokens_stops_in_the_pre_flight_too(
+        launches: Counter[RunSpec], capsys: pytest.CaptureFixture[str]) -> None:
+    """A ValueError is a refusal, fair only on a window without tokens: on one with tokens the pre-flight stops."""
+    assert 1 == main(["battery", "--recipe", "user_recipes.failfast:RefusesEveryWindow", *SMALL])
+    err = capsys.readouterr().err
+    assert 1 == len(launches)
+    assert "ValueError: this loop reads a batch key the battery does not send" in err and "window 0" in err
+
+
 def test_keep_going_runs_the_matrix_and_says_the_exception_once_with_its_count(
         launches: Counter[RunSpec], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """A recipe that passes alone and raises with a peer: every W=2 case crashes, one block says so; each verdict

@@ -44,3 +44,12 @@ class PrintsEveryWindow:
         print("hello from my step")
         print(f"window of {len(window)} microbatches")
         return global_token_mean.backward_window(model, window)
+
+
+class RefusesEveryWindow:
+    """Raises ValueError (the way to refuse a window) on every window, tokens or not."""
+
+    name = "refuses_every_window"
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        raise ValueError("this loop reads a batch key the battery does not send")
