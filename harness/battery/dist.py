@@ -50,11 +50,13 @@ import torch
 import torch.distributed as dist
 
 from harness.battery import mesh_scenarios, plan, registry, scenarios
+from harness.battery.crash_report import every_rank_raised, grouped
 from harness.battery.objective import windows_for
 from harness.battery.options import (
     BATCH_FORMAT_HELP,
     BATCH_FORMATS,
     CHUNKING_HELP,
+    KEEP_GOING_HELP,
     MESH_HELP,
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
@@ -66,6 +68,7 @@ from harness.battery.options import (
     parse_meshes,
 )
 from harness.battery.prepare import Prepared, prepare
+from harness.battery.printed import Printed, captured
 from harness.battery.rank_program import rank_body
 from harness.battery.run import Run, WindowRecord
 from harness.battery.skips import check_skips, skip_all
@@ -107,6 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--battery-skip", dest="skip", action="append", metavar="CHECK[=REASON]", help=SKIP_HELP)
     p.add_argument("--quick", action="store_true", help=QUICK_HELP + " (here: fp32 and the quick scenarios at the "
                    "job's world size)")
+    p.add_argument("--battery-keep-going", dest="keep_going", action="store_true", help=KEEP_GOING_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="every row of the table and every failure's message")
     return p.parse_args(argv)
 
@@ -184,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=options.deadline))
     try:
-        return _battery(args.recipe, options, names, backend, args.junit, args.verbose)
+        return _battery(args.recipe, options, names, backend, args.junit, args.verbose, args.keep_going)
     finally:
         gc.collect()  # a DDP module held by a reference cycle must not outlive the process group
         dist.destroy_process_group()
@@ -276,7 +280,7 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
 
 
 def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None,
-             verbose: bool = False) -> int:
+             verbose: bool = False, keep_going: bool = False) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(options.deadline)
     device = "cuda" if backend == "nccl" else "cpu"
@@ -300,15 +304,19 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         if published[0] == "raise":
             raise RuntimeError(published[1])
         _, model_error, digest, wrap, max_norm, weights = published
+        said: list[str] = []
         if model_error is None:
-            try:
-                out: tuple[Any, ...] = ("ok", _on_cpu(rank_body(spec, windows, digest, wrap, max_norm,
-                                                                       weights)))
-            except Exception as exc:
-                out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
+            with captured(not verbose) as said:  # the recipe's prints: once per distinct line, by rank 0 at the end
+                try:
+                    out: tuple[Any, ...] = ("ok", _on_cpu(rank_body(spec, windows, digest, wrap, max_norm, weights)))
+                except Exception as exc:
+                    out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
+        _put(store, f"{i}/printed{rank}", "".join(said))
         if i in mine:
             judged[i], stopped = _collect(store, i, mine[i], world, options.deadline, model_error)
+            if keep_going and every_rank_raised(judged[i].failure, world):
+                stopped = None  # --battery-keep-going: no rank is left in a collective, so the next run can start
             _put(store, f"{i}/go", stopped)
         stopped = _get(store, f"{i}/go", options.deadline)
         done = i + 1
@@ -321,7 +329,11 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     status = 0
     if rank == 0:
         verdicts: list[Verdict] = [v for i in range(done) for v in _get(store, f"{i}/verdicts", options.deadline)]
-        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world, verbose)
+        printed = Printed()
+        for i in range(done):
+            printed.add({r: _get(store, f"{i}/printed{r}", options.deadline) for r in range(world)})
+        status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world, verbose,
+                         printed.block())
         _put(store, "status", status)
     status = int(_get(store, "status", options.deadline))
     _say(rank, f"prepared and judged {len(judged)} of {done} run(s)", everyone=True)
@@ -359,7 +371,8 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
 
 
 def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
-            stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False) -> int:
+            stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False,
+            said_by_ranks: str = "") -> int:
     from harness.battery.junit import write_junit
     from harness.battery.summary import compact_table, format_summary, write_full_report
     from harness.battery.table import format_table, report_json
@@ -391,6 +404,9 @@ def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdic
         for v in failed:
             if v.cause != "stopped":
                 print(v.message, file=sys.stderr, flush=True)
+    for said in (said_by_ranks, "\n".join(grouped(verdicts))):
+        if said:
+            print("\n" + said, flush=True)
     print("\n" + format_summary(verdicts, report, text), flush=True)
     not_run = sum(v.cause == "stopped" for v in failed)
     if not_run:

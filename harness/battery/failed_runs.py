@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from harness.battery.crash_report import parse
 from harness.battery.run import Run
 from harness.battery.verdict import Verdict, failed
 from harness.distributed.errors import LaunchError
@@ -104,6 +105,11 @@ def failed_run(check: str, run: Run) -> Verdict | None:
         detail = err.details.get(rank, "")
         if i == 0:
             lines += [f"  rank {rank}: {ln}" for ln in crash_summary(detail)]
+            # The innermost frame is often torch's, where the error was noticed: name the recipe's line too.
+            crash = parse(detail, rank)
+            if crash is not None and crash.frames:
+                where = crash.frames[0]
+                lines.append(f"  rank {rank}: raised from {where.file}:{where.line}, in {where.func}")
         elif _TRACEBACK in detail:
             # A peer that failed too: what the launcher said of it, and its exception's first line.
             shown = [ln for ln in crash_summary(detail) if not ln.startswith('File "')][:2]

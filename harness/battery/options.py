@@ -70,6 +70,10 @@ BATCH_FORMAT_HELP = ("what a recipe receives per microbatch: the harness's Micro
                      "(several sequences per row: input_ids, labels with -100 at each sequence's start, position_ids "
                      "restarting at 0, seq_idx, cu_seq_lens_q/k, max_length_q/k, no attention_mask), judged against "
                      "the same sequences unpacked (docs/your-model.md)")
+
+KEEP_GOING_HELP = ("run every case even when the recipe raises in the pre-flight (by default the recipe first runs "
+                   "once on the smallest case, and a recipe that raises there stops the battery with one message: "
+                   "the exception, the rank and the line of the recipe's code; exit status 1)")
 """``--batch-format``'s help, the same on every surface."""
 
 FIND_UNUSED = ("auto", "on", "off")
@@ -403,6 +407,7 @@ __all__ = [
     "DEADLINE",
     "DEFAULT_EXAMPLES",
     "FIND_UNUSED",
+    "KEEP_GOING_HELP",
     "LANE_OPTIONS",
     "MAX_SCENARIO_WORLD_SIZE",
     "MAX_WORLD_SIZE",

@@ -20,7 +20,7 @@ as one :class:`~harness.battery.spec.ModelSpec`, and the reference is computed w
 
 from __future__ import annotations
 
-from harness.battery import mesh_scenarios, scenarios
+from harness.battery import mesh_scenarios, printed, scenarios
 from harness.battery.options import RunSpec
 from harness.battery.prepare import prepare
 from harness.battery.rank_program import rank_body
@@ -91,12 +91,15 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
         preload += ("torch.distributed.fsdp",)
     if spec.mesh.size("tp") > 1:
         preload += ("torch.distributed.tensor.parallel",)
+    quiet = printed.collecting()  # the ranks' prints: once per distinct line at the battery's end (printed.py)
     try:
         records = launch(rank_body, spec.mesh.world_size, spec, ready.windows, ready.digest, ready.wrap,
                          ready.chain.max_norm, None if ready.start is None else ready.start.numpy(),
                          deadline=spec.deadline, backend=spec.backend, device=spec.device, env=env, preload=preload,
-                         lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes)
+                         lockstep_grace=LOCKSTEP_GRACE, nodes=spec.nodes, relay_output=not quiet)
     except LaunchError as exc:
+        printed.record(exc.output)
         return ready.failed(exc)
+    printed.record(records.output)
     return ready.run(records)
 

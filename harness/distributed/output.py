@@ -82,6 +82,10 @@ def _same(line: str) -> str:
     return _LOG_TIME.sub(r"[\1 ", line)
 
 
+same_line = _same
+"""A line as compared across ranks and launches (the public name of the normalization above)."""
+
+
 def merged(texts: Mapping[int, str], max_lines: int = MAX_LINES) -> list[str]:
     """The distinct lines of every rank's output, each prefixed with the ranks that printed it, in the order of
     first appearance; past ``max_lines``, one line counting the rest."""

@@ -40,6 +40,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         BATCH_FORMAT_HELP,
         BATCH_FORMATS,
         CHUNKING_HELP,
+        KEEP_GOING_HELP,
         MESH_HELP,
         PP_MICROBATCHES_HELP,
         PP_SCHEDULE_HELP,
@@ -108,6 +109,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--battery-skip", dest="battery_skip", action="append", default=None, metavar="CHECK[=REASON]",
                     help=SKIP_HELP)
     group.addoption("--quick", dest="battery_quick", action="store_true", default=False, help=QUICK_HELP)
+    group.addoption("--battery-keep-going", dest="battery_keep_going", action="store_true", default=False,
+                    help=KEEP_GOING_HELP)
     group.addoption(
         "--trainer", default=None, metavar="PKG.MODULE:FACTORY",
         help="the training loop the resume battery checks (pytest --pyargs harness.resume): a zero-argument factory "
@@ -132,6 +135,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    from harness.testing import preflight_plugin  # the pre-flight and the ranks' prints said once
+
+    config.pluginmanager.register(preflight_plugin, "harness-preflight")
     # A bad --recipe is a usage error now, in the parent, not a traceback from deep inside a rank later. The default
     # recipe needs no check (the harness's tests cover it), and so a run without --recipe does not import torch here.
     if config.getoption("recipe") is not None:

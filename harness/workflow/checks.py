@@ -104,6 +104,17 @@ def cmd_battery(args: argparse.Namespace) -> int:
     from harness.battery.plan import drawn_lanes
 
     lanes = drawn_lanes(options) if drawn else []  # one drawn row per precision lane and strategy
+    from harness.battery import crash_report, preflight, printed
+
+    said = printed.start(args.verbose)  # the ranks' prints: once per distinct line, at the end (-v: as they come)
+    for r in recipes if not args.keep_going else []:
+        stopped = preflight.preflight(r, cases, options)
+        if stopped:
+            block = printed.stop(said)
+            if block:
+                print(block, flush=True)
+            err(stopped)
+            return 1
     verdicts = []
     for r in recipes:
         verdicts += run_cases(r, cases, options, progress)
@@ -155,6 +166,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         for v in failed:
             err(v.message)
+    for block in (printed.stop(said), "\n".join(crash_report.grouped(verdicts))):
+        if block:
+            print("\n" + block)
     print("\n" + format_summary(verdicts, report, text), flush=True)  # the last screen: each cause once, its fix
     for line in unrejected_lines:
         err(line)

@@ -21,6 +21,7 @@ from harness.battery.options import (
     BATCH_FORMAT_HELP,
     BATCH_FORMATS,
     CHUNKING_HELP,
+    KEEP_GOING_HELP,
     MESH_HELP,
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "lane: --junitxml=PATH)")
     p.add_argument("--battery-skip", dest="skip", action="append", metavar="CHECK[=REASON]", help=SKIP_HELP)
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    p.add_argument("--battery-keep-going", dest="keep_going", action="store_true", help=KEEP_GOING_HELP)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print each run as it starts, every row of the table and every failure's whole message")
     p.set_defaults(fn=cmd_battery)

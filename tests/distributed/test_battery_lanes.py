@@ -114,6 +114,23 @@ def test_verbose_pytest_shows_every_ranks_whole_report() -> None:
     """Under -v a failed run's verdict carries each rank's full traceback or stack, not only the summary lines."""
     done = _run("-m", "pytest", "-p", "no:cacheprovider", "-v", "harness/battery/test_battery.py", "-m", "recipe",
                 "--recipe=user_recipes.broken:CrashesOnRankOne", "--battery-world-sizes=2", *QUICK,
-                "-k", "uneven and match")
+                "-k", "uneven and match", "--battery-keep-going")
     assert 1 == done.returncode, done.stdout[-3000:] + done.stderr[-2000:]
     assert "every rank's report" in done.stdout and "Traceback (most recent call last)" in done.stdout
+
+
+@pytest.mark.slow  # pytest subprocesses of about 10 s each
+@pytest.mark.parametrize("workers", ([], ["-n", "2"]), ids=["serial", "xdist"])
+def test_pytest_stops_a_raising_recipe_in_the_pre_flight_with_one_message(workers: list[str]) -> None:
+    """Exit 1 before any test, the exception once with the recipe's line; --battery-keep-going runs the tests instead
+    (the negative control), each failing on the crash."""
+    args = ("-m", "pytest", "-p", "no:cacheprovider", "-q", "harness/battery/test_battery.py", "-m", "recipe",
+            "--recipe=user_recipes.failfast:WrongIgnoreIndex", "--battery-world-sizes=2", *QUICK, *workers)
+    done = _run(*args)
+    text = done.stdout + done.stderr
+    assert 1 == done.returncode, text[-3000:]
+    assert 1 == text.count("IndexError: Target -100 is out of bounds."), text[-3000:]
+    assert "user_recipes/failfast.py:24, in backward_window" in text and " passed" not in text
+    assert "[printed by 2 ranks in 1 launch] hello from my step" in text
+    going = _run(*args, "-k", "uneven and match", "--battery-keep-going")
+    assert 1 == going.returncode and "1 failed" in going.stdout, going.stdout[-3000:]

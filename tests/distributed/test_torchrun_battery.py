@@ -142,3 +142,15 @@ def test_a_bad_mesh_exits_2_naming_it(tmp_path: Path, mesh: str, words: str) -> 
     _, text, report = job(tmp_path, "--recipe", "harness.recipes:mesh_token_mean", "--mesh", mesh, nodes=1)
     assert report is None
     assert words in text and "exitcode  : 2" in text, text[-3000:]
+
+
+def test_keep_going_goes_past_runs_where_every_rank_raised_and_says_each_print_once(tmp_path: Path) -> None:
+    """Every rank raises the same exception: with --battery-keep-going both runs are judged, the exception is said
+    once with its count, and the recipe's print once with its ranks (not four workers' copies per run)."""
+    codes, text, report = job(tmp_path, "--recipe", "user_recipes.failfast:WrongIgnoreIndex", "--precision", "fp32",
+                              "--scenarios", "uneven,single", "--battery-keep-going", "--battery-deadline", "10")
+    assert all(c == 1 for c in codes), text[-3000:]
+    assert report is not None and {"crash"} == {c["cause"] for c in report["checks"] if c["status"] == "fail"}
+    assert "the recipe raised in 2 cases (W=4; scenarios uneven,single; 12 verdicts):" in text, text[-3000:]
+    assert "[printed by 8 ranks in 2 launches] hello from my step" in text
+    assert 1 == text.count("hello from my step"), text[-3000:]
