@@ -34,7 +34,7 @@ class Printed:
         """One launch's output, each rank's whole text (what :func:`harness.distributed.output.read` returns)."""
         seen: dict[str, int] = {}
         for _, text in sorted(texts.items()):
-            for line in dict.fromkeys(output.same_line(ln) for ln in text.splitlines() if ln.strip()):
+            for line in dict.fromkeys(messages(text)):
                 seen[line] = seen.get(line, 0) + 1
         for line, n in seen.items():
             self.ranks[line] = self.ranks.get(line, 0) + n
@@ -66,6 +66,19 @@ class Printed:
         said = self.lines(shown)
         return "what the ranks printed (each distinct line once):\n" + "\n".join(f"  {ln}" for ln in said) \
             if said else ""
+
+
+def messages(text: str) -> list[str]:
+    """A rank's output as messages: each line, except that a warning's indented source line (Python's
+    ``warnings.warn(`` under ``file:line: UserWarning: ...``) belongs to its warning, not a message of its own."""
+    out: list[str] = []
+    for raw in text.splitlines():
+        if not raw.strip():
+            continue
+        if out and raw[:1].isspace() and "Warning: " in out[-1]:
+            continue  # the line of source Python prints under a warning
+        out.append(output.same_line(raw))
+    return out
 
 
 _ACTIVE: list[Printed | None] = []

@@ -129,8 +129,9 @@ def _cases(n: int) -> str:
     return f"{n} case{'' if n == 1 else 's'}"
 
 
-def format_group(g: Group, title: str | None = None, indent: str = "") -> list[str]:
-    """One group: the check, how many cases and where; the reading; one case's numbers; the fix when known."""
+def format_group(g: Group, title: str | None = None, indent: str = "", same_fix_as: str | None = None) -> list[str]:
+    """One group: the check, how many cases and where; the reading; one case's numbers; the fix when known (said once
+    where the group before said the same: ``same_fix_as``)."""
     who = f"{title}: " if title else ""
     lines = _wrapped(f"{who}{g.check} FAILED in {_cases(len(g.verdicts))} ({where(g.verdicts)})", indent)
     v = g.first
@@ -146,7 +147,9 @@ def format_group(g: Group, title: str | None = None, indent: str = "") -> list[s
         how = "" if kind == "numbers" else f"{name}: "
         lines += _wrapped(f"{how}{detail(v)}", indent + "  ")
         lines += _wrapped(f"e.g. {row_label(v)}", indent + "  ")
-    if g.fix:
+    if g.fix and g.fix == same_fix_as:
+        lines += _wrapped("fix: the same as above", indent + "  ")
+    elif g.fix:
         lines += _wrapped(f"fix: {g.fix}", indent + "  ")
     return lines
 
@@ -206,8 +209,10 @@ def format_summary(verdicts: Sequence[Verdict], report: str | Path | None = None
     if groups:
         failing = sum(len(g.verdicts) for g in groups)
         out.append(f"failing checks, grouped by cause ({failing} case(s) in {len(groups)} group(s)):")
+        previous: str | None = None
         for g in groups:
-            out += format_group(g, titles.get(g.recipe), "  ")
+            out += format_group(g, titles.get(g.recipe), "  ", same_fix_as=previous)
+            previous = g.fix
     noted = format_notes(verdicts, titles)
     if noted:
         out.append("notes on passing checks (they hold, and say what a training loop would do next):")
@@ -221,9 +226,10 @@ def format_summary(verdicts: Sequence[Verdict], report: str | Path | None = None
     return "\n".join(out)
 
 
-MAX_ROWS = 40
-"""The most failing and skipped rows the compact table prints: past them the summary's groups say where the rest
-failed, and the screen still ends on the summary (a recipe wrong everywhere fails over a hundred rows)."""
+MAX_ROWS = 0
+"""The most failing and skipped rows the compact table prints by default: none, since the groups below say where each
+reading failed and a real loop's failing rows fill a screen (a recipe wrong everywhere fails over a hundred); one line
+counts them, and ``-v`` prints the whole table."""
 
 
 def compact_table(verdicts: Sequence[Verdict], max_rows: int = MAX_ROWS) -> str:
@@ -239,7 +245,7 @@ def compact_table(verdicts: Sequence[Verdict], max_rows: int = MAX_ROWS) -> str:
         passing = sum(v.status == PASS for v in rest)
         na = sum(v.status == NOT_APPLICABLE for v in rest)
         more = len(marked) - len(shown)
-        failing = f"{more} more failing or skipped (grouped below), " if more else ""
+        failing = f"{more}{' more' if kept else ''} failing or skipped (grouped below), " if more else ""
         rows = len({row_label(v) for v in rest})
         lines.append(f"{'and ' if kept else ''}{rows} row(s) not shown: {failing}{passing} pass, {na} n/a "
                      "(-v prints every row)")

@@ -88,8 +88,8 @@ def test_the_summary_prints_each_reading_once_however_many_cases_share_it() -> N
 
 
 def test_the_compact_table_keeps_failing_rows_and_counts_the_rest() -> None:
-    """Failing rows print; the three passing rows and the n/a one are one line that says how to see them."""
-    text = summary.compact_table(_battery())
+    """Failing rows print (up to the limit); the passing rows and the n/a one are one line saying how to see them."""
+    text = summary.compact_table(_battery(), max_rows=20)
     assert "parity (uneven, W=2, fp32)" in text and "ranks_agree" not in text and "clipping" not in text
     assert text.splitlines()[-1] == "and 4 row(s) not shown: 3 pass, 1 n/a (-v prints every row)"
 
@@ -189,8 +189,8 @@ def _failing_hygiene(recipe: str, cases: list, options: BatteryOptions | None = 
 def test_the_command_line_exits_0_when_only_skipped_checks_failed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """--battery-skip hygiene on a failing hygiene: exit 0, the table shows SKIP (FAIL), the summary what it would
-    have said, the report records "skipped"; without the skip the same run exits 1 (the negative control)."""
+    """--battery-skip hygiene on a failing hygiene: exit 0, the full report's table shows SKIP (FAIL), the summary what
+    it would have said, the report records "skipped"; without the skip the same run exits 1 (the negative control)."""
     import harness.battery.table as table
 
     monkeypatch.setattr(table, "run_cases", _failing_hygiene)
@@ -198,7 +198,7 @@ def test_the_command_line_exits_0_when_only_skipped_checks_failed(
     report = tmp_path / "r.json"
     assert 0 == main([*common, "--battery-skip", "hygiene=we shuffle on purpose", "--battery-report", str(report)])
     out = capsys.readouterr().out
-    assert "SKIP (FAIL)" in out
+    assert "SKIP (FAIL)" in (tmp_path / "r.txt").read_text()
     assert "hygiene: skipped (reason: we shuffle on purpose); it would have FAILED in 1 case" in out
     assert out.strip().splitlines()[-1].startswith("every check holds (skipped: hygiene")
     data = json.loads(report.read_text())
@@ -238,3 +238,15 @@ def test_a_pass_without_a_finding_adds_no_note() -> None:
     """The negative control: a plain pass, even one carrying notes of the run, says nothing on the last screen."""
     verdicts = [Verdict("parity", R, "uneven", 2, "fp32", PASS, "passed", notes=("the model ...",))]
     assert "" == summary.format_summary(verdicts)
+
+
+def test_a_fix_the_group_before_gave_is_not_repeated() -> None:
+    """Two readings of one mistake with one fix: the second group says the fix is the same as above; a group with
+    another fix says its own (the negative control)."""
+    verdicts = [_v("parity", "uneven", 2, "fp32", diagnosis=PMM, fix="divide by N"),
+                _v("parity", "single", 2, "fp32", diagnosis=MOLM, fix="divide by N"),
+                _v("one_sync", "uneven", 2, "fp32", fix="use no_sync")]
+    screen = summary.format_summary(verdicts)
+    assert 1 == screen.count("fix: divide by N")
+    assert 1 == screen.count("fix: the same as above")
+    assert "fix: use no_sync" in screen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.battery import printed
 from harness.battery.printed import SHOWN, Printed, collecting, record, start, stop
 
 
@@ -56,3 +57,12 @@ def test_a_workers_counts_merge_into_the_controllers() -> None:
     b.add({0: "hi\n", 1: "hi\n"})
     a.merge(b.as_dict())
     assert ["[printed by 3 ranks in 2 launches] hi"] == a.lines()
+
+
+def test_a_warning_and_its_source_line_are_one_message() -> None:
+    """Python prints a warning's source line, indented, under it: counted apart, ``  warnings.warn(`` would be a
+    message of its own from every library that warns."""
+    text = ("/x/accelerate/state.py:279: UserWarning: OMP_NUM_THREADS unset\n  warnings.warn(\n"
+            "hello\n  indented after a plain line\n")
+    assert ["/x/accelerate/state.py:279: UserWarning: OMP_NUM_THREADS unset", "hello",
+            "  indented after a plain line"] == printed.messages(text)
