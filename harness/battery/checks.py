@@ -15,6 +15,7 @@ from harness.battery.diagnose import diagnose, worst
 from harness.battery.failed_runs import failed_run, unexpected_error
 from harness.battery.rank_program import SKIP_SYNC
 from harness.battery.registry import check
+from harness.battery.rng_watch import hygiene_fix, moved_detail
 from harness.battery.run import Run, token_mean_at
 from harness.battery.run_fixes import verdict_fix
 from harness.battery.run_readings import rounding_only
@@ -334,15 +335,19 @@ def hygiene(run: Run) -> Verdict:
     assert run.records is not None
     dtype = "torch.float64" if run.precision == "fp64" else "torch.float32"  # bf16: float32 master weights
     notes: list[str] = []
+    for rank, records in enumerate(run.records):  # setup() runs before any window: its moves are reported first
+        if records and records[0].setup_rng_changed:
+            said = moved_detail(records[0].setup_rng_changed, records[0].setup_rng_moves, "setup")
+            return failed("hygiene", run, f"rank {rank}: {said}",
+                          fix=hygiene_fix(records[0].setup_rng_moves, True) or verdict_fix("hygiene", run))
     for rank, records in enumerate(run.records):
         for k, rec in enumerate(records):
             if rec.mode_changed:
                 return failed("hygiene", run, f"rank {rank}: the recipe took the model out of train mode", k,
                               fix=verdict_fix("hygiene", run))
             if rec.rng_changed:
-                return failed("hygiene", run, f"rank {rank}: the recipe moved the global random generator(s) "
-                              f"{', '.join(rec.rng_changed)}: use a generator of its own", k,
-                              fix=verdict_fix("hygiene", run))
+                return failed("hygiene", run, f"rank {rank}: {moved_detail(rec.rng_changed, rec.rng_moves)}", k,
+                              fix=hygiene_fix(rec.rng_moves) or verdict_fix("hygiene", run))
             if any(d != dtype for d in rec.grad_dtypes):
                 return failed("hygiene", run, f"rank {rank}: gradients in {sorted(set(rec.grad_dtypes))}, the model "
                               f"is {dtype}", k, fix=verdict_fix("hygiene", run))

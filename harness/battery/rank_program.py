@@ -1,5 +1,6 @@
 """The rank program: what every rank of a battery run executes (:func:`rank_body`). The model wrapped by the run's
-strategy with the harness's counting hook, the recipe's optional ``setup()``, its ``backward_window`` per window,
+strategy with the harness's counting hook, the recipe's optional ``setup()`` (given the wrapped model and the mesh by
+keyword where it takes them), its ``backward_window`` per window, both under the watch of the global generators,
 then what every check needs (:class:`~harness.battery.run.WindowRecord`): the synchronized gradient, the weights
 before and after, the synchronization count, the logged loss, what the recipe left when it refused a window, and
 which global random generators or settings it touched (:mod:`harness.battery.rank_watch`).
@@ -18,6 +19,7 @@ from harness.battery import rank_watch as watch
 from harness.battery import scenarios
 from harness.battery.chain import LR
 from harness.battery.options import RunSpec
+from harness.battery.rng_watch import GeneratorMove, GeneratorWatch
 from harness.battery.run import WindowRecord
 from harness.battery.spec import ModelSpec
 from harness.battery.start import load as load_start
@@ -34,6 +36,7 @@ from harness.recipes.contract import (
     NEEDS_PIPELINE,
     ContractViolation,
     setup_takes_mesh,
+    setup_takes_model,
     takes_mesh,
     takes_pipeline,
 )
@@ -111,12 +114,21 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         keywords["mesh"] = mesh.device_mesh
     if isinstance(wrapped, pipeline.PipelineWrapped):
         keywords["pipeline"] = wrapped.pipeline
+    # setup() runs under the same watch of the global generators as each window: what it moves (a Trainer built
+    # there seeds them) is reported against setup on the first window's record.
+    generators = GeneratorWatch(model)
+    setup_moved: tuple[str, ...] = ()
+    setup_moves: tuple[GeneratorMove, ...] = ()
     setup = getattr(recipe, "setup", None)
     if setup is not None:
+        given: dict[str, object] = {}
         if mesh is not None and setup_takes_mesh(recipe):
-            setup(mesh=mesh.device_mesh)
-        else:
-            setup()
+            given["mesh"] = mesh.device_mesh
+        if setup_takes_model(recipe):
+            given["model"] = ddp  # the wrapped model backward_window receives: what a Trainer is built around
+        with generators:
+            setup(**given)
+        setup_moved, setup_moves = generators.moved, generators.moves
     records = []
     after = None  # the weights the last window stepped to: the next window starts from them
     shards = local_slices(model) if max_norm is not None else ()  # what a norm over local shards covers
@@ -131,7 +143,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         tensors = [local(p.detach()).clone() for p in model.parameters()]
         autocast.seen = None
         passes.reset()
-        rngs, threads, env = watch.rng_states(), torch.get_num_threads(), dict(os.environ)
+        threads, env = torch.get_num_threads(), dict(os.environ)
         wrapped.reset_syncs()
         error = None
         logged = None
@@ -140,7 +152,8 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         if isinstance(wrapped, pipeline.PipelineWrapped):
             wrapped.pipeline.watch(mine)  # the window's schedule steps, recorded by pipeline.step
         try:
-            with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
+            with generators, \
+                    torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
                 out = recipe.backward_window(ddp, mine, **keywords)  # type: ignore[arg-type]
                 if isinstance(out, tuple) and len(out) == 2:
                     out, norm = out[0], None if out[1] is None else watch.as_float(out[1])
@@ -155,7 +168,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             raise ContractViolation(mismatch) from exc
         left = watch.grads_left(model)
         launcher.progress(k, window_note(k, wrapped.syncs, passes, left, error), collectives=wrapped.syncs)
-        moved, notes = watch.moved(rngs, watch.rng_states()), watch.settings_notes(threads, env)
+        notes = watch.settings_notes(threads, env)
         grads = tuple(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
         touched = float((wrapped.full_params() - before).abs().max()) if before.numel() else 0.0
         edited = watch.changed_tensors(tensors, model)
@@ -167,10 +180,12 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             WindowRecord(
                 grad=grad, params_before=before, params_after=after, syncs=wrapped.syncs,
                 logged=logged, error=error, mode_changed=not (ddp.training and model.training), grad_dtypes=grads,
-                rng_changed=moved, grads_left=left, weights_touched=touched, notes=notes, weights_changed=edited,
+                rng_changed=generators.moved, rng_moves=generators.moves, grads_left=left, weights_touched=touched,
+                notes=notes, weights_changed=edited,
                 autocast=autocast.seen, grad_norm=norm, strategy_notes=wrapped.notes(), shards=shards,
                 pipeline_steps=tuple(wrapped.pipeline.steps) if isinstance(wrapped, pipeline.PipelineWrapped) else (),
                 logged_dtype=logged_dtype,
+                setup_rng_changed=setup_moved if k == 0 else (), setup_rng_moves=setup_moves if k == 0 else (),
             )
         )
         if error is not None:

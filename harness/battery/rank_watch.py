@@ -1,5 +1,6 @@
-"""What a rank watches around one call of a recipe: the global generators and settings it moved, the gradients and
-weights it left, and whether the model's forward ran under autocast. The rank program
+"""What a rank watches around one call of a recipe: the global generators (and who moved them:
+:mod:`harness.battery.rng_watch`) and settings it moved, the gradients and weights it left, and whether the model's
+forward ran under autocast. The rank program
 (:mod:`harness.battery.rank_program`) reads these before and after each window; each becomes a field of its
 :class:`~harness.battery.run.WindowRecord`.
 """
@@ -7,12 +8,11 @@ weights it left, and whether the model's forward ran under autocast. The rank pr
 from __future__ import annotations
 
 import os
-import random
 import sys
 
-import numpy as np
 import torch
 
+from harness.battery.rng_watch import same, states
 from harness.distributed.strategies.fsdp2 import local
 
 
@@ -23,28 +23,13 @@ def as_float(value: object) -> float:
 
 
 def rng_states() -> dict[str, object]:
-    states: dict[str, object] = {
-        "python random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch CPU": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["torch CUDA"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(a, b))  # type: ignore[arg-type]
-    return a == b
+    """Every global generator's state (CUDA's where initialized); :mod:`harness.battery.rng_watch` tells who moved
+    one."""
+    return states()
 
 
 def moved(before: dict[str, object], after: dict[str, object]) -> tuple[str, ...]:
-    return tuple(name for name in after if name not in before or not _same(before[name], after[name]))
+    return tuple(name for name in after if name not in before or not same(before[name], after[name]))
 
 
 def settings_notes(threads: int, env: dict[str, str]) -> tuple[str, ...]:

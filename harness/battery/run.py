@@ -14,6 +14,7 @@ from harness.battery import scenarios
 from harness.battery.facts import rank_threads
 from harness.battery.objective import terms, value_at
 from harness.battery.options import RunSpec
+from harness.battery.rng_watch import GeneratorMove
 from harness.battery.spec import ModelSpec
 from harness.core.formats import HARNESS
 from harness.core.mesh import Mesh
@@ -40,6 +41,13 @@ class WindowRecord:
     grad_dtypes: tuple[str, ...]
     rng_changed: tuple[str, ...] = ()
     """The global generators the recipe moved: "python random", "numpy", "torch CPU", "torch CUDA"."""
+    rng_moves: tuple[GeneratorMove, ...] = ()
+    """Why they moved: the seeding call and its callers down to the recipe's line, or a draw and where it was seen
+    (:mod:`harness.battery.rng_watch`)."""
+    setup_rng_changed: tuple[str, ...] = ()
+    """On the first window's record: the global generators the recipe's ``setup()`` moved (it runs under the same
+    watch); ``setup_rng_moves`` says why."""
+    setup_rng_moves: tuple[GeneratorMove, ...] = ()
     grads_left: str = "none"
     """The ``.grad`` the recipe left: "none", "zero", "nonzero" or "nonfinite"."""
     weights_touched: float = 0.0

@@ -64,7 +64,9 @@ def load_recipe(spec: object = None) -> Recipe:
 
     The object may be an instance, a class (instantiated with no argument) or a zero-argument factory (called); the
     result must have a callable ``backward_window`` and a str ``name``, and may have an optional ``setup()`` that the
-    harness calls on every rank inside the process group before the first window. Every failure is a
+    harness calls once on every rank of each run, inside the process group, after the model is wrapped and before the
+    first window, with ``model=`` (the wrapped model) and ``mesh=`` (the ranks' ``DeviceMesh``) where it takes those
+    keywords; it runs under the same watch of the global random generators as each window. Every failure is a
     :class:`RecipeError` naming the path and the fix, raised before any rank starts.
     """
 
@@ -94,8 +96,8 @@ def load_recipe(spec: object = None) -> Recipe:
         raise RecipeError(msg)
     setup = getattr(obj, "setup", None)
     if setup is not None and not callable(setup):
-        msg = (f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument (or only a mesh "
-               "keyword), or absent")
+        msg = (f"recipe={where}: {type(obj).__name__}.setup must be a method taking no argument (or only the "
+               "keywords model and mesh), or absent")
         raise RecipeError(msg)
     return obj  # type: ignore[return-value]
 
@@ -131,6 +133,13 @@ NEEDS_PIPELINE = ("the run's mesh has pp > 1, and this recipe's backward_window 
 def setup_takes_mesh(recipe: object) -> bool:
     """Whether ``recipe``'s ``setup`` takes a ``mesh`` keyword (see :func:`takes_mesh`)."""
     return _takes(getattr(recipe, "setup", None), "mesh")
+
+
+def setup_takes_model(recipe: object) -> bool:
+    """Whether ``recipe``'s ``setup`` takes a ``model`` keyword: the harness then passes the model ``backward_window``
+    will receive, already wrapped by the run's strategy (DDP or FSDP2; the rank's stage on a pipeline), the object a
+    library's trainer is built around (``Trainer(model=model.module, ...)``)."""
+    return _takes(getattr(recipe, "setup", None), "model")
 
 
 def _takes(fn: object, keyword: str) -> bool:
