@@ -80,6 +80,7 @@ def test_pytest_skips_a_named_check_with_its_reason_and_still_fails_on_another(t
     assert "parity FAILED in 1 case (W=2; uneven; fp32)" in done.stdout and "battery summary" in done.stdout
 
 
+@pytest.mark.slow  # two pytest processes, each importing torch; tests/unit/test_quick.py covers the plan in-process
 def test_pytest_quick_collects_the_quick_plan() -> None:
     """pytest --quick collects one test per quick case and the one drawn lane, and an unknown --battery-skip name is
     a usage error naming the valid ones."""
