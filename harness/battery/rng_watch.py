@@ -298,7 +298,7 @@ def hygiene_fix(moves: tuple[GeneratorMove, ...], in_setup: bool = False) -> str
     fixes = []
     keep = ("inside a block that puts the global generators back: save random.getstate(), numpy.random.get_state() "
             "and torch.get_rng_state() before it and restore them after "
-            "(harness.recipes.libraries.transformers_loss.generators_kept does)")
+            "(`with harness.recipes.generators_kept(): ...` does)")
     for move in moves:
         if move.kind == "seeded" and move.constructor is not None:
             ctor = move.constructor.qual.rsplit(".", 1)[0]

@@ -20,9 +20,11 @@ The three places where recipes go wrong without noticing, each in one line:
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -114,7 +116,24 @@ def global_sum(value: float, group: Any = None) -> float:
     return float(t)
 
 
-__all__ = ["clip_grad_norm", "global_count", "global_sum", "require_tokens", "supervised_tokens", "sync_context"]
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """Python's, numpy's and torch's global generators (CUDA's where initialized) as they were before the block: what
+    a library constructor that seeds them (``Trainer.__init__``'s ``set_seed``) leaves moved, put back."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+__all__ = ["clip_grad_norm", "generators_kept", "global_count", "global_sum", "require_tokens", "supervised_tokens",
+           "sync_context"]
 
 
 def token_group(mesh: Any) -> Any:

@@ -13,8 +13,8 @@ from torch import nn
 from user_recipes import seeding_lib
 
 from harness.battery.rng_watch import GeneratorWatch, hygiene_fix, moved_detail
+from harness.recipes import generators_kept
 from harness.recipes.contract import setup_takes_mesh, setup_takes_model
-from harness.recipes.libraries.transformers_loss import generators_kept
 
 
 def _build_trainer() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from harness.battery.rank_watch import moved, rng_states
-from harness.recipes.libraries.transformers_loss import generators_kept
+from harness.recipes import generators_kept
 
 
 def _seed_everything(seed: int) -> None:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from harness.core.microbatch import Microbatch
+from harness.recipes import generators_kept
 from harness.recipes.correct import GlobalTokenMean
-from harness.recipes.libraries.transformers_loss import generators_kept
 from user_recipes.seeding_lib import Trainer
 
 

@@ -62,16 +62,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.recipes.helpers import generators_kept
 from harness.recipes.libraries._common import missing
 
 _transformers: Any = None
@@ -83,22 +82,6 @@ try:
     import transformers.trainer_pt_utils as _pt_utils
 except ImportError:  # the integrations extra is not installed: setup() says so
     _transformers = None
-
-
-@contextlib.contextmanager
-def generators_kept() -> Iterator[None]:
-    """Python's, numpy's and torch's global generators (CUDA's where initialized) as they were before the block: what
-    a library constructor that seeds them (``Trainer.__init__``'s ``set_seed``) leaves moved, put back."""
-    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def causal_lm_loss(outputs: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
