@@ -29,6 +29,13 @@ class Printed:
 
     ranks: dict[str, int] = field(default_factory=dict)
     launches: dict[str, int] = field(default_factory=dict)
+    here: dict[str, int] = field(default_factory=dict)
+    """Lines printed in this process while it built the user's model (the probe, the reference), with their count."""
+
+    def add_here(self, text: str) -> None:
+        """What this process printed while building the model once (:func:`building`)."""
+        for line in dict.fromkeys(messages(text)):
+            self.here[line] = self.here.get(line, 0) + 1
 
     def add(self, texts: Mapping[int, str]) -> None:
         """One launch's output, each rank's whole text (what :func:`harness.distributed.output.read` returns)."""
@@ -42,13 +49,15 @@ class Printed:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """Plain dicts (what an xdist worker can send its controller)."""
-        return {"ranks": dict(self.ranks), "launches": dict(self.launches)}
+        return {"ranks": dict(self.ranks), "launches": dict(self.launches), "here": dict(self.here)}
 
     def merge(self, other: Mapping[str, Mapping[str, int]]) -> None:
         """Add another collection's counts (an :meth:`as_dict`)."""
         for line, n in other["ranks"].items():
             self.ranks[line] = self.ranks.get(line, 0) + n
             self.launches[line] = self.launches.get(line, 0) + other["launches"][line]
+        for line, n in other.get("here", {}).items():
+            self.here[line] = self.here.get(line, 0) + n
 
     def lines(self, shown: int | None = SHOWN) -> list[str]:
         """Each distinct line with its counts; past ``shown`` (None: no limit), one line counting the rest."""
@@ -56,6 +65,8 @@ class Printed:
         for line, n in self.ranks.items():
             k = self.launches[line]
             out.append(f"[printed by {n} rank{'s' if n != 1 else ''} in {k} launch{'es' if k != 1 else ''}] {line}")
+        for line, n in self.here.items():
+            out.append(f"[printed {n} time{'s' if n != 1 else ''} building the model in the battery's process] {line}")
         if shown is not None and len(out) > shown:
             rest = len(out) - shown
             out = [*out[:shown], f"{rest} more distinct line{'s' if rest != 1 else ''}: -v shows them"]
@@ -66,6 +77,30 @@ class Printed:
         said = self.lines(shown)
         return "what the ranks printed (each distinct line once):\n" + "\n".join(f"  {ln}" for ln in said) \
             if said else ""
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Around a build of the user's model in the battery's own process (the probe, the reference chain): what its
+    constructor prints (nanoGPT's "number of parameters") goes to the collecting :class:`Printed`, once per distinct
+    line with its count, instead of once per build; nothing is caught while nothing collects."""
+    if not collecting():
+        yield
+        return
+    import io
+
+    caught = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(caught), contextlib.redirect_stderr(caught):
+            yield
+    finally:
+        record_here(caught.getvalue())
+
+
+def record_here(text: str) -> None:
+    """Text printed in this process while building the model, to the innermost collecting :class:`Printed`."""
+    if text.strip() and _ACTIVE and _ACTIVE[-1] is not None:
+        _ACTIVE[-1].add_here(text)
 
 
 def messages(text: str) -> list[str]:

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from harness.battery import scenarios
+from harness.battery import printed, scenarios
 from harness.battery.options import RunSpec
 from harness.core.compare import PRECISIONS as COMPUTE_DTYPES
 from harness.core.compare import flat_params
@@ -82,7 +82,8 @@ class ModelSpec:
         if self.path is None:
             model: nn.Module = build_model(scenarios.BATTERY_CONFIG, seed=self.init_seed)
         else:
-            model = build_user_model(self.path, self.seed)
+            with printed.building():  # a constructor's print, said once at the end of the battery
+                model = build_user_model(self.path, self.seed)
         model = disable_dropout(model.to(PRECISIONS[self.precision]))
         model.train()
         if len(_BUILT) < 8:

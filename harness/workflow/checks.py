@@ -97,16 +97,22 @@ def cmd_battery(args: argparse.Namespace) -> int:
             load_recipe(r)
         except RecipeError as exc:
             raise BadInput(f"--recipe: {exc}") from None
-    found = model_notes(model, batch_format)
+    from harness.battery import crash_report, preflight, printed
+
+    # What the ranks print, and what the model's constructor prints while the probe and the reference build it here:
+    # once per distinct line, at the end (-v: as it comes).
+    said = printed.start(args.verbose)
+    try:
+        found = model_notes(model, batch_format)
+    except BadInput:
+        printed.stop(said)
+        raise
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     drawn = options.examples > 0 and importlib.util.find_spec("hypothesis") is not None
     from harness.battery.plan import drawn_lanes
 
     lanes = drawn_lanes(options) if drawn else []  # one drawn row per precision lane and strategy
-    from harness.battery import crash_report, preflight, printed
-
-    said = printed.start(args.verbose)  # the ranks' prints: once per distinct line, at the end (-v: as they come)
     for r in recipes if not args.keep_going else []:
         stopped = preflight.preflight(r, cases, options)
         if stopped:

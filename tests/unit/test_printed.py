@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from harness.battery import printed
 from harness.battery.printed import SHOWN, Printed, collecting, record, start, stop
 
@@ -66,3 +68,24 @@ def test_a_warning_and_its_source_line_are_one_message() -> None:
             "hello\n  indented after a plain line\n")
     assert ["/x/accelerate/state.py:279: UserWarning: OMP_NUM_THREADS unset", "hello",
             "  indented after a plain line"] == printed.messages(text)
+
+
+def test_a_constructor_s_print_in_the_battery_s_process_is_said_once_with_its_count(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """nanoGPT's GPT prints its parameter count when built: the probe and the reference build it many times in the
+    battery's own process, and the collection says the line once with how often; with nothing collecting, the print
+    goes through as it was (the negative control)."""
+    from harness.battery.printed import building
+
+    relaying = start(True)  # -v: nothing collects, output goes through
+    with building():
+        print("number of parameters: 0.03M")
+    stop(relaying)
+    assert "number of parameters: 0.03M" in capsys.readouterr().out
+    said = start(False)
+    for _ in range(3):
+        with building():
+            print("number of parameters: 0.03M")
+    block = stop(said)
+    assert "" == capsys.readouterr().out
+    assert "[printed 3 times building the model in the battery's process] number of parameters: 0.03M" in block
