@@ -472,6 +472,8 @@ REGISTRY: tuple[Figure, ...] = (
     Figure("docs/libraries.md", "right under its summing reduction (FSDP2), {error} off under DDP's average",
            "libraries.json", _one("error", lambda d: sci(_library_case(d, "torchtitan_loss", "parity")["max_error"],
                                                           1, 1))),
+    Figure("docs/libraries.md", "the full battery (`benchmarks/results/examples.json`): {table:table}",
+           "examples.json", _one("table", lambda d: str(_benchmark("examples_bench").markdown(d)))),
     Figure("docs/libraries.md", "none of these paths reads them). {table:table}", "packing.json",
            _one("table", lambda d: str(_benchmark("packing_table").markdown(d)))),
     Figure("docs/libraries.md", "The reference is the padded batch (one right-padded row per sequence, its attention "

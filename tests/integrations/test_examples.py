@@ -31,6 +31,9 @@ WRONG_READS = {"nanogpt_loop": "per_microbatch_mean", "trainer_loop": "mean_of_l
                "accelerate_loop": "per_microbatch_mean"}
 """The diagnosis the wrong recipe's parity failure on the uneven scenario carries."""
 
+MODEL_OPTIONS = {"trainer_loop": ["--model", "trainer_loop:tiny_llama", "--batch-format", "hf"]}
+"""The options an example's docstring runs it with: the Trainer's on the Llama from a config it defines."""
+
 EXAMPLES = [
     pytest.param("nanogpt_loop", marks=pytest.mark.slow),
     pytest.param("trainer_loop", marks=pytest.mark.integrations),
@@ -47,7 +50,8 @@ def battery(module: str, attr: str, user: Path) -> tuple[subprocess.CompletedPro
     # The user's directory first; this checkout after it, so that the battery run is this tree's, not an installed one.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "battery", f"--recipe={module}:{attr}", "--battery-world-sizes", "2",
+        [sys.executable, "-m", "harness", "battery", f"--recipe={module}:{attr}", *MODEL_OPTIONS.get(module, []),
+         "--battery-world-sizes", "2",
          "--precision", "fp32", "--battery-examples", "0", f"--battery-report={report}"],
         cwd=user, env=env, capture_output=True, text=True, timeout=300,
     )
