@@ -341,8 +341,6 @@ FSDP2 = "docs/fsdp2-bf16-clipping.md"
 
 REGISTRY: tuple[Figure, ...] = (
     # README.md: the opening paragraph, the Quick start, the verdict excerpt, the library table, the index.
-    Figure(README, "The full battery (world sizes 1 to 4, float32 and float64, drawn layouts) takes {s} s on the "
-           "built-in model", "battery.json", _one("s", lambda d: fixed(_battery(d, CORRECT), 1))),
     Figure(README, "with a two-layer GPT-2 and Llama from transformers, {gpt2} s and {llama} s",
            "model_battery.json", lambda d: {"gpt2": fixed(d["results"]["GPT-2 (2 layers)"]["wall_median_s"], 1),
                                             "llama": fixed(d["results"]["Llama (2 layers)"]["wall_median_s"], 1)}),
