@@ -139,7 +139,11 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     wrap = False
     if chain.model_error is None:
         needs, unused = unused_notes(chain, found.gradless if found is not None else ())
-        wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and needs)
+        # A window without any supervised token gives the reference no backward to see the unused parameters in:
+        # the model probe's own finding decides there, so that a loop that still runs its forward and backward on
+        # such a window meets the same DDP as on every other scenario.
+        gradless = bool(found.gradless) if found is not None else False
+        wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and (needs or gradless))
         if needs:
             how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs "
                    "it too, or every parameter a gradient" if wrap else

@@ -123,3 +123,19 @@ def test_a_recipe_that_hangs_on_an_empty_window_fails_by_its_deadline() -> None:
     run = runner.run("user_recipes.empty_policies:WaitsForTokens", "all_empty", 2, deadline=3)
     verdict = checks.empty_window(run)
     assert ("fail", "deadline") == (verdict.status, verdict.cause), verdict.message
+
+
+UNUSED_HEAD = "user_recipes.backward_models:NormWithUnusedHead"
+
+
+def test_a_model_with_an_unused_head_meets_the_same_ddp_on_an_empty_window_as_on_every_other() -> None:
+    """The reference has no backward on a window without any supervised token, so it cannot see the value head no
+    forward reaches: the model probe's finding turns DDP's find_unused_parameters on there too, and a loop that runs
+    every microbatch's forward and backward on that window (zero gradients, NaN loss) passes; with the option forced
+    off the same run crashes on the second forward (the negative control: the setting is what decides)."""
+    recipe = "user_recipes.empty_policies:NanLossSyncedEveryMicrobatch"
+    kept = checks.empty_window(runner.run(recipe, "all_empty", 1, model=UNUSED_HEAD))
+    assert "pass" == kept.status, kept.message
+    off = checks.empty_window(runner.run(recipe, "all_empty", 1, model=UNUSED_HEAD, find_unused="off"))
+    assert ("fail", "crash") == (off.status, off.cause), off.message
+    assert "Expected to have finished reduction" in off.message + (off.details or "")

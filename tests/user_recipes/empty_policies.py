@@ -22,6 +22,8 @@ class NanLossZeroGradients:
     the NaN it logged."""
 
     name = "nan_loss_zero_gradients"
+    accumulate = True
+    """All but the last microbatch under ``no_sync()``; False: every backward synchronizes (a one-rank loop's way)."""
 
     def backward_window(self, model: torch.nn.Module, window: Sequence[Microbatch]) -> torch.Tensor:
         count = torch.tensor(sum(mb.supervised for mb in window), dtype=torch.int64, device=count_device())
@@ -31,7 +33,7 @@ class NanLossZeroGradients:
         logged = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(window):
             last = i == len(window) - 1
-            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last or not self.accumulate else model.no_sync():  # type: ignore[operator]
                 logits = model(mb.inputs)
                 s = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX,
                                     reduction="sum")
@@ -41,6 +43,14 @@ class NanLossZeroGradients:
         if dist.is_initialized():
             dist.all_reduce(logged)
         return logged / world
+
+
+class NanLossSyncedEveryMicrobatch(NanLossZeroGradients):
+    """The same loss with every backward synchronized (no ``no_sync()``): on a model with a parameter no forward
+    reaches, each forward after the first needs DDP's ``find_unused_parameters``, on an empty window as on any."""
+
+    name = "nan_loss_synced_every_microbatch"
+    accumulate = False
 
 
 class WaitsForTokens:
