@@ -28,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _RUN = """
 import os, sys, time
-from harness.battery import plan, runner
-from harness.battery.options import BatteryOptions
+from harness.battery.plan import cases as plan
+from harness.battery.launch import runner
+from harness.battery.plan.options import BatteryOptions
 from harness.battery.layouts import drawn_verdicts
-from harness.battery.table import run_cases
+from harness.battery.report.table import run_cases
 if os.environ.get("BENCH_NO_PRELOAD") == "1":
     runner.recipe_module = lambda spec: None  # every rank of every launch imports the recipe's module itself
 recipe, examples = sys.argv[1], int(sys.argv[2])

@@ -3,8 +3,8 @@
     python benchmarks/diagnosis_bench.py [--repeat 5] [--out benchmarks/results/diagnosis.json]
 
 For each case (a recipe on a battery scenario at one world size, float32), times ``--repeat`` uncached parity runs
-(``harness.battery.runner.run_windows``: the single-device reference chain, then the launch of every rank through
-the warm forkserver) and ``--repeat`` diagnoses of the run's worst window (``harness.battery.diagnose.diagnose``:
+(``harness.battery.launch.runner.run_windows``: the single-device reference chain, then the launch of every rank through
+the warm forkserver) and ``--repeat`` diagnoses of the run's worst window (``harness.battery.diagnose.of_run.diagnose``:
 one float64 backward per microbatch, the least-squares fit, the per-parameter table; ``--per-sequence`` adds one
 backward per row). Writes the medians and their ratio, measured in the same run, as JSON and prints it. The machine
 is shared and noisy: read the ratio. Not a test: nothing here asserts a speed.
@@ -16,9 +16,10 @@ import argparse
 
 from _common import RESULTS, command, machine, now, summary, timed, write_result
 
-from harness.battery import runner, scenarios
-from harness.battery.diagnose import diagnose
-from harness.battery.run import Run
+from harness.battery import scenarios
+from harness.battery.diagnose.of_run import diagnose
+from harness.battery.launch import runner
+from harness.battery.launch.run import Run
 
 CASES = (
     ("harness.recipes:mean_of_local_means", "uneven", 2),

@@ -7,9 +7,9 @@ median over its components) for the correct recipe under FSDP2's default average
 reduction declared (the harness sets the knobs on every sharded module), the same loss under the average
 (``sum_loss_under_averaging``) and with the knobs set on the root module only (``divide_factor_on_root_only``).
 
-bf16: for each strategy and case, the measured noise and the bound derived from it (:mod:`harness.battery.bf16`), the
-correct recipe's error and a mean of local means' error (relative L2 against float64), their ratios to the bound, and
-the separation margins (bound / correct error; mistake / bound).
+bf16: for each strategy and case, the measured noise and the bound derived from it
+(:mod:`harness.battery.prepare.bf16`), the correct recipe's error and a mean of local means' error (relative L2 against
+float64), their ratios to the bound, and the separation margins (bound / correct error; mistake / bound).
 
 bf16 scale: for each strategy, world size and case, each window's count and its bfloat16 rounding, the correct
 computation's own scale noise and the scale bound (DDP; FSDP2 judges no scale), and the largest ``|scale - 1|`` and
@@ -29,7 +29,7 @@ from _common import RESULTS, command, machine, now, write_result
 def _ratios(run: object) -> dict[str, float]:
     import torch
 
-    r = run  # a harness.battery.run.Run
+    r = run  # a harness.battery.launch.run.Run
     model = r.model()  # type: ignore[attr-defined]
     got, ref = r.records[0][0].grad.double(), r.references[0].gradient.double()  # type: ignore[attr-defined]
     out, offset = {}, 0
@@ -48,8 +48,10 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from harness.battery import bf16, checks, runner
-    from harness.battery.options import RunSpec
+    from harness.battery.judge import checks
+    from harness.battery.launch import runner
+    from harness.battery.plan.options import RunSpec
+    from harness.battery.prepare import bf16
     from harness.distributed.launcher import warm
 
     warm()

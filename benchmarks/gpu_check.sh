@@ -156,7 +156,8 @@ def main() -> None:
     import torch
 
     from harness.battery import scenarios
-    from harness.battery import checks, runner
+    from harness.battery.judge import checks
+    from harness.battery.launch import runner
     from harness.core.compare import FLOAT32_TOLERANCE, compare
     from harness.model import build_model
     from harness.core.reference import reference_gradient

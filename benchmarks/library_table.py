@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from harness.battery.run import Run
-    from harness.battery.verdict import Verdict
+    from harness.battery.judge.verdict import Verdict
+    from harness.battery.launch.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def reading(diagnosis: dict[str, object]) -> str:
 
 def _diagnosis_of(run: Run, verdict: Verdict) -> dict[str, object] | None:
     """A failing parity verdict's diagnosis; for another check, the run's own (the worst window and rank)."""
-    from harness.battery.diagnose import diagnose
+    from harness.battery.diagnose.of_run import diagnose
 
     full = verdict.diagnosis
     if verdict.check != "parity":
@@ -85,8 +85,9 @@ def _diagnosis_of(run: Run, verdict: Verdict) -> dict[str, object] | None:
 
 
 def measure() -> dict[str, object]:
-    import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-    from harness.battery import registry, runner
+    import harness.battery.judge.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+    from harness.battery.judge import registry
+    from harness.battery.launch import runner
     from harness.recipes.libraries import CASES, LIBRARY_RECIPES, NOT_ROWS, installed_version
 
     versions = {lib: installed_version(lib) for lib in ("torch", "transformers", "accelerate", "torchtitan")}

@@ -1,5 +1,5 @@
 """How often the logged-loss check rejects a wrongly weighted logged loss, from the initial weights and from the
-warmed weights every run starts from (``harness.battery.start``).
+warmed weights every run starts from (``harness.battery.prepare.start``).
 
     python benchmarks/logged_loss_start.py [--layouts 100] [--out benchmarks/results/logged_loss_start.json]
 
@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from _common import RESULTS, command, machine, now, write_result
 
-import harness.battery.start as start
-from harness.battery import checks, runner, scenarios
-from harness.battery.options import RunSpec
+import harness.battery.prepare.start as start
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.battery.spec import ModelSpec
 from harness.core.formats import logits_of
 

@@ -40,8 +40,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "mesh.json"))
     args = parser.parse_args()
-    from harness.battery import checks, prepare, runner
-    from harness.battery.options import RunSpec
+    from harness.battery.judge import checks
+    from harness.battery.launch import runner
+    from harness.battery.plan.options import RunSpec
+    from harness.battery.prepare import steps as prepare
     from harness.core.mesh import Mesh
 
     def once(strategy: str, shape: str | None, schedule: str = "gpipe", steps: int = 1) -> float:

@@ -54,7 +54,7 @@ WAYS = {"built-in TinyCausalLM": (None, ""), "GPT-2 (2 layers)": ("bench_models:
 ABLATIONS = {
     "GPT-2, model classes' modules not preloaded (transformers imported in every rank of every launch)": (
         "bench_models:tiny_gpt2",
-        "import harness.battery.runner as r, harness.battery.spec as s\n"
+        "import harness.battery.launch.runner as r, harness.battery.spec as s\n"
         "r.model_modules = lambda p: (s.model_module(p),) if p else ()\n"),
     "GPT-2, every model built by its constructor (no copy of the first)": (
         "bench_models:tiny_gpt2",

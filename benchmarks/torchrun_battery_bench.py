@@ -5,7 +5,7 @@ at W=8 in-process.
     python benchmarks/torchrun_battery_bench.py [--repeats 3] [--precision fp32]
         [--out benchmarks/results/torchrun_battery.json]
 
-In-process: every case of the plan at W=4 through ``harness.battery.table.run_cases`` in this process (the
+In-process: every case of the plan at W=4 through ``harness.battery.report.table.run_cases`` in this process (the
 forkserver started first, not timed), cache cleared between repeats. torchrun: the job's wall time from starting the
 two agents to both exiting (rendezvous included) and the battery's own time as rank 0 prints it. Not a test:
 nothing here fails on a number.
@@ -32,9 +32,11 @@ def main() -> int:
     args = parser.parse_args()
     from support.battery_jobs import job
 
-    from harness.battery import plan, prepare, runner
-    from harness.battery.options import BatteryOptions
-    from harness.battery.table import run_cases
+    from harness.battery.launch import runner
+    from harness.battery.plan import cases as plan
+    from harness.battery.plan.options import BatteryOptions
+    from harness.battery.prepare import steps as prepare
+    from harness.battery.report.table import run_cases
     from harness.distributed.launcher import launch
     from harness.distributed.probes import all_reduce_rank
     from harness.recipes import CORRECT_RECIPE

@@ -5,8 +5,8 @@ FSDP2 through the in-process launcher.
 
 For each layout (``dp=4`` and ``dp=2,tp=2``, W=4, fp32, ``harness.recipes:mesh_token_mean`` on the ``uneven``
 scenario): one launch each to warm the forkserver and the reference chain, then ``--repeats`` launches of each run,
-the two layouts alternating (:func:`harness.battery.runner.launch_run`: preparation with the cached chain, the ranks,
-their records). Writes the median wall time of each, their ranges, the ratio of the medians and the median of
+the two layouts alternating (:func:`harness.battery.launch.runner.launch_run`: preparation with the cached chain, the
+ranks, their records). Writes the median wall time of each, their ranges, the ratio of the medians and the median of
 the ratios of each pair of launches, as JSON, and prints it. The machine is shared and noisy: read the ratios. Not a
 test: nothing here asserts a speed.
 """
@@ -18,8 +18,10 @@ import statistics
 
 from _common import RESULTS, command, machine, now, summary, timed, write_result
 
-from harness.battery import checks, runner, scenarios
-from harness.battery.options import RunSpec
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
 
 RECIPE = "harness.recipes:mesh_token_mean"

@@ -10,15 +10,15 @@ torchrun set up, on one machine or many.
 
 Each worker joins the group (NCCL when every local rank has a GPU of its own, gloo otherwise; ``--backend``
 overrides), builds each scenario's windows for the job's world size (the same windows the in-process launcher
-builds), and runs the recipe through the same rank program (:func:`harness.battery.rank_program.rank_body`). The
+builds), and runs the recipe through the same rank program (:func:`harness.battery.rank.rank_program.rank_body`). The
 runs are dealt round-robin over the ranks (:func:`owner`): before the first starts, each rank computes the
-single-device references of its share (:func:`harness.battery.prepare.prepare`); after each, its owner collects every
-rank's records and says whether the battery goes on; at the end each rank judges its share with the battery's checks,
-so no rank carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts, writes
-the report (``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test case per
-verdict; the full report always, in a temporary folder without ``--battery-report``) and prints the table's failing
-rows and the grouped summary (:mod:`harness.battery.summary`). Every worker exits with the same status: 0 every check
-holds (or only ``--battery-skip``'s checks failed), 1 a check failed, 2 bad input.
+single-device references of its share (:func:`harness.battery.prepare.steps.prepare`); after each, its owner collects
+every rank's records and says whether the battery goes on; at the end each rank judges its share with the battery's
+checks, so no rank carries the whole reference and judging cost while the others wait. Rank 0 gathers the verdicts,
+writes the report (``--battery-report``: the schema of the command line's; ``--battery-junit``: JUnit XML, one test
+case per verdict; the full report always, in a temporary folder without ``--battery-report``) and prints the table's
+failing rows and the grouped summary (:mod:`harness.battery.report.summary`). Every worker exits with the same status:
+0 every check holds (or only ``--battery-skip``'s checks failed), 1 a check failed, 2 bad input.
 
 Over a device mesh (``--mesh dp=2,cp=2``, repeatable; the sizes' product must be the job's world size) every run
 is over that mesh instead of ``dp=W``, as ``--mesh`` does on the other surfaces. The mesh numbers the job's ranks
@@ -49,10 +49,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from harness.battery import mesh_scenarios, plan, registry, scenarios
-from harness.battery.crash_report import every_rank_raised, grouped
-from harness.battery.objective import windows_for
-from harness.battery.options import (
+from harness.battery import mesh_scenarios, scenarios
+from harness.battery.judge import registry
+from harness.battery.judge.crash_report import every_rank_raised, grouped
+from harness.battery.judge.verdict import FAIL, Verdict
+from harness.battery.launch.printed import Printed, captured
+from harness.battery.launch.run import Run, WindowRecord
+from harness.battery.plan import cases as plan
+from harness.battery.plan.options import (
     BATCH_FORMAT_HELP,
     BATCH_FORMATS,
     CHUNKING_HELP,
@@ -67,12 +71,10 @@ from harness.battery.options import (
     RunSpec,
     parse_meshes,
 )
-from harness.battery.prepare import Prepared, prepare
-from harness.battery.printed import Printed, captured
-from harness.battery.rank_program import rank_body
-from harness.battery.run import Run, WindowRecord
-from harness.battery.skips import check_skips, skip_all
-from harness.battery.verdict import FAIL, Verdict
+from harness.battery.plan.skips import check_skips, skip_all
+from harness.battery.prepare.objective import windows_for
+from harness.battery.prepare.steps import Prepared, prepare
+from harness.battery.rank.rank_program import rank_body
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
 
@@ -172,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.recipes import load_recipe
 
         load_recipe(args.recipe)
-        from harness.battery.facts import probe
+        from harness.battery.prepare.probe.facts import probe
 
         probe(args.model, args.batch_format)  # the built-in model too: its backward is checked before every battery
     except Exception as exc:  # bad input: every worker finds it, the same, before any joins the group
@@ -273,7 +275,8 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
                                                f"{type(exc).__name__}: {exc}"))
             raise
         mine[i] = ready
-        # The starting weights travel whole (harness.battery.start): a worker that recomputed them could sum otherwise.
+        # The starting weights travel whole (harness.battery.prepare.start): a worker that recomputed them could sum
+        # otherwise.
         _put(store, f"{i}/plan", ("ok", ready.chain.model_error, ready.digest, ready.wrap, ready.chain.max_norm,
                                   ready.start))
     return mine
@@ -373,9 +376,9 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
 def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
             stopped: str | None, junit: str | None, seconds: float, world: int, verbose: bool = False,
             said_by_ranks: str = "") -> int:
-    from harness.battery.junit import write_junit
-    from harness.battery.summary import compact_table, format_summary, write_full_report
-    from harness.battery.table import format_table, report_json
+    from harness.battery.report.junit import write_junit
+    from harness.battery.report.summary import compact_table, format_summary, write_full_report
+    from harness.battery.report.table import format_table, report_json
 
     judged = {(v.check, v.scenario, v.precision, v.strategy, v.mesh) for v in verdicts}
     for c in cases:

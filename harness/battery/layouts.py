@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-from harness.battery import registry, runner
-from harness.battery.facts import ModelFacts
-from harness.battery.options import WORLD_SIZES, BatteryOptions, RunSpec
+import harness.battery.judge.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+from harness.battery.judge import registry
+from harness.battery.judge.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery.judge.witness import keeps_reading, reading_key, shrunk_note, witness
+from harness.battery.launch import runner
+from harness.battery.plan.options import WORLD_SIZES, BatteryOptions, RunSpec
+from harness.battery.prepare.probe.facts import ModelFacts
 from harness.battery.scenarios import BATTERY_CONFIG, MAX_WORLD_SIZE, Windows
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
-from harness.battery.witness import keeps_reading, reading_key, shrunk_note, witness
 from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 from harness.data.batching import collate
@@ -68,7 +69,7 @@ class Layout:
     def windows_for(self, spec: RunSpec) -> Windows:
         """:meth:`build`, with the factors ``spec``'s objective needs drawn from ``factor_seed`` (the same layout, other
         weights or advantages, is another example)."""
-        from harness.battery.objective import resolve
+        from harness.battery.prepare.objective import resolve
         from harness.core.objectives import with_factors
 
         windows = self.build()
@@ -274,8 +275,8 @@ def lane_label(examples: int, world_sizes: Sequence[int], precision: str, strate
 
 def drawn_verdicts(recipe: str, options: BatteryOptions | None = None, derandomize: bool = False) -> list[Verdict]:
     """:func:`drawn_verdict` in every precision lane and strategy of ``options``
-    (:func:`harness.battery.plan.drawn_lanes`): one verdict, one table row, each."""
-    from harness.battery.plan import drawn_lanes
+    (:func:`harness.battery.plan.cases.drawn_lanes`): one verdict, one table row, each."""
+    from harness.battery.plan.cases import drawn_lanes
 
     options = options or BatteryOptions()
     return [drawn_verdict(recipe, options, derandomize, precision=lane.precision, strategy=lane.strategy,
@@ -287,13 +288,13 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
                   examples: int | None = None, mesh: Mesh | None = None) -> Verdict:
     """Check ``recipe`` on ``examples`` layouts (default ``options.examples``: the first
     :func:`informative_layouts`, then drawn ones; at the world sizes of ``options``, the shrunk layout's included;
-    default :class:`~harness.battery.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the
+    default :class:`~harness.battery.plan.options.BatteryOptions`) in ``precision`` under ``strategy`` (default: the
     session's first lane and strategy); one verdict, whose failure message shows the failing layout with the failing
     checks' messages and diagnosis, then a shrunk layout that still fails. Needs Hypothesis.
 
-    In the bf16 lane each layout is judged as the bf16 scenarios are (:mod:`harness.battery.bf16`: the bound derived
-    from the correct computation's own noise on that layout, its windows too balanced to judge refused); the verdict
-    says on how many layouts parity could be judged, and is n/a when on none.
+    In the bf16 lane each layout is judged as the bf16 scenarios are (:mod:`harness.battery.prepare.bf16`: the bound
+    derived from the correct computation's own noise on that layout, its windows too balanced to judge refused); the
+    verdict says on how many layouts parity could be judged, and is n/a when on none.
 
     The verdict is one row of the battery's table whether it passes or fails: ``world_size`` 0 (several), and
     ``label`` "drawn (12 layouts, W in 1,2,3,4, fp32, ddp)"; a failure's message names the failing layout's world
@@ -313,7 +314,7 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
 
     facts: ModelFacts | None = None
     if options.model is not None:
-        from harness.battery.facts import probe_model
+        from harness.battery.prepare.probe.facts import probe_model
         from harness.battery.spec import ModelSpec
 
         facts = probe_model(ModelSpec(options.model, options.batch_format))

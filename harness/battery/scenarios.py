@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from harness.battery.options import MAX_SCENARIO_WORLD_SIZE, MAX_WORLD_SIZE  # noqa: F401 (MAX_WORLD_SIZE: re-exported)
+from harness.battery.plan.options import MAX_SCENARIO_WORLD_SIZE, MAX_WORLD_SIZE  # noqa: F401 (MAX_WORLD_SIZE: re-exported)
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.data.batching import collate
 from harness.data.config import Config
@@ -39,7 +39,7 @@ def corpus_config(world_size: int) -> Config:
     """The corpus rank r's length band is drawn from: :data:`BATTERY_CONFIG`'s up to :data:`SMALL_WORLD` ranks; for
     more, the same model's corpus with sequences from 3 tokens (prompts up to 2) and ``train_size`` grown with W, so
     that the narrowest band, ``(0, max_len / W]``, still holds a window's rows (up to
-    :data:`~harness.battery.options.MAX_SCENARIO_WORLD_SIZE`)."""
+    :data:`~harness.battery.plan.options.MAX_SCENARIO_WORLD_SIZE`)."""
     if world_size <= SMALL_WORLD:
         return BATTERY_CONFIG
     grow = -(-world_size // SMALL_WORLD)
@@ -109,7 +109,7 @@ def _far_from_the_grid(window: list[list[list[Row]]]) -> None:
 
     Such a count is odd, so over :data:`FP16_EXACT` float16 must round it too; and a count rounded to bfloat16 (a
     ``.to(torch.bfloat16)``) is off by ``spacing / 2 - 1`` tokens, 0.1-0.35% of the window: as far as rounding moves
-    a count, which is what the bf16 lane's scale test must be able to see (:mod:`harness.battery.bf16`)."""
+    a count, which is what the bf16 lane's scale test must be able to see (:mod:`harness.battery.prepare.bf16`)."""
     n = sum(r.supervised for rank in window for mb in rank for r in mb)
     if n <= BF16_EXACT:
         return

@@ -17,8 +17,9 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from harness.battery import printed, scenarios
-from harness.battery.options import RunSpec
+from harness.battery import scenarios
+from harness.battery.launch import printed
+from harness.battery.plan.options import RunSpec
 from harness.core.compare import PRECISIONS as COMPUTE_DTYPES
 from harness.core.compare import flat_params
 from harness.core.formats import (

@@ -3,7 +3,7 @@
 Every check runs on real gloo ranks at world sizes 1 to 4 (1 is the sanity lane) over the scenarios of
 ``harness.battery.scenarios`` and compares with the single-device reference (``--model`` and ``--batch-format`` pick the
 model and the batch convention, for the ranks and the reference alike); the cases come from
-``harness.battery.plan``, the same list the command line runs. ``--precision`` picks the float32 lane, the float64
+``harness.battery.plan.cases``, the same list the command line runs. ``--precision`` picks the float32 lane, the float64
 lane or both. A check that means nothing at one rank is skipped there as "not applicable". The negative controls in
 ``harness.recipes`` must fail these same checks (``tests/distributed/test_negative_controls.py`` shows that they do).
 """
@@ -14,9 +14,11 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.battery import plan, registry, runner
-from harness.battery.options import BatteryOptions
-from harness.battery.verdict import Verdict
+from harness.battery.judge import registry
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.plan import cases as plan
+from harness.battery.plan.options import BatteryOptions
 
 pytestmark = pytest.mark.recipe
 
@@ -37,7 +39,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     name = getattr(metafunc.function, "battery_check_name", None)
     if name is None or "case" not in metafunc.fixturenames:
         return
-    from harness.battery.options import from_pytest
+    from harness.battery.plan.options import from_pytest
 
     options = from_pytest(metafunc.config)
     cases = plan.session_cases(options, checks=(name,))

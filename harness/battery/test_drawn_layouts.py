@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.battery.options import BatteryOptions
-from harness.battery.plan import DrawnLane
-from harness.battery.verdict import Verdict
+from harness.battery.judge.verdict import Verdict
+from harness.battery.plan.cases import DrawnLane
+from harness.battery.plan.options import BatteryOptions
 
 pytestmark = pytest.mark.recipe
 
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.recipe
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "lane" not in metafunc.fixturenames:
         return
-    from harness.battery.options import from_pytest
-    from harness.battery.plan import drawn_lanes
+    from harness.battery.plan.cases import drawn_lanes
+    from harness.battery.plan.options import from_pytest
 
     options = from_pytest(metafunc.config)
     # --battery-examples 0: one lane still collected, so that the test says why it skips.

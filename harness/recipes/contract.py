@@ -41,7 +41,7 @@ COMM_HOOK_OWNED = (
     "hook, which counts the synchronizations of each window (the one_sync check) and reduces like DDP's default "
     "(a DDP model takes one hook: a second raises 'can only be called once'). Remove the call from "
     "backward_window/setup: to check a recipe written for a summing reduction, run it with reduction='sum' "
-    "(harness.battery.runner.run_windows), which makes the harness's hook sum instead of average; a hook that "
+    "(harness.battery.launch.runner.run_windows), which makes the harness's hook sum instead of average; a hook that "
     "compresses gradients is outside what the battery checks")
 """The message of the usage error a recipe that registers a comm hook gets."""
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from harness.battery.options import BatteryOptions
-    from harness.battery.verdict import Verdict
+    from harness.battery.judge.verdict import Verdict
+    from harness.battery.plan.options import BatteryOptions
     from harness.resume.options import ResumeOptions
 
 MARKERS = {
@@ -36,7 +36,7 @@ _PROPERTY = "battery_verdict"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # pure Python, like every option's parsing
-    from harness.battery.options import (
+    from harness.battery.plan.options import (
         BATCH_FORMAT_HELP,
         BATCH_FORMATS,
         CHUNKING_HELP,
@@ -128,7 +128,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--battery-deadline", default=None, type=float, metavar="SECONDS",
         help="seconds one battery run (one launch) may take before it is called hung (default: "
-        "harness.battery.options.DEADLINE, 30); raise it for a slow model, e.g. one under torch.compile",
+        "harness.battery.plan.options.DEADLINE, 30); raise it for a slow model, e.g. one under torch.compile",
     )
 
 
@@ -149,7 +149,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--recipe: {exc}") from None
         objective = config.getoption("objective")
         if objective == "fixed_normalizer":  # the constant is the recipe's to declare: say so before any run
-            from harness.battery.objective import resolve
+            from harness.battery.prepare.objective import resolve
 
             try:
                 resolve(objective, config.getoption("recipe"))
@@ -167,7 +167,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # The model probe (its backward checked by finite differences included) runs before a battery of a user's recipe
     # or model; a session of the harness's own tests does not import torch here.
     if config.getoption("model") is not None or config.getoption("recipe") is not None:
-        from harness.battery.facts import probe
+        from harness.battery.prepare.probe.facts import probe
         from harness.model import ModelError
 
         model = config.getoption("model")
@@ -178,7 +178,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--model: {exc}" if model is not None else str(exc)) from None
     options = options_from(config)  # bad options are a usage error now, before collection (parsed once: kept)
     if any(m.size("tp") > 1 or m.size("pp") > 1 for m in options.meshes):
-        from harness.battery.facts import probe_meshes
+        from harness.battery.prepare.probe.facts import probe_meshes
         from harness.model import ModelError
 
         try:  # a model without a tp plan or a pp split it can run is refused once, before any verdict
@@ -246,15 +246,15 @@ _CONTROLLER_VERDICTS: list[dict[str, object]] = []
 _ERRORS: list[str] = []
 _SESSION: dict[str, int] = {}
 _MODEL_NOTES: list[str] = []
-"""What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), for the report."""
+"""What the probe of ``--model`` found (:class:`harness.battery.prepare.probe.facts.ModelFacts`), for the report."""
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("battery_report")
     if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
         return
-    from harness.battery.summary import verdict_from_dict, write_full_report
-    from harness.battery.table import report_payload
+    from harness.battery.report.summary import verdict_from_dict, write_full_report
+    from harness.battery.report.table import report_payload
 
     options = options_from(session.config)
     write_full_report(path, report_payload(
@@ -271,7 +271,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     if not any(c.get("status") in ("fail", "skipped") for c in _CONTROLLER_VERDICTS):
         return
-    from harness.battery.summary import format_summary, text_path, verdict_from_dict
+    from harness.battery.report.summary import format_summary, text_path, verdict_from_dict
 
     path = config.getoption("battery_report")
     said = format_summary([verdict_from_dict(c) for c in _CONTROLLER_VERDICTS], path,
@@ -298,14 +298,14 @@ def recipe_path(pytestconfig: pytest.Config) -> str:
 
 
 def options_from(config: pytest.Config) -> BatteryOptions:
-    """The battery's options from pytest's (:func:`harness.battery.options.from_pytest`: the command line's
-    :meth:`~harness.battery.options.BatteryOptions.parse`, pure Python); bad input is a usage error."""
-    from harness.battery.options import from_pytest
+    """The battery's options from pytest's (:func:`harness.battery.plan.options.from_pytest`: the command line's
+    :meth:`~harness.battery.plan.options.BatteryOptions.parse`, pure Python); bad input is a usage error."""
+    from harness.battery.plan.options import from_pytest
 
     try:
         options = from_pytest(config)
         if options.skip:  # the registry's names (importing it imports torch: only when --battery-skip is given)
-            from harness.battery.skips import check_skips
+            from harness.battery.plan.skips import check_skips
 
             check_skips(options.skip)
     except ValueError as exc:
@@ -341,7 +341,7 @@ def resume_options(pytestconfig: pytest.Config) -> ResumeOptions:
 
 @pytest.fixture(scope="session")
 def battery_options(pytestconfig: pytest.Config) -> BatteryOptions:
-    """The session's :class:`~harness.battery.options.BatteryOptions`, parsed once from ``--model``,
+    """The session's :class:`~harness.battery.plan.options.BatteryOptions`, parsed once from ``--model``,
     ``--batch-format``, ``--strategy``, ``--objective``, ``--precision``, ``--battery-world-sizes``,
     ``--battery-examples``, ``--battery-deadline``, ``--find-unused-parameters`` and ``--battery-report``."""
     return options_from(pytestconfig)
@@ -355,7 +355,8 @@ def model_path(battery_options: BatteryOptions) -> str | None:
 
 @pytest.fixture(scope="session")
 def battery_deadline(battery_options: BatteryOptions) -> float:
-    """``--battery-deadline``: seconds one battery run may take (default :data:`harness.battery.options.DEADLINE`)."""
+    """``--battery-deadline``: seconds one battery run may take (default
+    :data:`harness.battery.plan.options.DEADLINE`)."""
     return battery_options.deadline
 
 
@@ -370,8 +371,8 @@ def battery_check(request: pytest.FixtureRequest) -> Callable[[Verdict], None]:
     """Record a verdict for ``--battery-report``; fail the test with its message when it failed (with every rank's
     whole report under ``-v``), skip it when the check does not apply or ``--battery-skip`` names it (the reason
     and what it would have said in the skip's message)."""
-    from harness.battery.skips import skip, skip_message
-    from harness.battery.verdict import NOT_APPLICABLE, SKIPPED
+    from harness.battery.judge.verdict import NOT_APPLICABLE, SKIPPED
+    from harness.battery.plan.skips import skip, skip_message
 
     skips = options_from(request.config).skip
 

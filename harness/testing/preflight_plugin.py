@@ -1,9 +1,9 @@
 """The pytest face of the pre-flight and of the quiet rank output, registered by :mod:`harness.testing.plugin`.
 
 - Before any test, once, in the controlling process (not in an xdist worker) and only when a battery test is
-  selected: the recipe on the smallest case (:mod:`harness.battery.preflight`); a recipe that raises there ends the
-  session with one message and exit status 1, unless ``--battery-keep-going``.
-- What the battery's ranks printed is collected (:mod:`harness.battery.printed`; xdist workers send theirs to the
+  selected: the recipe on the smallest case (:mod:`harness.battery.launch.preflight`); a recipe that raises there ends
+  the session with one message and exit status 1, unless ``--battery-keep-going``.
+- What the battery's ranks printed is collected (:mod:`harness.battery.launch.printed`; xdist workers send theirs to the
   controller) and said once in the terminal summary, before the battery's summary: each distinct line with how many
   ranks and launches printed it, every line under ``-v``. Each test's own captured output stays as pytest keeps it.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from harness.battery import printed
+from harness.battery.launch import printed
 
 _PRINTED = printed.Printed()
 """What the ranks of this session's battery launches printed."""
@@ -33,8 +33,8 @@ def _preflight(config: pytest.Config) -> None:
     if _DONE or config.getoption("battery_keep_going"):
         return
     _DONE.append(True)
-    from harness.battery.options import from_pytest
-    from harness.battery.preflight import session_preflight
+    from harness.battery.launch.preflight import session_preflight
+    from harness.battery.plan.options import from_pytest
     from harness.recipes import CORRECT_RECIPE
 
     try:
@@ -56,7 +56,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     # The xdist controller collects nothing itself: the ids its workers collected say whether a battery test runs,
     # and it hears them before it schedules any test.
-    from harness.battery.preflight import BATTERY_CASE_ID
+    from harness.battery.launch.preflight import BATTERY_CASE_ID
 
     if any(BATTERY_CASE_ID.search(i) for i in ids):
         _preflight(node.config)

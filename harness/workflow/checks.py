@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness.battery.options import BatteryOptions
+from harness.battery.plan.options import BatteryOptions
 from harness.recipes import CORRECT_RECIPE
 from harness.workflow.commands import config_from, config_path_of, outputs_of
 from harness.workflow.outputs import BadInput, err, leftover_in_use
@@ -26,10 +26,10 @@ def check_model_option(model: str | None, batch_format: str = "harness") -> str 
 
 
 def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, ...]:
-    """What the probe of ``--model`` found (:class:`harness.battery.facts.ModelFacts`), as sentences; BadInput when the
-    model cannot be used at all, or its backward is not the gradient of its forward. The built-in model (None) is
-    probed too (its backward is checked before every battery) and has nothing to say."""
-    from harness.battery.facts import probe
+    """What the probe of ``--model`` found (:class:`harness.battery.prepare.probe.facts.ModelFacts`), as sentences;
+    BadInput when the model cannot be used at all, or its backward is not the gradient of its forward. The built-in
+    model (None) is probed too (its backward is checked before every battery) and has nothing to say."""
+    from harness.battery.prepare.probe.facts import probe
     from harness.model import ModelError
 
     try:
@@ -41,8 +41,8 @@ def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, 
 
 def battery_options(args: argparse.Namespace) -> BatteryOptions:
     """The battery's options from the command line, parsed once (the pytest plugin parses its own options through the
-    same :meth:`~harness.battery.options.BatteryOptions.parse`); bad input names the option."""
-    from harness.battery.skips import check_skips
+    same :meth:`~harness.battery.plan.options.BatteryOptions.parse`); bad input names the option."""
+    from harness.battery.plan.skips import check_skips
 
     try:
         options = BatteryOptions.parse(
@@ -67,15 +67,15 @@ def cmd_battery(args: argparse.Namespace) -> int:
     ``--battery-controls`` (every control, or the named ones) runs the controls: each must be rejected by its targeted
     check failing on its own mistake. With neither, the correct recipe and every control run. 2 is bad input.
     """
-    from harness.battery import plan
-    from harness.battery.skips import skip_all
-    from harness.battery.summary import compact_table, format_summary, write_full_report
-    from harness.battery.table import format_controls, format_table, report_json, run_cases, run_controls
+    from harness.battery.plan import cases as plan
+    from harness.battery.plan.skips import skip_all
+    from harness.battery.report.summary import compact_table, format_summary, write_full_report
+    from harness.battery.report.table import format_controls, format_table, report_json, run_cases, run_controls
     from harness.recipes import CONTROLS, RecipeError, load_recipe
 
     options = battery_options(args)
     if any(m.size("tp") > 1 or m.size("pp") > 1 for m in options.meshes):
-        from harness.battery.facts import probe_meshes
+        from harness.battery.prepare.probe.facts import probe_meshes
         from harness.model import ModelError
 
         try:  # a model without a tp plan or a pp split it can run is refused once, before any case
@@ -97,7 +97,8 @@ def cmd_battery(args: argparse.Namespace) -> int:
             load_recipe(r)
         except RecipeError as exc:
             raise BadInput(f"--recipe: {exc}") from None
-    from harness.battery import crash_report, preflight, printed
+    from harness.battery.judge import crash_report
+    from harness.battery.launch import preflight, printed
 
     # What the ranks print, and what the model's constructor prints while the probe and the reference build it here:
     # once per distinct line, at the end (-v: as it comes).
@@ -110,7 +111,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     progress = (lambda s: err(f"  running {s}")) if args.verbose else None
     start = time.monotonic()
     drawn = options.examples > 0 and importlib.util.find_spec("hypothesis") is not None
-    from harness.battery.plan import drawn_lanes
+    from harness.battery.plan.cases import drawn_lanes
 
     lanes = drawn_lanes(options) if drawn else []  # one drawn row per precision lane and strategy
     for r in recipes if not args.keep_going else []:
@@ -164,7 +165,7 @@ def cmd_battery(args: argparse.Namespace) -> int:
     report, text = write_full_report(options.report, payload, verdicts, [format_controls(results), *unrejected_lines])
     junit = getattr(args, "junit", None)
     if junit:
-        from harness.battery.junit import write_junit
+        from harness.battery.report.junit import write_junit
 
         write_junit(junit, verdicts, results, duration_s=time.monotonic() - start)
         print(f"junit written to {junit}")

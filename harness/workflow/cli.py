@@ -17,7 +17,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from harness.battery.options import (
+from harness.battery.plan.options import (
     BATCH_FORMAT_HELP,
     BATCH_FORMATS,
     CHUNKING_HELP,

@@ -2,8 +2,8 @@
 
 One battery run of the recipe per lane (a scenario at one world size, under each strategy and precision asked for:
 ``--strategy``, ``--precision`` and ``--objective`` take the battery's names and values, and are validated by the
-same parser, :meth:`harness.battery.options.BatteryOptions.parse`), then the diagnosis of the window whose gradient
-is furthest from the reference (:mod:`harness.battery.diagnose`): the effective weight of every rank's microbatch
+same parser, :meth:`harness.battery.plan.options.BatteryOptions.parse`), then the diagnosis of the window whose gradient
+is furthest from the reference (:mod:`harness.battery.diagnose.of_run`): the effective weight of every rank's microbatch
 against the right one, the signature those weights match, the per-parameter table, a figure (one cell per rank x
 microbatch, effective weight over expected) and the same numbers as JSON. The battery's checks run on the same run,
 so a case the battery rejects (a synchronization count, a clipped norm, ranks that disagree) is never read as right.
@@ -22,7 +22,7 @@ import re
 import time
 from pathlib import Path
 
-from harness.battery.options import BATCH_FORMAT_HELP, BATCH_FORMATS, add_lane_options
+from harness.battery.plan.options import BATCH_FORMAT_HELP, BATCH_FORMATS, add_lane_options
 from harness.core.mesh import Mesh
 from harness.workflow.outputs import BadInput, write_bytes, write_json
 
@@ -73,7 +73,7 @@ def in_strategy_form(text: str, strategy: str) -> str:
     """``text`` with each way to skip a gradient synchronization written the way ``strategy`` spells it (a sentence
     of the diagnosis says ``no_sync()``; under FSDP2 that is ``set_requires_gradient_sync(False)``), and the helper
     that does it under either strategy named once."""
-    from harness.battery.rank_program import SKIP_SYNC
+    from harness.battery.rank.rank_program import SKIP_SYNC
 
     own = SKIP_SYNC.get(strategy)
     if own is None:
@@ -93,8 +93,8 @@ def in_strategy_form(text: str, strategy: str) -> str:
 def right_in_objective_words(found: object, objective: str) -> str:
     """The reading of a right weighting in the declared objective's own words (the catalog's sentence speaks of the
     token mean: "every token weighs 1/N")."""
-    from harness.battery.diagnosis_result import Diagnosis
     from harness.core.objectives import DESCRIPTIONS, QUANTITIES
+    from harness.diagnosis.result import Diagnosis
 
     assert isinstance(found, Diagnosis)
     if objective == "token_mean":
@@ -113,7 +113,7 @@ def write_weight_figure(path: Path, diagnosis: object) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from harness.battery.diagnosis_result import Diagnosis
+    from harness.diagnosis.result import Diagnosis
 
     assert isinstance(diagnosis, Diagnosis)
     ranks = 1 + max(b.rank for b in diagnosis.blocks)
@@ -146,7 +146,7 @@ def write_weight_figure(path: Path, diagnosis: object) -> Path:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from harness.battery import mesh_scenarios, scenarios
-    from harness.battery.options import BatteryOptions, parse_meshes
+    from harness.battery.plan.options import BatteryOptions, parse_meshes
     from harness.recipes import RecipeError, load_recipe
     from harness.workflow.checks import check_model_option
 
@@ -197,14 +197,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, precision: str) -> int:
     """One lane: the run, its checks, and the reading of its worst gradient; 0 right, 1 not."""
-    import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-    from harness.battery import runner
-    from harness.battery.diagnose import diagnose
-    from harness.battery.failed_runs import crash_summary
-    from harness.battery.options import RunSpec
-    from harness.battery.registry import REGISTRY
-    from harness.battery.verdict import FAIL
-    from harness.core.fit import accuracy
+    import harness.battery.judge.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+    from harness.battery.diagnose.of_run import diagnose
+    from harness.battery.judge.failed_runs import crash_summary
+    from harness.battery.judge.registry import REGISTRY
+    from harness.battery.judge.verdict import FAIL
+    from harness.battery.launch import runner
+    from harness.battery.plan.options import RunSpec
+    from harness.diagnosis.fit import accuracy
 
     lane = f"{strategy}, {precision}"
     start = time.monotonic()
@@ -247,7 +247,7 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     print(found.weight_table())
     line = right_in_objective_words(found, args.objective) if found.right else found.line()
     print(f"\n{in_strategy_form(line, strategy)}")
-    if found.fix:  # in the run's strategy, objective and mesh words already (harness.core.fixes)
+    if found.fix:  # in the run's strategy, objective and mesh words already (harness.diagnosis.fixes)
         print(f"fix: {found.fix}")
     if precision == "bf16" and run.bf16 is not None:
         print(f"(read from a bf16 gradient: weights to within {float(run.bf16.bound):.1e}, the lane's bound)")

@@ -98,9 +98,9 @@ def run_report(config: Config, config_path: str, outputs: Path, progress: Progre
 
 def _protocol(config: Config, config_path: str, outputs: Path, progress: Progress, scaling_worlds: Sequence[int],
               scaling_steps: int, chosen: Sequence[str], written: list[str], trainer: str) -> Report:
-    from harness.battery import plan
-    from harness.battery.options import BatteryOptions
-    from harness.battery.table import format_controls, format_table, run_cases, run_controls
+    from harness.battery.plan import cases as plan
+    from harness.battery.plan.options import BatteryOptions
+    from harness.battery.report.table import format_controls, format_table, run_cases, run_controls
 
     start = time.monotonic()
     n_steps = 9

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import plan
-from harness.battery.table import SCHEMA
+from harness.battery.plan import cases as plan
+from harness.battery.report.table import SCHEMA
 
 ROOT = Path(__file__).parents[2]
 QUICK = ("--precision", "fp32")

@@ -1,5 +1,5 @@
 """The bf16 lane (``--precision bf16``): autocast under DDP, ``MixedPrecisionPolicy`` under FSDP2, judged against
-float64 with a bound derived from the correct computation's measured noise (:mod:`harness.battery.bf16`)."""
+float64 with a bound derived from the correct computation's measured noise (:mod:`harness.battery.prepare.bf16`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import bf16, checks, runner
-from harness.battery.options import RunSpec
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
+from harness.battery.prepare import bf16
 from harness.battery.scenarios import build
-from harness.battery.verdict import Verdict
 from harness.recipes import CORRECT_RECIPE
 
 

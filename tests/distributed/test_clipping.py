@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, registry, runner
-from harness.battery.options import RunSpec
-from harness.battery.prepare import prepare
+from harness.battery.judge import checks, registry
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
+from harness.battery.prepare.steps import prepare
 from harness.battery.scenarios import build
 
 CLIPPED = "harness.recipes:clipped_global_token_mean"

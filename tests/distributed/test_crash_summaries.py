@@ -13,8 +13,8 @@ from types import ModuleType
 
 import pytest
 
-from harness.battery import checks
-from harness.battery.runner import Run
+from harness.battery.judge import checks
+from harness.battery.launch.runner import Run
 from harness.distributed.launcher import LaunchError, launch
 
 HERE = Path(__file__).parent

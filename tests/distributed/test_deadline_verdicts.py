@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner, scenarios
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.launch import runner
 
 
 @pytest.mark.parametrize(("recipe", "phase"), [

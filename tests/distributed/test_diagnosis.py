@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from support.groups import control_group
 
-from harness.battery import checks, runner
-from harness.battery.diagnose import diagnose
-from harness.battery.table import format_table, report_json
-from harness.battery.verdict import Verdict
-from harness.core.signatures import SIGNATURES
+from harness.battery.diagnose.of_run import diagnose
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.report.table import format_table, report_json
+from harness.diagnosis.signatures import SIGNATURES
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
 

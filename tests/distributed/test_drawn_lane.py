@@ -8,9 +8,9 @@ import pytest
 from hypothesis import find
 
 import harness.battery.layouts as lay
+from harness.battery.judge.verdict import FAIL, PASS
 from harness.battery.layouts import drawn_verdict, informative_layouts, judge_layout, layouts
-from harness.battery.options import BatteryOptions
-from harness.battery.verdict import FAIL, PASS
+from harness.battery.plan.options import BatteryOptions
 
 AUTOCAST = "user_recipes.autocast"
 

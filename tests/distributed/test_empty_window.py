@@ -9,10 +9,12 @@ import dataclasses
 
 import pytest
 
-from harness.battery import checks, registry, runner, scenarios
-from harness.battery.run import Run
-from harness.battery.table import format_table
-from harness.battery.verdict import Verdict
+from harness.battery import scenarios
+from harness.battery.judge import checks, registry
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.launch.run import Run
+from harness.battery.report.table import format_table
 
 ZERO_POLICY = ("harness.recipes:skip_empty_window", "harness.recipes:zero_loss_on_empty_window")
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, registry, runner
-from harness.battery.options import RunSpec
-from harness.battery.verdict import Verdict
+from harness.battery.judge import checks, registry
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.recipes import CORRECT_RECIPE
 
 SUMMED = "harness.recipes:summed_global_token_mean"

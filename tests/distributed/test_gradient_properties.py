@@ -19,9 +19,10 @@ from harness.testing.hypothesis_profiles import load_profile, max_examples
 
 load_profile()
 
-from harness.battery import checks, runner  # noqa: E402
+from harness.battery.judge import checks  # noqa: E402
+from harness.battery.judge.verdict import Verdict  # noqa: E402
+from harness.battery.launch import runner  # noqa: E402
 from harness.battery.scenarios import BATTERY_CONFIG, Windows  # noqa: E402
-from harness.battery.verdict import Verdict  # noqa: E402
 from harness.data.batching import collate  # noqa: E402
 from harness.data.corpus import Row  # noqa: E402
 

@@ -9,8 +9,9 @@ import functools
 import pytest
 from support import mesh_bodies
 
-from harness.battery import checks, runner
-from harness.battery.options import RunSpec
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
 from harness.distributed.launcher import launch
 

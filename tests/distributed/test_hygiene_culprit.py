@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner
+from harness.battery.judge import checks
+from harness.battery.launch import runner
 
 _RECIPES = "user_recipes.seeding"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner
+from harness.battery.judge import checks
+from harness.battery.launch import runner
 
 pytestmark = pytest.mark.slow
 

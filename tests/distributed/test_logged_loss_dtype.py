@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from harness.battery import checks, runner
+from harness.battery.judge import checks
+from harness.battery.launch import runner
 
 RECIPES = "user_recipes.loss_dtype"
 

@@ -1,8 +1,8 @@
-"""The logged-loss check judges at the warmed weights every run starts from (:mod:`harness.battery.start`), where
-per-token losses differ: a logged loss weighted wrongly (the mean of the ranks' means, of the microbatches' means, of
-the sequences' means; ``tests/user_recipes/logged.py``) fails it, on a model initialised as a Hugging Face model is
-(``user_recipes.models:small_init_lm``: every initial token loss near log V). The control is the same run from the
-initial weights (no warm-up), where each passes."""
+"""The logged-loss check judges at the warmed weights every run starts from (:mod:`harness.battery.prepare.start`),
+where per-token losses differ: a logged loss weighted wrongly (the mean of the ranks' means, of the microbatches'
+means, of the sequences' means; ``tests/user_recipes/logged.py``) fails it, on a model initialised as a Hugging Face
+model is (``user_recipes.models:small_init_lm``: every initial token loss near log V). The control is the same run from
+the initial weights (no warm-up), where each passes."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import harness.battery.start as start
-from harness.battery import checks, runner, scenarios
-from harness.battery.options import RunSpec
+import harness.battery.prepare.start as start
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.battery.spec import ModelSpec
-from harness.battery.verdict import Verdict
 
 MODEL = "user_recipes.models:small_init_lm"
 WRONG = ("LoggedMeanOfLocalMeans", "LoggedMicrobatchMean", "LoggedSequenceMean")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner
-from harness.battery.options import RunSpec
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
 
 M = "harness.recipes.objectives"

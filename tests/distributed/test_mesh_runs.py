@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import checks, runner
-from harness.battery.options import RunSpec
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
 from harness.workflow.cli import main
 
@@ -107,7 +108,7 @@ def test_the_mesh_recipe_passes_every_mesh_scenario(scenario: str) -> None:
 def test_on_balanced_shards_a_count_over_dp_is_an_exact_factor_and_dp_s_factor_cancels_it() -> None:
     """cp_balanced: the count over dp reads every weight exactly 2.00x (the cp size), both groups of that share
     named; the count and the factor both from dp cancel there and pass (its target, uneven, rejects it)."""
-    from harness.battery.diagnose import diagnose
+    from harness.battery.diagnose.of_run import diagnose
 
     wrong = mesh_run(DP_ONLY, scenario="cp_balanced")
     read = diagnose(wrong)

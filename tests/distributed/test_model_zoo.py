@@ -2,7 +2,7 @@
 (``tests/user_recipes/loops.py``): every model is judged or refused with its own reason, a model property is named as
 one, and what the contract forbids is named as such.
 
-Each test runs real gloo ranks through :func:`harness.battery.runner.run` (cached per case for the session).
+Each test runs real gloo ranks through :func:`harness.battery.launch.runner.run` (cached per case for the session).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from user_recipes import zoo
 
-from harness.battery import checks, registry, runner, scenarios
-from harness.battery.run import Run
+from harness.battery import scenarios
+from harness.battery.judge import checks, registry
+from harness.battery.launch import runner
+from harness.battery.launch.run import Run
 from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"
@@ -150,8 +152,9 @@ def test_a_harness_error_on_one_case_is_that_case_s_failing_verdict_and_the_othe
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """run_cases never loses the battery: an exception inside one case becomes a verdict with cause "error"."""
-    from harness.battery import plan, table
-    from harness.battery.options import RunSpec
+    from harness.battery.plan import cases as plan
+    from harness.battery.plan.options import RunSpec
+    from harness.battery.report import table
 
     cases = [c for c in plan.cases((2,), "fp32") if c.scenario in ("uneven", "single") and c.check == "parity"]
     real = runner.run

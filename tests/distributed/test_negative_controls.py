@@ -16,12 +16,14 @@ import pytest
 import torch
 from support.groups import control_group
 
-from harness.battery import checks, registry, runner, scenarios
-from harness.battery.diagnose import worst
-from harness.battery.failed_runs import crash_summary
-from harness.battery.options import BatteryOptions, RunSpec
-from harness.battery.run import Run
-from harness.battery.table import run_controls
+from harness.battery import scenarios
+from harness.battery.diagnose.of_run import worst
+from harness.battery.judge import checks, registry
+from harness.battery.judge.failed_runs import crash_summary
+from harness.battery.launch import runner
+from harness.battery.launch.run import Run
+from harness.battery.plan.options import BatteryOptions, RunSpec
+from harness.battery.report.table import run_controls
 from harness.core.mesh import Mesh
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS, control_class
 from harness.recipes.catalog import IN_PROCESS

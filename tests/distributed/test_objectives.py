@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import checks, registry, runner, scenarios
-from harness.battery.options import BatteryOptions, RunSpec
-from harness.battery.run import Run
+from harness.battery import scenarios
+from harness.battery.judge import checks, registry
+from harness.battery.launch import runner
+from harness.battery.launch.run import Run
+from harness.battery.plan.options import BatteryOptions, RunSpec
 from harness.recipes.objectives import OBJECTIVE_RECIPES
 
 ROOT = Path(__file__).parents[2]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, registry, runner
-from harness.battery.options import RunSpec
+from harness.battery.judge import checks, registry
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 
 assert checks  # registers the checks in registry.CHECKS
 
@@ -46,8 +47,8 @@ def test_a_model_whose_attention_crosses_packed_boundaries_fails_parity_named_as
     over the whole packed row): the correct recipe fails parity on the numbers, and the diagnosis names the model, not
     the recipe, with the measured gap of its logits; the probe says the same before any rank starts. Its twin, the
     built-in model, passes the same case (the default-tier test above)."""
-    from harness.battery.diagnose import diagnose
-    from harness.battery.facts import probe
+    from harness.battery.diagnose.of_run import diagnose
+    from harness.battery.prepare.probe.facts import probe
 
     model = "harness.model:crosses_packed_boundaries"
     verdict = checks.parity(runner.run(RunSpec(HF_CORRECT, "uneven", 2, "fp32", batch_format="packed", model=model)))

@@ -8,10 +8,11 @@ import itertools
 
 import pytest
 
-from harness.battery import checks, runner
-from harness.battery.diagnose import diagnose
-from harness.battery.options import RunSpec
-from harness.battery.verdict import NOT_APPLICABLE
+from harness.battery.diagnose.of_run import diagnose
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import NOT_APPLICABLE
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
 from harness.recipes import CONTROLS, DIAGNOSES
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from harness.battery import runner
-from harness.battery.options import RunSpec
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 from harness.workflow.cli import main
 
 SMALL = ["--battery-world-sizes", "1,2", "--precision", "fp32", "--battery-examples", "0", "--quick"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import plan
-from harness.battery.options import BatteryOptions
+from harness.battery.plan import cases as plan
+from harness.battery.plan.options import BatteryOptions
 from harness.workflow.cli import main
 
 ROOT = Path(__file__).parents[2]

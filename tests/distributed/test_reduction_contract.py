@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from support.reduction import loss_scale
 
-from harness.battery import checks, runner
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
 from harness.battery.scenarios import build
-from harness.battery.verdict import Verdict
 from harness.recipes import CORRECT_RECIPE as CORRECT
 
 FOR_SUM = "support.reduction:summing_hook_token_mean"

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner, scenarios
-from harness.battery.options import BatteryOptions, RunSpec
-from harness.battery.table import run_controls
-from harness.battery.verdict import Verdict
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.plan.options import BatteryOptions, RunSpec
+from harness.battery.report.table import run_controls
 
 
 def _parity(recipe: str, scenario: str, world: int, objective: str = "token_mean") -> Verdict:

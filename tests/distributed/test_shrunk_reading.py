@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from harness.battery.judge.verdict import FAIL
+from harness.battery.judge.witness import keeps_reading, reading_key, shrunk_note
 from harness.battery.layouts import Layout, drawn_verdict, informative_layouts, judge_layout
-from harness.battery.options import BatteryOptions
-from harness.battery.verdict import FAIL
-from harness.battery.witness import keeps_reading, reading_key, shrunk_note
-from harness.core.fixes import fix_for
+from harness.battery.plan.options import BatteryOptions
+from harness.diagnosis.fixes import fix_for
 
 CONTROL = "harness.recipes:per_microbatch_mean"
 OPTIONS = BatteryOptions.parse(examples=1, world_sizes="1,2,3,4", precision="fp32")

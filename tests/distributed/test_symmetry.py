@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 from support import symmetry
 
-from harness.battery import checks, runner
-from harness.battery.verdict import Verdict
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
 from harness.data.batching import collate
 from harness.data.corpus import Row
 from harness.distributed.launcher import LaunchError, launch

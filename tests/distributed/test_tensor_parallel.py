@@ -13,9 +13,10 @@ import re
 import pytest
 import torch
 
-from harness.battery import checks, runner
-from harness.battery.chain import LR
-from harness.battery.options import RunSpec
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
+from harness.battery.prepare.chain import LR
 from harness.core.mesh import Mesh
 from harness.model import ModelError
 
@@ -94,7 +95,7 @@ def test_the_mesh_clipping_recipe_passes_where_the_local_shard_norm_fails() -> N
     assert not failing.passed
     assert ("the local shards' squared norms (grad.to_local()) summed over dp (2 ranks) only, 0.7546 times the global "
             "norm") in failing.message, failing.message
-    from harness.battery.diagnose import diagnose
+    from harness.battery.diagnose.of_run import diagnose
 
     read = diagnose(tp_run("harness.recipes:local_shard_norm_under_tp"))
     assert read is not None and "clipped_by_wrong_norm" == read.signature.name, read.signature.sentence

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from support.battery_jobs import job
 
-from harness.battery import checks, runner
+from harness.battery.judge import checks
+from harness.battery.launch import runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun-agents")]
 

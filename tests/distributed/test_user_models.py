@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from user_recipes.guards import guarded_window
 
-from harness.battery import checks, plan, registry, runner
-from harness.battery.options import BatteryOptions
-from harness.battery.table import run_cases, run_controls
+from harness.battery.judge import checks, registry
+from harness.battery.launch import runner
+from harness.battery.plan import cases as plan
+from harness.battery.plan.options import BatteryOptions
+from harness.battery.report.table import run_cases, run_controls
 from harness.distributed.launcher import Expected, launch
 
 ROOT = Path(__file__).parents[2]
@@ -112,7 +114,7 @@ def test_a_bad_model_option_is_a_usage_error_naming_it() -> None:
 def test_a_model_without_logits_is_refused_before_any_rank_starts() -> None:
     """A forward pass on one battery microbatch, in the parent: an output without logits is a usage error naming
     --model and what the harness reads logits from, in both lanes and both batch formats."""
-    from harness.battery.facts import probe
+    from harness.battery.prepare.probe.facts import probe
     from harness.model import ModelError
 
     for fmt in ("harness", "hf"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, plan, runner
-from harness.battery.table import run_cases
+from harness.battery.judge import checks
+from harness.battery.launch import runner
+from harness.battery.plan import cases as plan
+from harness.battery.report.table import run_cases
 
 # Each variant runs every float32 case at W=1 and 2 (about 20 launches): one in the fast tier, the rest in the slow
 # tier that CI runs, so every shape is still judged on every push.

@@ -14,9 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.battery import checks, runner, scenarios
-from harness.battery.options import RunSpec
-from harness.battery.verdict import Verdict
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.judge.verdict import Verdict
+from harness.battery.launch import runner
+from harness.battery.plan.options import RunSpec
 
 D = "user_recipes.diagnosed"
 

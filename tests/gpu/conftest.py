@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.battery import runner, scenarios
-from harness.battery.run import Run
+from harness.battery import scenarios
+from harness.battery.launch import runner
+from harness.battery.launch.run import Run
 
 DEADLINE = 90.0
 """Seconds one battery run on CUDA ranks may take: each rank creates its own CUDA context (seconds, not the 0.1 s of

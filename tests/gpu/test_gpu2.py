@@ -26,7 +26,7 @@ import pytest
 import torch
 from support.ports import HOST, free_port
 
-from harness.battery import checks
+from harness.battery.judge import checks
 from harness.distributed.launcher import launch
 from harness.resume.checkpoint import MANIFEST, SHARED, rank_file
 from harness.testing.skips import requires_two_gpus

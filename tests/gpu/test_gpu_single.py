@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from harness.battery import checks, scenarios
+from harness.battery import scenarios
+from harness.battery.judge import checks
 from harness.core.compare import FLOAT32_TOLERANCE, compare
 from harness.core.reference import Reference, reference_gradient
 from harness.data.config import Config

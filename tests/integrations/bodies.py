@@ -30,7 +30,7 @@ def trainer_seeding() -> tuple[tuple[str, ...], tuple[str, ...], int]:
     as the battery's hygiene check reads them; and the built Trainer's ``accelerator.num_processes``."""
     import transformers
 
-    from harness.battery import rank_watch
+    from harness.battery.rank import rank_watch
     from harness.recipes.libraries.transformers_loss import TransformersGlobalItems
 
     model = DDP(build_model(BATTERY_CONFIG))

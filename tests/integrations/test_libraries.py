@@ -8,9 +8,10 @@ import importlib.util
 
 import pytest
 
-import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-from harness.battery import registry, runner
-from harness.battery.diagnose import diagnose
+import harness.battery.judge.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+from harness.battery.diagnose.of_run import diagnose
+from harness.battery.judge import registry
+from harness.battery.launch import runner
 from harness.recipes.libraries import CASES, LIBRARY_RECIPES, TESTED_WITH, LibraryRecipe, installed_version
 from harness.recipes.libraries._common import EXTRA_HINT, TORCHTITAN_HINT
 

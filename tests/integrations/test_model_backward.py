@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery.facts import probe
+from harness.battery.prepare.probe.facts import probe
 from harness.recipes.libraries._common import EXTRA_HINT
 
 pytestmark = pytest.mark.integrations

@@ -1,11 +1,11 @@
-"""The model probe's readings of what the battery feeds (:mod:`harness.battery.model_limits`) on a transformers Llama
-built from a config (no weights downloaded): a model the battery can feed gets none of them."""
+"""The model probe's readings of what the battery feeds (:mod:`harness.battery.prepare.probe.model_limits`) on a
+transformers Llama built from a config (no weights downloaded): a model the battery can feed gets none of them."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.battery.facts import probe
+from harness.battery.prepare.probe.facts import probe
 from harness.recipes.libraries._common import EXTRA_HINT
 
 pytestmark = pytest.mark.integrations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.battery import scenarios
-from harness.battery.facts import probe
+from harness.battery.prepare.probe.facts import probe
 from harness.battery.spec import ModelSpec
 from harness.core.formats import FLASH_KEYS, hf_forward, logits_of, packed_kwargs, shifted_loss_sum, to_packed
 from harness.recipes.libraries._common import EXTRA_HINT

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery.packing_probe import packing_gap
 from harness.battery.spec import ModelSpec
+from harness.diagnosis.packing import packing_gap
 from harness.recipes.libraries._common import EXTRA_HINT
 
 pytestmark = pytest.mark.integrations

@@ -10,8 +10,9 @@ import dataclasses
 
 import pytest
 
-import harness.battery.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-from harness.battery import registry, runner
+import harness.battery.judge.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
+from harness.battery.judge import registry
+from harness.battery.launch import runner
 from harness.recipes.libraries._common import EXTRA_HINT
 
 pytestmark = [pytest.mark.integrations, pytest.mark.xdist_group("trainer_inner_loop")]

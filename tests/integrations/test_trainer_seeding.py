@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, runner
+from harness.battery.judge import checks
+from harness.battery.launch import runner
 from harness.recipes.libraries._common import EXTRA_HINT
 
 pytestmark = pytest.mark.integrations

@@ -29,7 +29,7 @@ def hsdp(mesh: Mesh) -> dict[str, object]:
     """What FSDP2 shards over on this rank of ``mesh``: the names and groups of the mesh the rank program passes the
     strategy, the placements of a parameter sharded over it, and the group of the shard dimensions flattened by a
     recipe afterwards (the flattened name torchtitan uses is taken by the 2-D mesh's second dimension)."""
-    from harness.battery.rank_program import mesh_of_reduction
+    from harness.battery.rank.rank_program import mesh_of_reduction
     from harness.distributed.device_mesh import flattened
     from harness.distributed.strategies import get
 

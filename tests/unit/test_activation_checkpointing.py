@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.battery.facts import probe_model
+from harness.battery.prepare.probe.facts import probe_model
 from harness.battery.spec import ModelSpec
 from harness.core.loss import loss_sum
 from harness.data.batching import collate

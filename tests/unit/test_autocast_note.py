@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.battery.rank_watch import AutocastSeen
-from harness.battery.table import format_table
-from harness.battery.verdict import NOT_APPLICABLE, Verdict
+from harness.battery.judge.verdict import NOT_APPLICABLE, Verdict
+from harness.battery.rank.rank_watch import AutocastSeen
+from harness.battery.report.table import format_table
 
 RECIPE = "user_recipes.loops:BF16Autocast"
 

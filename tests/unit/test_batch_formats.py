@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from harness.battery import scenarios
-from harness.battery.run import Run
+from harness.battery.launch.run import Run
 from harness.battery.spec import ModelSpec, weights_digest
 from harness.core.compare import flat_params
 from harness.core.formats import logits_of, shifted_loss_sum, supervised_tokens, to_hf

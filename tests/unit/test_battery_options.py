@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from harness.battery import plan
-from harness.battery.options import DEADLINE, BatteryOptions, RunSpec
+from harness.battery.plan import cases as plan
+from harness.battery.plan.options import DEADLINE, BatteryOptions, RunSpec
 from harness.core.mesh import Mesh
 from harness.testing.plugin import options_from
 from harness.workflow.checks import battery_options
@@ -140,7 +140,7 @@ def test_a_bad_run_spec_is_refused_naming_the_field(fields: dict[str, object], s
 
 def test_precision_takes_lanes_separated_by_commas() -> None:
     """``--precision fp32,bf16`` is two lanes, in that order; a lane that does not exist is refused naming them."""
-    from harness.battery.options import precisions
+    from harness.battery.plan.options import precisions
 
     assert ("fp32", "bf16") == precisions("fp32,bf16")
     assert ("fp32", "fp64") == precisions("both")

@@ -1,6 +1,7 @@
-"""The battery's last screen (``harness.battery.summary``): failing verdicts grouped by check and reading, each group
-once with its count, where, its reading, one case's numbers and its fix; the compact table; the skipped checks with
-what they would have said; the full report always written; and the command line and torchrun's rank 0 ending on it."""
+"""The battery's last screen (``harness.battery.report.summary``): failing verdicts grouped by check and reading, each
+group once with its count, where, its reading, one case's numbers and its fix; the compact table; the skipped checks
+with what they would have said; the full report always written; and the command line and torchrun's rank 0 ending on
+it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import dist, summary
-from harness.battery.junit import junit_xml
-from harness.battery.options import BatteryOptions
-from harness.battery.skips import skip, skip_all
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, SKIPPED, Verdict
+from harness.battery import dist
+from harness.battery.judge.verdict import FAIL, NOT_APPLICABLE, PASS, SKIPPED, Verdict
+from harness.battery.plan.options import BatteryOptions
+from harness.battery.plan.skips import skip, skip_all
+from harness.battery.report import summary
+from harness.battery.report.junit import junit_xml
 from harness.workflow.cli import main
 
 R = "harness.recipes:per_microbatch_mean"
@@ -191,7 +193,7 @@ def test_the_command_line_exits_0_when_only_skipped_checks_failed(
 ) -> None:
     """--battery-skip hygiene on a failing hygiene: exit 0, the full report's table shows SKIP (FAIL), the summary what
     it would have said, the report records "skipped"; without the skip the same run exits 1 (the negative control)."""
-    import harness.battery.table as table
+    import harness.battery.report.table as table
 
     monkeypatch.setattr(table, "run_cases", _failing_hygiene)
     common = ["battery", "--recipe", R, "--battery-examples", "0", "--battery-world-sizes", "2", "--precision", "fp32"]
@@ -211,7 +213,7 @@ def test_a_failing_check_not_skipped_still_exits_1(monkeypatch: pytest.MonkeyPat
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """--battery-skip parity (which passes) leaves the hygiene failure standing: exit 1, the summary's group names
     it, and the skipped parity says it would have passed."""
-    import harness.battery.table as table
+    import harness.battery.report.table as table
 
     monkeypatch.setattr(table, "run_cases", _failing_hygiene)
     assert 1 == main(["battery", "--recipe", R, "--battery-examples", "0", "--battery-world-sizes", "2",

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 
+from harness.battery.judge.verdict import FAIL, PASS, Verdict
 from harness.battery.layouts import Layout, layouts, shrink
-from harness.battery.options import BatteryOptions
-from harness.battery.table import format_table, recipe_names
-from harness.battery.verdict import FAIL, PASS, Verdict
+from harness.battery.plan.options import BatteryOptions
+from harness.battery.report.table import format_table, recipe_names
 from harness.testing.hypothesis_profiles import load_profile
 from harness.workflow.cli import main
 from harness.workflow.explain import _stem
@@ -152,7 +152,7 @@ def test_the_command_line_gives_the_drawn_lane_its_deadline_and_world_sizes(
 ) -> None:
     """python -m harness battery --deadline 120 --world-sizes 2,3: the drawn lane gets both."""
     import harness.battery.layouts as lay
-    import harness.battery.table as table
+    import harness.battery.report.table as table
 
     calls: list[BatteryOptions] = []
 

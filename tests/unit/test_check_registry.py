@@ -1,5 +1,5 @@
-"""The battery's checks register themselves: a check is one decorated function in ``harness/battery/checks.py``, and
-the plan's order and lanes come from the registry."""
+"""The battery's checks register themselves: a check is one decorated function in ``harness/battery/judge/checks.py``,
+and the plan's order and lanes come from the registry."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery import checks, plan, scenarios
-from harness.battery.registry import CHECKS, REGISTRY, check
-from harness.battery.run import Run
-from harness.battery.verdict import Verdict, passed
+from harness.battery import scenarios
+from harness.battery.judge import checks
+from harness.battery.judge.registry import CHECKS, REGISTRY, check
+from harness.battery.judge.verdict import Verdict, passed
+from harness.battery.launch.run import Run
+from harness.battery.plan import cases as plan
 from harness.recipes import CONTROLS
 
 

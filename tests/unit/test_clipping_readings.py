@@ -1,4 +1,4 @@
-"""The clipping readings (:mod:`harness.battery.clipping_diagnosis`) on a run assembled by hand from the battery's
+"""The clipping readings (:mod:`harness.diagnosis.clipping`) on a run assembled by hand from the battery's
 own reference chain: a norm is named only by the candidate its number fits, a norm too large is never called too
 small, and a gradient is read as unclipped only when it is the unclipped reference."""
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from harness.battery import scenarios
-from harness.battery.clipping_diagnosis import clip_factor, gradient_reading, read_norm
-from harness.battery.options import RunSpec
-from harness.battery.prepare import Prepared, prepare
-from harness.battery.run import Run, WindowRecord
+from harness.battery.diagnose.of_run import evidence_of
+from harness.battery.launch.run import WindowRecord
+from harness.battery.plan.options import RunSpec
+from harness.battery.prepare.steps import Prepared, prepare
+from harness.diagnosis.clipping import clip_factor, gradient_reading, read_norm
+from harness.diagnosis.evidence import Evidence
 
 CLIPPED = "harness.recipes:clipped_global_token_mean"
 
@@ -25,12 +27,12 @@ def prepared() -> Prepared:
     return prepare(RunSpec(CLIPPED, "uneven", 2, "fp32"), scenarios.build("uneven", 2), share_chain=True)
 
 
-def _run(ready: Prepared, grad: torch.Tensor, norm: float) -> Run:
-    """A run whose every rank left ``grad`` and returned ``norm`` in window 0."""
+def _run(ready: Prepared, grad: torch.Tensor, norm: float) -> Evidence:
+    """The evidence of a run whose every rank left ``grad`` and returned ``norm`` in window 0."""
     start = ready.chain.starts[0]
     rec = WindowRecord(grad=grad, params_before=start, params_after=start, syncs=1, logged=None, error=None,
                               mode_changed=False, grad_dtypes=(), grad_norm=norm)
-    return ready.run([[rec] for _ in range(2)])
+    return evidence_of(ready.run([[rec] for _ in range(2)]))
 
 
 def test_a_norm_sqrt_w_too_large_is_named_so_and_never_too_small(prepared: Prepared) -> None:
@@ -66,13 +68,13 @@ def test_the_unclipped_reference_reads_clipping_not_applied_and_the_clipped_one_
     assert gradient_reading(_run(prepared, ref.gradient, want), 0, 1) is None
 
 
-def _per_tensor_case(ready: Prepared) -> tuple[Run, torch.Tensor, torch.Tensor]:
+def _per_tensor_case(ready: Prepared) -> tuple[Evidence, torch.Tensor, torch.Tensor]:
     """The uneven window's unclipped gradient U with a max_norm under its largest tensor's own norm (the built-in
     model's tensors all sit under the harness's max_norm at the battery's starting weights): the run whose reference
     is U clipped as clip_grad_norm_ does, and U with each tensor over max_norm clipped alone."""
     run = _run(ready, ready.chain.references[0].gradient, 1.0)  # type: ignore[union-attr]
     unclipped = run.references[0].gradient.double() / clip_factor(run, 0)  # type: ignore[union-attr]
-    sizes = [p.numel() for p in run.model().parameters()]
+    sizes = [p.numel() for p in run.model.build().parameters()]
     tensors = list(torch.split(unclipped, sizes))
     max_norm = 0.9 * max(float(t.norm()) for t in tensors)
     f = max_norm / (float(unclipped.norm()) + 1e-6)
@@ -86,10 +88,11 @@ def test_tensors_clipped_alone_past_max_norm_read_clipped_per_tensor(prepared: P
     """A gradient whose tensors over max_norm were each scaled alone reads ``clipped_per_tensor``; its control, the
     gradient clipped over every parameter together, gets no clipping reading."""
     run, alone, right = _per_tensor_case(prepared)
+    assert run.records is not None
     for rank in run.records:
-        rank[0] = dataclasses.replace(rank[0], grad=alone)
+        rank[0] = dataclasses.replace(rank[0], grad=alone)  # type: ignore[index]
     found = gradient_reading(run, 0, 0)
     assert found is not None and "clipped_per_tensor" == found.name, found
     for rank in run.records:
-        rank[0] = dataclasses.replace(rank[0], grad=right)
+        rank[0] = dataclasses.replace(rank[0], grad=right)  # type: ignore[index]
     assert gradient_reading(run, 0, 0) is None

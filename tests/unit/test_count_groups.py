@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from harness.core.count_groups import count_group, counts_over, mesh_factor
-from harness.core.fit import Block
 from harness.core.mesh import Mesh
+from harness.diagnosis.count_groups import count_group, counts_over, mesh_factor
+from harness.diagnosis.fit import Block
 
 # Token rank t's count in each of two microbatches (dp=2,cp=2: t = 2 * dp + cp); chunks of unequal counts.
 COUNTS = {0: (104, 76), 1: (59, 51), 2: (189, 73), 3: (169, 72)}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery.crash_hints import HINTS, hint
-from harness.battery.crash_report import every_rank_raised, grouped, parse
-from harness.battery.verdict import FAIL, Verdict
+from harness.battery.judge.crash_hints import HINTS, hint
+from harness.battery.judge.crash_report import every_rank_raised, grouped, parse
+from harness.battery.judge.verdict import FAIL, Verdict
 from harness.distributed.errors import LaunchError
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/nn/functional.py"

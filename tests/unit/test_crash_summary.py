@@ -9,7 +9,7 @@ A deadline's verdict names the phase the time ran out in, from the launcher's re
 
 from __future__ import annotations
 
-from harness.battery.failed_runs import crash_summary, deadline_phase
+from harness.battery.judge.failed_runs import crash_summary, deadline_phase
 from harness.distributed.errors import LaunchError
 
 UNUSED_PARAM = (

@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from harness.battery import scenarios
 from harness.core.compare import flat_grad
-from harness.core.factor_names import factor_readings, name_factor
-from harness.core.fit import (
+from harness.core.loss import loss_sum
+from harness.core.microbatch import Microbatch
+from harness.diagnosis.factor_names import factor_readings, name_factor
+from harness.diagnosis.fit import (
     EXACT_TOLERANCE,
     EXPLAINED_RESIDUAL,
     FLOAT32_RESIDUAL,
@@ -27,10 +29,8 @@ from harness.core.fit import (
     Fit,
     fit_weights,
 )
-from harness.core.loss import loss_sum
-from harness.core.microbatch import Microbatch
-from harness.core.parameter_view import locate, parameter_table, residual_shares
-from harness.core.signatures import Signature, classify, classify_sequences, patterns
+from harness.diagnosis.parameter_view import locate, parameter_table, residual_shares
+from harness.diagnosis.signatures import Signature, classify, classify_sequences, patterns
 from harness.model import build_model
 
 

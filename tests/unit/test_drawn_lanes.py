@@ -9,11 +9,12 @@ import pytest
 from hypothesis import find
 
 import harness.battery.layouts as lay
-from harness.battery import plan, registry
-from harness.battery.facts import ModelFacts
+from harness.battery.judge import registry
+from harness.battery.judge.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
 from harness.battery.layouts import DRAWN_CHECKS, Layout, drawn_verdicts, fits, informative_layouts, layouts
-from harness.battery.options import BatteryOptions
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery.plan import cases as plan
+from harness.battery.plan.options import BatteryOptions
+from harness.battery.prepare.probe.facts import ModelFacts
 
 CORRECT = "harness.recipes:global_token_mean"
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import harness.battery.clipping_diagnosis  # noqa: F401  (adds the clipping readings to the catalog)
-from harness.battery import registry
-from harness.core.fix_catalog import CHECK_FIXES, FIXES, NORM_FIXES
-from harness.core.fixes import check_fix, fix_for, fix_table
+import harness.diagnosis.clipping  # noqa: F401  (adds the clipping readings to the catalog)
+from harness.battery.judge import registry
 from harness.core.objectives import OBJECTIVES
-from harness.core.row_weights import GROUPS
-from harness.core.signature_catalog import SIGNATURES
+from harness.diagnosis.fix_catalog import CHECK_FIXES, FIXES, NORM_FIXES
+from harness.diagnosis.fixes import check_fix, fix_for, fix_table
+from harness.diagnosis.row_weights import GROUPS
+from harness.diagnosis.signature_catalog import SIGNATURES
 
 HARNESS = Path(__file__).parents[2] / "harness"
 STRATEGIES = ("ddp", "fsdp2")
@@ -31,13 +31,13 @@ def returned_readings() -> set[str]:
     for path in HARNESS.rglob("*.py"):
         names |= set(re.findall(r'Signature\(\s*"(\w+)"', path.read_text()))
     names |= {name for _, _, name, _ in GROUPS}
-    names |= set(re.findall(r'"(pp_\w+)"', (HARNESS / "battery" / "pipeline_diagnosis.py").read_text()))
+    names |= set(re.findall(r'"(pp_\w+)"', (HARNESS / "diagnosis" / "pipeline.py").read_text()))
     return names
 
 
 def named_norms() -> set[str]:
     """Every norm the clipping check's reading can name (its candidates' first element)."""
-    text = (HARNESS / "battery" / "clipping_diagnosis.py").read_text()
+    text = (HARNESS / "diagnosis" / "clipping.py").read_text()
     return set(re.findall(r'\(\s*"((?:norm|clip|shard|local|pre)_\w+)",', text))
 
 
@@ -78,9 +78,9 @@ def test_every_norm_the_clipping_check_names_has_a_fix() -> None:
 
 
 def test_every_failing_verdict_of_the_checks_carries_a_fix() -> None:
-    """Every ``failed(...)`` of harness/battery/checks.py passes ``fix=``, and every registered check has a fix of
+    """Every ``failed(...)`` of harness/battery/judge/checks.py passes ``fix=``, and every registered check has a fix of
     its own; a call without one is found (the control)."""
-    assert [] == failed_calls_without_fix((HARNESS / "battery" / "checks.py").read_text())
+    assert [] == failed_calls_without_fix((HARNESS / "battery" / "judge" / "checks.py").read_text())
     assert [2] == failed_calls_without_fix('x = 1\nfailed("one_sync", run, "twice", 0)\nfailed("a", r, "b", fix="c")')
     for name in registry.REGISTRY:
         assert check_fix(name).strip(), name

@@ -1,4 +1,4 @@
-"""The watch of the global random generators around a recipe's call (``harness.battery.rng_watch``): a move is
+"""The watch of the global random generators around a recipe's call (``harness.battery.rank.rng_watch``): a move is
 explained by the seeding call that made it, its callers and the recipe's line, or as a draw and where it was seen; the
 wrapped entry points are put back even when the call raises, and the watched call computes what it computes
 unwatched. Every test runs inside ``generators_kept``: the generators it moves on purpose are put back."""
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from user_recipes import seeding_lib
 
-from harness.battery.rng_watch import GeneratorWatch, hygiene_fix, moved_detail
+from harness.battery.rank.rng_watch import GeneratorWatch, hygiene_fix, moved_detail
 from harness.recipes import generators_kept
 from harness.recipes.contract import setup_takes_mesh, setup_takes_model
 

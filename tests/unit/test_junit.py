@@ -1,6 +1,6 @@
-"""The battery's JUnit XML (``harness.battery.junit``, ``python -m harness battery --battery-junit PATH``): one test
-case per verdict and per control, failures and skips where they belong, counts that add up, and text escaped so that
-any XML parser reads it back."""
+"""The battery's JUnit XML (``harness.battery.report.junit``, ``python -m harness battery --battery-junit PATH``): one
+test case per verdict and per control, failures and skips where they belong, counts that add up, and text escaped so
+that any XML parser reads it back."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.battery.junit import junit_xml, write_junit
-from harness.battery.table import ControlResult
-from harness.battery.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery.judge.verdict import FAIL, NOT_APPLICABLE, PASS, Verdict
+from harness.battery.report.junit import junit_xml, write_junit
+from harness.battery.report.table import ControlResult
 from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"
@@ -128,7 +128,7 @@ def test_the_command_line_writes_the_junit_file(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     """python -m harness battery --battery-junit PATH: the file parses and holds one test case per verdict (the
     cases monkeypatched, so that no rank starts)."""
-    import harness.battery.table as table
+    import harness.battery.report.table as table
 
     verdicts = [Verdict("parity", CORRECT, "uneven", 2, "fp32", PASS, "check parity passed"),
                 Verdict("sync", CORRECT, "uneven", 2, "fp32", PASS, "check sync passed")]

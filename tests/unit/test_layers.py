@@ -1,8 +1,8 @@
 """The package's layers import one way: a module never imports a layer above its own.
 
-Order, bottom to top: core < data < model < distributed < recipes < battery < training < resume < testing < workflow.
-``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias sit
-outside the order.
+Order, bottom to top: core < data < model < distributed < diagnosis < recipes < battery < training < resume < testing <
+workflow. ``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias
+sit outside the order.
 
 Below every layer sits the test code (``tests/support/``, imported as ``support.<module>``): tests and benchmarks
 import the package, never the other way round, and what moved out of the package stays out.
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).parents[2] / "harness"
-ORDER = ("core", "data", "model", "distributed", "recipes", "battery", "resume", "training", "testing", "workflow")
+ORDER = ("core", "data", "model", "distributed", "diagnosis", "recipes", "battery", "resume", "training", "testing",
+         "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
 
 
@@ -69,8 +70,8 @@ def test_the_layer_check_rejects_an_upward_import(tmp_path: Path) -> None:
     """A core module importing the battery is reported."""
     fake = tmp_path / "harness"
     (fake / "core").mkdir(parents=True)
-    (fake / "core" / "loss.py").write_text("from harness.battery.runner import run\n")
-    assert ["harness.core.loss (core) imports harness.battery.runner (battery)"] == violations(fake)
+    (fake / "core" / "loss.py").write_text("from harness.battery.launch.runner import run\n")
+    assert ["harness.core.loss (core) imports harness.battery.launch.runner (battery)"] == violations(fake)
 
 
 @pytest.mark.parametrize("layer", ORDER)
@@ -267,15 +268,16 @@ def test_the_line_limit_check_rejects_a_long_module_and_a_stale_reason(tmp_path:
     """Its negative control: a 451-line module nobody explained is reported, the same module with a reason is not,
     and a reason for a module that shrank (or a one-word reason) does not count."""
     fake = tmp_path / "harness"
-    (fake / "battery").mkdir(parents=True)
-    (fake / "battery" / "runner.py").write_text("x = 1\n" * 451)
-    (fake / "battery" / "plan.py").write_text("x = 1\n" * 10)
-    assert ["harness/battery/runner.py (451 lines)"] == too_long(fake, {})
+    (fake / "battery" / "launch").mkdir(parents=True)
+    (fake / "battery" / "plan").mkdir(parents=True)
+    (fake / "battery" / "launch" / "runner.py").write_text("x = 1\n" * 451)
+    (fake / "battery" / "plan" / "cases.py").write_text("x = 1\n" * 10)
+    assert ["harness/battery/launch/runner.py (451 lines)"] == too_long(fake, {})
     doc = tmp_path / "layout.md"
     doc.write_text("# Layout\n\n## Long modules\n\n| module | why |\n| --- | --- |\n"
-                   "| `harness/battery/runner.py` | one table of signatures read top to bottom |\n"
-                   "| `harness/battery/plan.py` | the plan, which is one idea in a single list |\n"
-                   "| `harness/battery/table.py` | short |\n\n## Configuration\n")
+                   "| `harness/battery/launch/runner.py` | one table of signatures read top to bottom |\n"
+                   "| `harness/battery/plan/cases.py` | the plan, which is one idea in a single list |\n"
+                   "| `harness/battery/report/table.py` | short |\n\n## Configuration\n")
     explained = long_modules_explained(doc)
-    assert {"harness/battery/runner.py", "harness/battery/plan.py"} == set(explained)
-    assert ["harness/battery/plan.py: named but 10 lines"] == too_long(fake, explained)
+    assert {"harness/battery/launch/runner.py", "harness/battery/plan/cases.py"} == set(explained)
+    assert ["harness/battery/plan/cases.py: named but 10 lines"] == too_long(fake, explained)

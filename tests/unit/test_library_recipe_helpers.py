@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from harness.battery.rank_watch import moved, rng_states
+from harness.battery.rank.rank_watch import moved, rng_states
 from harness.recipes import generators_kept
 
 

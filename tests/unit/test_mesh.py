@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.battery.options import RunSpec
+from harness.battery.plan.options import RunSpec
 from harness.core.mesh import DIMS, Mesh
 from harness.testing.hypothesis_profiles import load_profile
 
@@ -173,8 +173,8 @@ def test_a_run_without_a_layout_is_data_parallel_over_its_world() -> None:
 def test_mesh_options_give_the_cases_their_shapes() -> None:
     """``--mesh dp=2,cp=2 --mesh cp=2``: every case runs at one of the shapes (W=4 and W=2), its id names the mesh,
     and one_empty (a data coordinate without tokens) is left out where the mesh has a single data coordinate."""
-    from harness.battery import plan
-    from harness.battery.options import BatteryOptions
+    from harness.battery.plan import cases as plan
+    from harness.battery.plan.options import BatteryOptions
 
     options = BatteryOptions.parse(mesh=["dp=2,cp=2", "cp=2"], precision="fp32")
     cases = plan.session_cases(options, checks=["parity"])
@@ -193,7 +193,7 @@ def test_mesh_options_give_the_cases_their_shapes() -> None:
 ])
 def test_a_mesh_option_the_battery_cannot_run_is_refused_naming_it(value: str, says: str) -> None:
     """Each refusal names ``--mesh``, the shape and why."""
-    from harness.battery.options import BatteryOptions
+    from harness.battery.plan.options import BatteryOptions
 
     with pytest.raises(ValueError, match=re.escape(says)):
         BatteryOptions.parse(mesh=value)
@@ -202,7 +202,7 @@ def test_a_mesh_option_the_battery_cannot_run_is_refused_naming_it(value: str, s
 def test_torchrun_takes_a_mesh_larger_than_one_process_launches() -> None:
     """Under torchrun (``max_world_size=None``) ``dp=2,cp=8`` (16 ranks, two nodes of 8) is a mesh; the scenarios'
     limit on data-parallel ranks still holds, naming it."""
-    from harness.battery.options import parse_meshes
+    from harness.battery.plan.options import parse_meshes
 
     (mesh,) = parse_meshes("dp=2,cp=8", max_world_size=None)
     assert (16, 2) == (mesh.world_size, mesh.data_ranks)

@@ -1,5 +1,5 @@
-"""What the probe finds about a user's model before any rank starts (:mod:`harness.battery.facts`), and the drawn
-layouts keeping to it; one process, no ranks."""
+"""What the probe finds about a user's model before any rank starts (:mod:`harness.battery.prepare.probe.facts`), and
+the drawn layouts keeping to it; one process, no ranks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from harness.battery import facts as f
 from harness.battery.layouts import Layout, _candidates, fits, layouts
+from harness.battery.prepare.probe import facts as f
 from harness.battery.spec import ModelSpec
 from harness.testing.hypothesis_profiles import load_profile
 
@@ -113,7 +113,7 @@ def test_the_probe_runs_with_gradients_on_so_reentrant_checkpointing_does_not_wa
     run without gradients: the probe runs as the ranks will, so a correct run starts without that false alarm."""
     import warnings
 
-    from harness.battery.facts import probe
+    from harness.battery.prepare.probe.facts import probe
 
     f.probe_model.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -177,7 +177,7 @@ def test_the_bound_is_the_measured_truncation_plus_six_sigma_of_rounding_at_e_th
     bound is the sum of its parts; and the wrong attention misses it by more than a thousandfold (the margin)."""
     import math
 
-    from harness.battery.backward_check import Z
+    from harness.battery.prepare.probe.backward_check import Z
 
     check = f.probe(None).backward
     assert check is not None and "torch.float64" == check.dtype
@@ -215,8 +215,8 @@ def test_an_expert_no_token_was_routed_to_is_named_a_branch_the_data_decides() -
     routed branch; the control, a head no forward calls, reads "never" in the same model."""
     from user_recipes.zoo import RoutedLM
 
-    from harness.battery import gradless
-    from harness.battery.backward_check import moves_loss
+    from harness.battery.prepare.probe import gradless
+    from harness.battery.prepare.probe.backward_check import moves_loss
 
     with torch.random.fork_rng(devices=[]):  # the global generator is the suite's: leave it as found
         model = RoutedLM()

@@ -1,6 +1,6 @@
-"""What the battery feeds a model, checked before any rank starts (:mod:`harness.battery.model_limits`): each way a
-nanoGPT-shaped model stops on the battery's batches gets its one-line reading with the fix, a right model gets none,
-and docs/your-model.md's numbers are the code's."""
+"""What the battery feeds a model, checked before any rank starts (:mod:`harness.battery.prepare.probe.model_limits`):
+each way a nanoGPT-shaped model stops on the battery's batches gets its one-line reading with the fix, a right model
+gets none, and docs/your-model.md's numbers are the code's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.battery import facts, layouts, model_limits, scenarios
+from harness.battery import layouts, scenarios
+from harness.battery.prepare.probe import facts, model_limits
 from harness.core.formats import to_packed
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.model import ModelError

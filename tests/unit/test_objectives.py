@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.battery import options
-from harness.battery.objective import resolve
+from harness.battery.plan import options
+from harness.battery.prepare.objective import resolve
 from harness.core import objectives as ob
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from harness.battery import scenarios
 from harness.battery.dist import parse_args as dist_args
-from harness.battery.options import BATCH_FORMAT_HELP, BatteryOptions, RunSpec
-from harness.battery.options import BATCH_FORMATS as OPTION_FORMATS
+from harness.battery.plan.options import BATCH_FORMAT_HELP, BatteryOptions, RunSpec
+from harness.battery.plan.options import BATCH_FORMATS as OPTION_FORMATS
 from harness.battery.spec import ModelSpec
 from harness.core.formats import (
     BATCH_FORMATS,

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from harness.battery.packed_diagnosis import boundary_pairs, boundary_sentence
-from harness.core.fit import Block
 from harness.core.formats import packed_layout, to_hf, to_packed
 from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
-from harness.core.row_weights import pack_mean_weights, read_packs
+from harness.diagnosis.fit import Block
+from harness.diagnosis.packed import boundary_pairs, boundary_sentence
+from harness.diagnosis.row_weights import pack_mean_weights, read_packs
 from harness.recipes.controls.packed import PackedSequenceMeanOverRows, _across_boundaries
 from harness.recipes.objectives import SequenceMean, forward, sequence_ids, supervised_sequences
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from harness.battery.packing_probe import LENGTHS, PackingGap, default_sequences, packing_gap
 from harness.battery.spec import ModelSpec
+from harness.diagnosis.packing import LENGTHS, PackingGap, default_sequences, packing_gap
 from harness.model import ModelError
 
 CONTROL = "harness.model:crosses_packed_boundaries"

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.battery.pipeline_diagnosis import (
+from harness.core.mesh import Mesh
+from harness.core.microbatch import Microbatch
+from harness.diagnosis.count_groups import count_group
+from harness.diagnosis.fit import Block
+from harness.diagnosis.pipeline import (
     block_means_reading,
     chunks_of,
     formula_reading,
@@ -15,10 +19,6 @@ from harness.battery.pipeline_diagnosis import (
     microbatch_means_reading,
     step_of,
 )
-from harness.core.count_groups import count_group
-from harness.core.fit import Block
-from harness.core.mesh import Mesh
-from harness.core.microbatch import Microbatch
 from harness.distributed.pipeline import Pipeline, ScheduleStep, chunk_of, rows_of
 
 # One token rank's window of three microbatches (4, 3 and 2 rows).

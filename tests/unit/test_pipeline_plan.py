@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import checks, mesh_scenarios
-from harness.battery.options import RunSpec
-from harness.battery.prepare import Prepared, prepare
-from harness.battery.run import Run, WindowRecord
+from harness.battery import mesh_scenarios
+from harness.battery.judge import checks
+from harness.battery.launch.run import Run, WindowRecord
+from harness.battery.plan.options import RunSpec
+from harness.battery.prepare.steps import Prepared, prepare
 from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX
 from harness.distributed.pipeline import Pipeline, ScheduleStep

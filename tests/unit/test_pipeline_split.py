@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from harness.battery import scenarios
-from harness.battery.facts import probe_meshes
+from harness.battery.prepare.probe.facts import probe_meshes
 from harness.core.loss import loss_sum
 from harness.core.mesh import PP_SCHEDULES, Mesh
 from harness.core.microbatch import Microbatch
@@ -195,9 +195,10 @@ def _gapped_factory(gap: bool) -> Any:
 
 @pytest.mark.parametrize("gap", [False, True])
 def test_a_model_whose_split_cannot_run_is_refused_once_before_any_rank_starts(gap: bool) -> None:
-    """:func:`harness.battery.facts.probe_meshes` (what the pytest plugin and the command line call before the first
-    case) refuses a split that loses part of the forward as a usage error naming the model and the pp size; the same
-    model without the function between its children passes, and a mesh without pp asks nothing of the split."""
+    """:func:`harness.battery.prepare.probe.facts.probe_meshes` (what the pytest plugin and the command line call
+    before the first case) refuses a split that loses part of the forward as a usage error naming the model and the pp
+    size; the same model without the function between its children passes, and a mesh without pp asks nothing of the
+    split."""
     name = f"pp_gap_probe_{gap}:factory"  # a module of its own per case: factories are loaded once per path
     module = types.ModuleType(name.split(":")[0])
     module.factory = _gapped_factory(gap)  # type: ignore[attr-defined]

@@ -12,12 +12,12 @@ import pytest
 REPO = Path(__file__).parents[2]
 
 # Runs pytest in-process on the folder given, then says which heavy modules the whole session imported (the battery's
-# options, harness.battery.options, are pure Python and parsed at start-up on every session: not heavy).
+# options, harness.battery.plan.options, are pure Python and parsed at start-up on every session: not heavy).
 SESSION = """
 import sys, pytest
 rc = pytest.main(["-q", "-p", "harness.testing.plugin", "-p", "no:cacheprovider", *sys.argv[1:]])
-heavy = sorted(m for m in ("torch", "harness.battery.runner", "harness.battery.checks", "harness.battery.registry",
-                           "harness.battery.verdict", "harness.recipes")
+heavy = sorted(m for m in ("torch", "harness.battery.launch.runner", "harness.battery.judge.checks",
+                           "harness.battery.judge.registry", "harness.battery.judge.verdict", "harness.recipes")
                if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
 sys.exit(int(rc))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import printed
-from harness.battery.printed import SHOWN, Printed, collecting, record, start, stop
+from harness.battery.launch import printed
+from harness.battery.launch.printed import SHOWN, Printed, collecting, record, start, stop
 
 
 def test_a_line_every_rank_of_every_launch_printed_is_one_line_with_its_counts() -> None:
@@ -75,7 +75,7 @@ def test_a_constructor_s_print_in_the_battery_s_process_is_said_once_with_its_co
     """nanoGPT's GPT prints its parameter count when built: the probe and the reference build it many times in the
     battery's own process, and the collection says the line once with how often; with nothing collecting, the print
     goes through as it was (the negative control)."""
-    from harness.battery.printed import building
+    from harness.battery.launch.printed import building
 
     relaying = start(True)  # -v: nothing collects, output goes through
     with building():

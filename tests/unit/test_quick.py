@@ -1,4 +1,4 @@
-"""``--quick`` (``harness.battery.selection``): the cases that tell the known mistakes apart (W=2 and 3, fp32, the
+"""``--quick`` (``harness.battery.plan.selection``): the cases that tell the known mistakes apart (W=2 and 3, fp32, the
 uneven, single and one_empty scenarios, the two chosen drawn layouts), and an explicit world size, precision or
 drawn budget winning over its choice."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.battery import plan
-from harness.battery.options import BatteryOptions
-from harness.battery.plan import DrawnLane
+from harness.battery.plan import cases as plan
+from harness.battery.plan.cases import DrawnLane
+from harness.battery.plan.options import BatteryOptions
 
 
 def test_quick_runs_w2_and_3_in_fp32_on_the_three_scenarios_that_tell_mistakes_apart() -> None:

@@ -112,7 +112,7 @@ def test_the_step_moves_every_weight_with_a_gradient_by_minus_lr_times_it() -> N
 def test_a_recipe_declares_the_reduction_it_is_written_for() -> None:
     """``reduction = "sum"`` is read from the recipe; no declaration is the average; anything else is refused
     naming the fix."""
-    from harness.battery.rank_program import declared_reduction
+    from harness.battery.rank.rank_program import declared_reduction
     from harness.recipes import global_token_mean, summed_global_token_mean
 
     assert "sum" == declared_reduction(summed_global_token_mean)
@@ -128,7 +128,7 @@ def test_a_recipe_declares_the_reduction_it_is_written_for() -> None:
 def test_one_strategy_s_way_to_skip_a_sync_under_the_other_is_named() -> None:
     """The AttributeError of ``no_sync`` on an FSDP2 model (and of ``set_requires_gradient_sync`` on a DDP) becomes
     a usage error saying what to call instead; any other AttributeError is left alone."""
-    from harness.battery.rank_program import strategy_mismatch
+    from harness.battery.rank.rank_program import strategy_mismatch
 
     said = strategy_mismatch("'FSDPTinyCausalLM' object has no attribute 'no_sync'", "fsdp2")
     assert said is not None and "model.set_requires_gradient_sync(False)" in said and "sync_context" in said

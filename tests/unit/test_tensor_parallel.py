@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from harness.battery.options import BatteryOptions, RunSpec
+from harness.battery.plan.options import BatteryOptions, RunSpec
 from harness.battery.spec import ModelSpec
 from harness.core.mesh import Mesh
 from harness.distributed.tensor_parallel import builtin_plan, plan_of

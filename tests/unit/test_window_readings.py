@@ -1,18 +1,23 @@
 """A scale, a per-row weighting and a residue named by what the window holds: the fact search
-(``harness.core.window_facts``), the rows' token weights (``harness.core.row_weights``), and when a residue is
-rounding (``harness.battery.run_readings``). Pure arithmetic on hand-made windows: no scenario's numbers."""
+(``harness.diagnosis.window_facts``), the rows' token weights (``harness.diagnosis.row_weights``), and when a residue is
+rounding (``harness.diagnosis.ranks``). Pure arithmetic on hand-made windows: no scenario's numbers."""
 
 from __future__ import annotations
 
 import torch
+from support.evidence import TinyConvention
 
-from harness.battery.objective_diagnosis import _aux_factor
-from harness.battery.run_readings import BF16_UNIT, rounding_only
-from harness.core import window_facts as wf
-from harness.core.factor_names import name_factor
-from harness.core.fit import Block, Fit, match_tolerance
-from harness.core.row_weights import read_rows
-from harness.core.signatures import scale_tolerance
+from harness.core.mesh import Mesh
+from harness.core.microbatch import Microbatch
+from harness.core.objectives import Objective
+from harness.diagnosis import window_facts as wf
+from harness.diagnosis.evidence import Evidence
+from harness.diagnosis.factor_names import name_factor
+from harness.diagnosis.fit import Block, Fit, match_tolerance
+from harness.diagnosis.objective import _aux_factor
+from harness.diagnosis.ranks import BF16_UNIT, rounding_only
+from harness.diagnosis.row_weights import read_rows
+from harness.diagnosis.signatures import scale_tolerance
 
 
 def _blocks(counts: list[list[int]], rows: int = 2) -> list[Block]:
@@ -153,25 +158,19 @@ def test_an_auxiliary_factor_is_named_as_a_product_of_w_and_k() -> None:
     assert "a factor no count of this window names" == _aux_factor(1.37, 3, 2)
 
 
-def _aux_run(shape: str, unit: str = "microbatch") -> object:
-    from harness.battery.options import RunSpec
-    from harness.battery.run import Run
-    from harness.core.mesh import Mesh
-    from harness.core.microbatch import Microbatch
-    from harness.core.objectives import Objective
-
+def _aux_run(shape: str, unit: str = "microbatch") -> Evidence:
+    """Evidence by hand: two microbatches on every data coordinate of the mesh, an auxiliary term of ``unit``."""
     mesh = Mesh.parse(shape)
     mb = Microbatch(torch.ones(1, 4, dtype=torch.long), torch.tensor([[1, 2, -100, 3]]))
     windows = [[[mb, mb] for _ in range(mesh.data_ranks)]]  # two microbatches on every data coordinate
-    spec = RunSpec("pkg.mod:aux", "uneven", mesh.world_size, "fp32", layout=mesh)
-    return Run("pkg.mod:aux", "uneven", mesh.world_size, "fp32", windows, run_spec=spec,
-               objective=Objective(auxiliary_unit=unit))
+    return Evidence(windows, None, TinyConvention(), mesh, objective=Objective(auxiliary_unit=unit),
+                    recipe="pkg.mod:aux", scenario="uneven")
 
 
 def test_a_per_microbatch_term_weighing_cp_times_its_right_weight_on_a_mesh_is_named_by_cp() -> None:
     """At dp=2,cp=2 (D = 4 microbatches), every auxiliary weight 2/D reads as scaled for the token group where dp
     belongs, naming cp's size; 4/D (the token group's size T) reads as summed over the ranks, with T."""
-    from harness.battery.objective_diagnosis import auxiliary_reading
+    from harness.diagnosis.objective import auxiliary_reading
 
     run = _aux_run("dp=2,cp=2")
     cp = auxiliary_reading(run, 0, torch.full((4,), 2 / 4, dtype=torch.float64))  # type: ignore[arg-type]
@@ -185,7 +184,7 @@ def test_a_per_microbatch_term_weighing_cp_times_its_right_weight_on_a_mesh_is_n
 
 def test_a_factor_of_two_on_dp_only_reads_as_summed_over_its_two_ranks() -> None:
     """Its control: without cp, the same factor 2 at dp=2 is W (the term summed over the ranks), never cp's."""
-    from harness.battery.objective_diagnosis import auxiliary_reading
+    from harness.diagnosis.objective import auxiliary_reading
 
     sig = auxiliary_reading(_aux_run("dp=2"), 0, torch.full((4,), 2 / 4, dtype=torch.float64))  # type: ignore[arg-type]
     assert sig is not None and "auxiliary_summed_over_ranks" == sig.name

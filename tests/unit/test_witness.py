@@ -4,8 +4,8 @@ tests/distributed/test_shrunk_reading.py runs it on the real control)."""
 
 from __future__ import annotations
 
-from harness.battery.verdict import FAIL, Verdict
-from harness.battery.witness import keeps_reading, reading_key, reading_of, shrunk_note, witness
+from harness.battery.judge.verdict import FAIL, Verdict
+from harness.battery.judge.witness import keeps_reading, reading_key, reading_of, shrunk_note, witness
 
 
 def _parity(signature: str, alternatives: tuple[str, ...] = (), objective: str | None = None) -> Verdict:

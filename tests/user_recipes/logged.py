@@ -1,7 +1,7 @@
 """Training steps whose gradient is right and whose logged loss is weighted wrongly, written the way users write them
 (torch only): the mean of the ranks' means, the mean of the microbatches' means, the mean of the sequences' means.
 Each logs the same number on every rank, so only the logged-loss check's comparison with the global token mean at
-the window's weights can see it, and only where per-token losses differ (``harness.battery.start``)."""
+the window's weights can see it, and only where per-token losses differ (``harness.battery.prepare.start``)."""
 
 from __future__ import annotations
 

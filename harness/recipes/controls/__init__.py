@@ -56,8 +56,8 @@ CONTROLS: dict[str, Target] = targets()
 NEGATIVE_CONTROLS = tuple(CONTROLS)
 
 DIAGNOSES: dict[str, str | None] = diagnoses()
-"""The signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must give each control on its target: its
-weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).
+"""The signature the gradient diagnosis (:mod:`harness.battery.diagnose.of_run`) must give each control on its target:
+its weights, read off the numbers. None where the run leaves no gradient to read (a desync; a window without tokens).
 A control whose mistake is not in the gradient (a sync count, a random generator, the logged loss) reads
 ``correct``: the diagnosis never blames the weights for what another check catches."""
 

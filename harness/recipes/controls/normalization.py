@@ -170,8 +170,8 @@ class Bfloat16Count:
     """The all-reduced count rounded to bfloat16 before the division (``count.to(logits.dtype)`` in a bf16 loop):
     8 significant bits hold every integer only up to 256, so every gradient is scaled by ``N / round_bf16(N)``, by
     0.1-0.4% on the battery's windows. The bf16 lane's relative-L2 bound (about 1.7e-2) cannot see so small a
-    scale; its least-squares scale test can (``harness.battery.bf16``), where the rounding stands above twice the
-    correct computation's own scale noise: on ``long`` at W=2 and 4, not at W=3, where the correct computation's
+    scale; its least-squares scale test can (``harness.battery.prepare.bf16``), where the rounding stands above twice
+    the correct computation's own scale noise: on ``long`` at W=2 and 4, not at W=3, where the correct computation's
     own bf16 scale offset at the battery's weights runs against the rounding's (docs/fsdp2-bf16-clipping.md)."""
 
     name = "bfloat16_count"

@@ -1,7 +1,7 @@
 """Recipes for real libraries: transformers' Trainer driven through its inner loop, accelerate's gradient accumulation,
 torchtitan's loss, each as users write it and corrected, and :data:`LIBRARY_RECIPES`, the verdicts the battery must
-give each one and the signature the gradient diagnosis (:mod:`harness.battery.diagnose`) must read off each failing
-gradient (the integrations tests assert both; ``benchmarks/library_table.py`` measures them for the README).
+give each one and the signature the gradient diagnosis (:mod:`harness.battery.diagnose.of_run`) must read off each
+failing gradient (the integrations tests assert both; ``benchmarks/library_table.py`` measures them for the README).
 
 Any of them runs through the battery like a user's recipe, e.g.
 ``python -m harness battery --recipe harness.recipes.libraries.transformers_loss:transformers_global_items``.

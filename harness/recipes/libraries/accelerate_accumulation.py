@@ -38,7 +38,7 @@ Verdicts the battery gives (W=2; ``harness.recipes.libraries.LIBRARY_RECIPES`` i
   empty_window FAIL (a mean over no token is NaN: NaN returned, zero gradients, no error).
 - corrected: every check PASS.
 
-What the gradient diagnosis reads (``harness.battery.diagnose``; the tests assert the signatures): on the uneven
+What the gradient diagnosis reads (``harness.battery.diagnose.of_run``; the tests assert the signatures): on the uneven
 window ``per_microbatch_mean`` exactly, in both lanes (each microbatch's tokens weigh ``1/(k * W * its own count)``:
 the ``1/k`` is ``backward``'s division by ``gradient_accumulation_steps``, here equal to the window's k=2). On the
 single window it reads ``not_synchronized``: rank 0's gradient holds rank 1's microbatch at weight 0 (never

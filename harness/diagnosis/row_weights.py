@@ -1,0 +1,111 @@
+"""What a gradient computes, read off the per-token weight of every row: a mean over which group of tokens.
+
+The per-sequence view of the diagnosis fits one weight per row. Turned into the weight each of the row's tokens got
+(the fitted weight times the row's own coefficient under the declared objective: 1 for a token sum, ``1/n_s`` for a
+sequence's mean), the weights of a normalization mistake are ``c / (a count of the group the row belongs to)``: the
+window (a token mean), a rank (a mean of local means), a microbatch (a mean per microbatch), or the row itself (a
+sequence mean), over the group's tokens or its sequences. :func:`read_rows` tries each grouping, the coarsest first,
+and names the one that fits, so that a gradient the per-sequence view explains is named by what it computes, under
+whichever objective was declared.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from harness.diagnosis.fit import Block
+from harness.diagnosis.signatures import Signature
+
+ROW_TOLERANCE = 1e-3
+"""Largest relative deviation of the rows' token weights from a grouping's pattern. A row's weight is fitted from
+its own gradient alone (one unknown per row: a few hundred against 18,944 components), about ten times less
+precisely than a microbatch's; groupings of the battery's windows differ by percents (their counts differ)."""
+
+Key = Callable[[Block], tuple[int, ...]]
+
+GROUPS: tuple[tuple[str, Key, str, str], ...] = (
+    ("the window", lambda b: (), "global_scale", ""),
+    ("each rank", lambda b: (b.rank,), "mean_of_local_means", "W * "),
+    ("each microbatch", lambda b: (b.rank, b.microbatch), "per_microbatch_mean", "W * k * "),
+)
+"""Groupings a mean may run over: words, key, the signature, and the factors a loop applies beside the group's count
+(a rank's mean averaged by DDP over W; a microbatch's divided by k too)."""
+
+
+def _fit(t: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
+    """Best ``c`` with ``t ~ c p`` and the largest deviation relative to ``c p``."""
+    c = sum(a * b for a, b in zip(t, p)) / sum(b * b for b in p)
+    if c == 0:
+        return c, math.inf
+    return c, max(abs(a / (c * b) - 1) for a, b in zip(t, p))
+
+
+def read_rows(rows: Sequence[Block], token_weight: Sequence[float], world_size: int, k: int, residual: float,
+              declared: str) -> Signature | None:
+    """The grouping whose mean the rows' token weights ``token_weight`` (one per row, absolute) are, with its factor
+    against a right loop's (``1/(W * k * count)`` for a microbatch's mean); None when none fits, when it is the
+    window's sequence mean (the declared objective's own reading), or when rows of equal length cannot tell a
+    sequence mean from a token mean. ``residual``: the per-sequence fit's, quoted; ``declared``: what the declared
+    objective gives, in words."""
+    live = [(b, t) for b, t in zip(rows, token_weight) if b.tokens > 0 and math.isfinite(t)]
+    if len(live) < 2 or len({b.tokens for b, _ in live}) < 2:
+        return None
+    weights = [t for _, t in live]
+    for what, key, name, factors in GROUPS:
+        tokens: dict[tuple[int, ...], int] = {}
+        seqs: dict[tuple[int, ...], int] = {}
+        for b, _ in live:
+            tokens[key(b)] = tokens.get(key(b), 0) + b.tokens
+            seqs[key(b)] = seqs.get(key(b), 0) + 1
+        for kind, pattern, count in (
+                ("token", [1 / tokens[key(b)] for b, _ in live], "its token count"),
+                ("sequence", [1 / (b.tokens * seqs[key(b)]) for b, _ in live],
+                 "its sequence count * the row's length")):
+            c, dev = _fit(weights, pattern)
+            if dev > ROW_TOLERANCE:
+                continue
+            if what == "the window" and kind == "sequence":
+                return None  # the declared sequence mean, right or scaled: the microbatch fit reads that
+            scale = c * (world_size if factors else 1) * (k if factors == "W * k * " else 1)
+            times = "" if abs(scale - 1) <= ROW_TOLERANCE else f", times {scale:.4g}"
+            return Signature(name, f"a {kind} mean over {what}: every token weighs 1/({factors}{count}){times}; the "
+                             f"per-sequence view fits it (residual {residual:.1e}), where {declared}", scale)
+    return None
+
+
+def pack_mean_weights(rows: Sequence[Block], packs: Sequence[int]) -> list[float]:
+    """Each row's token weight under a mean over packed rows: ``1/(n_r * P)`` for a row in pack ``r`` (``packs``: each
+    row's pack, numbered over the window; ``n_r`` the pack's supervised tokens, ``P`` the packs that hold one); nan for
+    a row without a supervised token."""
+    tokens: dict[int, int] = {}
+    for b, p in zip(rows, packs):
+        if b.tokens > 0:
+            tokens[p] = tokens.get(p, 0) + b.tokens
+    return [1 / (tokens[p] * len(tokens)) if b.tokens > 0 else math.nan for b, p in zip(rows, packs)]
+
+
+def read_packs(rows: Sequence[Block], token_weight: Sequence[float], packs: Sequence[int], residual: float,
+               declared: str) -> Signature | None:
+    """``per_pack_mean`` when the rows' token weights are a mean over packed rows (:func:`pack_mean_weights`, up to
+    a scale): a sequence mean that counted a packed batch's rows, several sequences each, as its sequences. None where
+    no pack holds two supervised sequences (each pack is then one sequence: the sequence mean itself), or where the
+    weights do not fit."""
+    live = [i for i, b in enumerate(rows) if b.tokens > 0 and math.isfinite(token_weight[i])]
+    held: dict[int, int] = {}
+    for i in live:
+        held[packs[i]] = held.get(packs[i], 0) + 1
+    if len(live) < 2 or max(held.values()) < 2:
+        return None
+    pattern = pack_mean_weights([rows[i] for i in live], [packs[i] for i in live])
+    c, dev = _fit([token_weight[i] for i in live], pattern)
+    if dev > ROW_TOLERANCE:
+        return None
+    times = "" if abs(c - 1) <= ROW_TOLERANCE else f", times {c:.4g}"
+    return Signature("per_pack_mean", f"a mean over packed rows, not sequences: every token of pack r weighs "
+                     f"1/(n_r * P), n_r the pack's supervised tokens and P={len(held)} the packs{times} (a row's mean "
+                     f"taken for its sequence's: count the sequences by seq_idx or position_ids' restarts, never the "
+                     f"rows); the per-sequence view fits it (residual {residual:.1e}), where {declared}", c)
+
+
+__all__ = ["ROW_TOLERANCE", "pack_mean_weights", "read_packs", "read_rows"]

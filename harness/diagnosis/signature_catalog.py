@@ -1,0 +1,79 @@
+"""The catalog of readings: each signature's name and what its weights look like, the names every diagnosis may give
+(:mod:`harness.diagnosis.signatures` classifies fitted weights into them; the battery's own readings add theirs here, so
+one list says what a diagnosis can name). Pure data."""
+
+from __future__ import annotations
+
+SIGNATURES: dict[str, str] = {
+    "correct": "every token weighs 1/N: the global token mean",
+    "float32_computation": "the weights are right, and the residual sits at float32 rounding scale in a float64 run",
+    "global_scale": "every token weighs the same c/N with c != 1: a factor (world size, microbatch count) or a "
+                    "normalizing count that is not the window's",
+    "mean_of_local_means": "each rank's tokens weigh 1/(W * n_r): each rank divides by its own count",
+    "per_microbatch_mean": "each microbatch's tokens weigh 1/(W * k * n_rm): a mean per microbatch",
+    "per_sequence_mean": "each sequence's tokens weigh in inverse proportion to its own length: a mean per sequence",
+    "per_pack_mean": "each packed row's tokens weigh 1/(n_r * P): a mean over the packs of a packed batch (several "
+                     "sequences per row) taken for a mean over its sequences",
+    "shifted_across_boundaries": "the weights are right, and the gradient also holds the loss of the pairs across "
+                                 "packed sequences' boundaries (each sequence's last token trained to predict the next "
+                                 "sequence's first): labels rebuilt over the whole packed row, the separator dropped",
+    "dropped": "some blocks weigh nothing (a rank or microbatch that never reached backward), the rest alike",
+    "double_counted": "some blocks weigh twice what the others do (a microbatch backpropagated twice)",
+    "not_synchronized": "a rank's gradient holds only its own microbatches (W times the right weight when its loss was "
+                        "right): no synchronization",
+    "nonfinite": "the gradient holds NaN or inf (a division by a zero count)",
+    "weights_edited": "the recipe changed the weights inside backward_window (an in-place weight decay or step): the "
+                      "gradient is taken at other weights than the reference's and is not read as a weighting",
+    "extra_term": "the weights are right (or another signature's), and the gradient holds a term no re-weighting of "
+                  "the losses makes: an auxiliary loss, a regularizer, a custom backward adding into .grad (its share "
+                  "of the error and the tensors that carry it are named)",
+    "packing_crosses_boundaries": "under --batch-format packed the model's packed forward is not its unpacked one: "
+                                  "its attention crosses the sequences of a packed row (positions not taken from "
+                                  "position_ids, no block-diagonal mask; a transformers model with use_cache on); "
+                                  "a model fault, the recipe is not blamed",
+    "model_not_fixed": "the block gradients recomputed at the rank's starting weights do not sum to the reference: the "
+                       "model is not a fixed function of its inputs (a forward that reads a buffer it updates); the "
+                       "recipe is not blamed",
+    "started_elsewhere": "the window's weighting is right at the weights it started from, but an earlier window's step "
+                         "moved them away from the reference's (read that window)",
+    "fixed_accumulation_constant": "each microbatch divided by a fixed accumulation constant K instead of the window's "
+                                   "microbatch count k (a per-microbatch mean times k/K, or every weight 1/K)",
+    "block_scaled": "the blocks of one microbatch index (or one rank) off by a count's factor, every other block "
+                    "right: a count taken for that microbatch alone (a stale or local count)",
+    "subgroup_count": "each group of consecutive ranks' tokens weigh 1/N_g, its group's count: the count all-reduced "
+                      "over a sub-group (the ranks of one node) instead of every data-parallel rank",
+    "other_objective": "the gradient is exactly another declared objective's (the token mean judged under the "
+                       "sequence mean, or the other way round): the recipe optimizes that objective, not the declared "
+                       "one",
+    "wrong_normalizer": "the objective's coefficients are right, and the whole window is divided by another "
+                        "all-reduced quantity than the declared objective's (the supervised count where the weight sum "
+                        "belongs)",
+    "per_rank_normalizer": "each rank's tokens weigh their own factor: each rank divided by a normalizer of its own "
+                           "(its local batch's padded length) instead of the constant the recipe declares",
+    "auxiliary_token_normalized": "the main loss's weights are right; the auxiliary term, one value per microbatch, "
+                                  "was scaled by the main loss's token normalization (W/N) instead of averaged over "
+                                  "the window's microbatches",
+    "auxiliary_divided_twice": "the main loss's weights are right; the auxiliary term was divided by the microbatch "
+                               "count twice",
+    "auxiliary_summed_over_ranks": "the main loss's weights are right; the auxiliary term was summed over the ranks "
+                                   "instead of averaged (the world-size factor of the main loss applied to it)",
+    "auxiliary_misweighted": "the main loss's weights are right; the auxiliary term weighs another factor than its "
+                             "unit's (named in the sentence)",
+    "count_group": "on a device mesh, each token rank's tokens weigh N/N_S, its group's count: the count was "
+                   "all-reduced over a group S of the mesh's dimensions other than the token group (dp x cp): over dp "
+                   "alone under cp, each shard's own, across tp ranks that hold the same tokens",
+    "not_reduced_over_group": "on a mesh, some tensors' synchronized gradients differ between ranks along one "
+                              "dimension: replicated parameters never all-reduced over it (tp's norms)",
+    "pp_scale_grads": "scale_grads rescaled each pipeline step: step a of A weighs 1/M^(A-1-a), an exponential moving "
+                      "average over the window's steps (torchtitan #1733)",
+    "pp_last_step_only": "only the last pipeline step's gradient survived: every earlier step's blocks weigh 0",
+    "pp_divided_by_microbatches": "a global-count loss under scale_grads=True: each step's blocks also divided by M",
+    "pp_microbatch_means": "each pipeline schedule microbatch's own token mean over M x A (torchtitan #1732): a token "
+                           "of schedule microbatch k weighs 1/(n_k M A T), a mean of the microbatches' means",
+    "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
+                   "re-weighting at all; the per-parameter table says where the error lives",
+}
+"""The catalog: each signature's name and what its weights look like (``ratio = weight / (1/N)``)."""
+
+
+__all__ = ["SIGNATURES"]
