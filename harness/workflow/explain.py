@@ -3,12 +3,12 @@
 One battery run of the recipe per lane (a scenario at one world size, under each strategy and precision asked for:
 ``--strategy``, ``--precision`` and ``--objective`` take the battery's names and values, and are validated by the
 same parser, :meth:`harness.battery.plan.options.BatteryOptions.parse`), then the diagnosis of the window whose gradient
-is furthest from the reference (:mod:`harness.battery.diagnose.of_run`): the effective weight of every rank's microbatch
-against the right one, the signature those weights match, the per-parameter table, a figure (one cell per rank x
-microbatch, effective weight over expected) and the same numbers as JSON. The battery's checks run on the same run,
-so a case the battery rejects (a synchronization count, a clipped norm, ranks that disagree) is never read as right.
-Advice is given in the strategy's own form (FSDP2: ``set_requires_gradient_sync(False)``, never ``no_sync()``), and
-a right weighting is described in the declared objective's words. Exit 0 when the weighting is right and every check
+is furthest from the reference (:mod:`harness.diagnosis`, fed the run as evidence): the effective weight of every
+rank's microbatch against the right one, the signature those weights match, the per-parameter table, a figure (one cell
+per rank x microbatch, effective weight over expected) and the same numbers as JSON. The battery's checks run on the
+same run, so a case the battery rejects (a synchronization count, a clipped norm, ranks that disagree) is never read as
+right. Advice is given in the strategy's own form (FSDP2: ``set_requires_gradient_sync(False)``, never ``no_sync()``),
+and a right weighting is described in the declared objective's words. Exit 0 when the weighting is right and every check
 holds in every lane, 1 when not (or a run left no gradient to read), 2 for bad input.
 """
 
@@ -198,12 +198,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, precision: str) -> int:
     """One lane: the run, its checks, and the reading of its worst gradient; 0 right, 1 not."""
     import harness.battery.judge.checks  # noqa: F401  (the checks register themselves in REGISTRY when imported)
-    from harness.battery.diagnose.of_run import diagnose
+    from harness.battery.diagnose.of_run import evidence_of
     from harness.battery.judge.failed_runs import crash_summary
     from harness.battery.judge.registry import REGISTRY
     from harness.battery.judge.verdict import FAIL
     from harness.battery.launch import runner
     from harness.battery.plan.options import RunSpec
+    from harness.diagnosis.diagnose import diagnose
     from harness.diagnosis.fit import accuracy
 
     lane = f"{strategy}, {precision}"
@@ -228,11 +229,12 @@ def _explain_lane(args: argparse.Namespace, model: str | None, strategy: str, pr
     failed = [v for info in REGISTRY.values() if info.runs_on(args.scenario)
               for v in [info.fn(run)] if v.status == FAIL]
     start = time.monotonic()
-    if precision == "bf16" and run.bf16 is not None:
-        with accuracy(float(run.bf16.bound)):  # read to the accuracy bf16 allows, as the battery's parity does
-            found = diagnose(run, args.window, args.rank, per_sequence=args.per_sequence)
+    evidence = evidence_of(run)  # what the diagnosis reads, as any other source would give it
+    if precision == "bf16" and evidence.noise_bound is not None:
+        with accuracy(evidence.noise_bound):  # read to the accuracy bf16 allows, as the battery's parity does
+            found = diagnose(evidence, args.window, args.rank, per_sequence=args.per_sequence)
     else:
-        found = diagnose(run, args.window, args.rank, per_sequence=args.per_sequence)
+        found = diagnose(evidence, args.window, args.rank, per_sequence=args.per_sequence)
     took = time.monotonic() - start
     if found is None:
         print(f"{args.recipe} left no gradient to read on {args.scenario} (W={args.world_size}, {lane}): it refused "
