@@ -271,7 +271,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
     a = torch.stack(columns, dim=1)
     n = sum(b.tokens for b in blocks)
     # The right weight of every block is 1/Z, the declared objective's normalizer (N under the token mean); an
-    # auxiliary term's columns are fitted beside the blocks', each right at 1/D (objective_diagnosis).
+    # auxiliary term's columns are fitted beside the blocks', each right at 1/D (harness.diagnosis.objective).
     z = float(n) if ev.objective.plain else od.normalizer(ev, window)
     aux_cols = od.auxiliary_columns(ev, model, window)
     expected = a.sum(dim=1) / z

@@ -135,16 +135,7 @@ class Evidence:
 
     def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Module:
         """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
-        model = self.model.build()
-        if dtype is not None:
-            model = model.to(dtype)
-        with torch.no_grad():
-            offset = 0
-            for p in model.parameters():
-                n = p.numel()
-                p.copy_(params[offset : offset + n].view_as(p))
-                offset += n
-        return model
+        return model_at(self.model, params, dtype)
 
     def terms(self, model: nn.Module, mb: Microbatch,
               objective: ob.Objective | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,6 +157,21 @@ class Evidence:
             torch.set_num_threads(before)
 
 
+def model_at(convention: Convention, params: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Module:
+    """A fresh single-device model of ``convention`` holding the flat weights ``params`` (model order), in ``dtype``
+    if given."""
+    model = convention.build()
+    if dtype is not None:
+        model = model.to(dtype)
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(params[offset : offset + n].view_as(p))
+            offset += n
+    return model
+
+
 def terms(convention: Convention, objective: ob.Objective, auxiliary: Auxiliary | None, model: nn.Module,
           mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One microbatch's term of ``objective``'s numerator and its auxiliary value (None without one), from one
@@ -179,4 +185,4 @@ def terms(convention: Convention, objective: ob.Objective, auxiliary: Auxiliary 
     return term, (None if auxiliary is None else auxiliary(model, convention.reference_batch(mb), raw))
 
 
-__all__ = ["Auxiliary", "Convention", "Evidence", "RankWindow", "Windows", "terms"]
+__all__ = ["Auxiliary", "Convention", "Evidence", "RankWindow", "Windows", "model_at", "terms"]

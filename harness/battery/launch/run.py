@@ -21,6 +21,7 @@ from harness.core.mesh import Mesh
 from harness.core.microbatch import Microbatch
 from harness.core.objectives import PLAIN, Objective
 from harness.core.reference import Reference
+from harness.diagnosis.evidence import model_at
 from harness.distributed.launcher import LaunchError
 from harness.distributed.pipeline import ScheduleStep
 
@@ -159,16 +160,7 @@ class Run:
 
     def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
-        model = self.model()
-        if dtype is not None:
-            model = model.to(dtype)
-        with torch.no_grad():
-            offset = 0
-            for p in model.parameters():
-                n = p.numel()
-                p.copy_(params[offset : offset + n].view_as(p))
-                offset += n
-        return model
+        return model_at(self.spec, params, dtype)
 
 def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     """The global token mean of ``window`` at the weights ``params`` (flat, model order): what a logged loss must be

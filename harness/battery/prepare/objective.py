@@ -23,6 +23,7 @@ from harness.battery.plan.options import RunSpec
 from harness.battery.spec import ModelSpec
 from harness.core import objectives as ob
 from harness.core.microbatch import Microbatch
+from harness.diagnosis.evidence import terms as objective_terms
 
 Auxiliary = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
 
@@ -87,13 +88,9 @@ def windows_for(run: RunSpec, windows: Sequence[Sequence[Sequence[Microbatch]]])
 def terms(spec: ModelSpec, objective: ob.Objective, model: nn.Module,
           mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One microbatch's term of the objective's numerator and its auxiliary value (None without one), from one
-    forward of ``model`` under the run's batch convention. The plain token mean is the loss sum itself."""
-    aux = auxiliary_of(objective)
-    if objective.plain:
-        return spec.loss_sum(model, mb), None
-    raw, aligned = spec.logits(model, mb)
-    term = ob.objective_term(ob.token_losses(aligned, mb.labels), mb, objective.name, objective.weights is not None)
-    return term, (None if aux is None else aux(model, spec.reference_batch(mb), raw))
+    forward of ``model`` under the run's batch convention (:func:`harness.diagnosis.evidence.terms`, with the
+    recipe's own ``auxiliary_loss``). The plain token mean is the loss sum itself."""
+    return objective_terms(spec, objective, auxiliary_of(objective), model, mb)
 
 
 def value_at(spec: ModelSpec, objective: ob.Objective, model: nn.Module,
