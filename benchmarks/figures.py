@@ -403,6 +403,23 @@ REGISTRY: tuple[Figure, ...] = (
            lambda d: {"w8": fixed(d["in_process_w8_s"]["median"], 2),
                       "w8_ms": fixed(d["per_check_in_process_w8_ms"], 0)}),
 
+    # docs/layout.md: the walk before the first rank
+    Figure("docs/layout.md", "the flat folder's walk stayed in the preparation {before_prep} times, with "
+           "{before_stays} stays and {before_returns} returns over the stages.", "run_walk_231ae05.json",
+           lambda d: {"before_prep": str(d["case"]["preparation"]["stays"]),
+                      "before_stays": str(d["case"]["stages"]["stays"]),
+                      "before_returns": str(d["case"]["stages"]["returns"])}),
+    Figure("docs/layout.md", "the preparation is entered once and left once ({after_prep} stay), with {after_stays} "
+           "stays and {after_returns} returns over the stages", "run_walk.json",
+           lambda d: {"after_prep": str(d["case"]["preparation"]["stays"]),
+                      "after_stays": str(d["case"]["stages"]["stays"]),
+                      "after_returns": str(d["case"]["stages"]["returns"])}),
+    Figure("docs/layout.md", "as long as before, {modules} modules and {module_stays} stays after,", "run_walk.json",
+           lambda d: {"modules": str(d["case"]["modules"]), "module_stays": str(d["case"]["stays"])}),
+    Figure("docs/layout.md", "against {flat_modules} modules and {flat_stays} stays in the flat folder",
+           "run_walk_231ae05.json",
+           lambda d: {"flat_modules": str(d["case"]["modules"]), "flat_stays": str(d["case"]["stays"])}),
+
     # docs/diagnosis.md
     Figure("docs/diagnosis.md", "condition numbers {low} to {high} on the windows of", "diagnosis.json",
            lambda d: {"low": fixed(min(c["condition"] for c in d["cases"]), 1),

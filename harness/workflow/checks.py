@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from harness.battery.plan.options import BatteryOptions
+from harness.model import ModelError
 from harness.recipes import CORRECT_RECIPE
 from harness.workflow.commands import config_from, config_path_of, outputs_of
 from harness.workflow.outputs import BadInput, err, leftover_in_use
@@ -30,7 +31,6 @@ def model_notes(model: str | None, batch_format: str = "harness") -> tuple[str, 
     BadInput when the model cannot be used at all, or its backward is not the gradient of its forward. The built-in
     model (None) is probed too (its backward is checked before every battery) and has nothing to say."""
     from harness.battery.prepare.probe.facts import probe
-    from harness.model import ModelError
 
     try:
         found = probe(model, batch_format).notes()
@@ -76,7 +76,6 @@ def cmd_battery(args: argparse.Namespace) -> int:
     options = battery_options(args)
     if any(m.size("tp") > 1 or m.size("pp") > 1 for m in options.meshes):
         from harness.battery.prepare.probe.facts import probe_meshes
-        from harness.model import ModelError
 
         try:  # a model without a tp plan or a pp split it can run is refused once, before any case
             probe_meshes(options.model, options.meshes, options.batch_format, options.pp_schedule)
@@ -104,7 +103,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
     # once per distinct line, at the end (-v: as it comes).
     said = printed.start(args.verbose)
     try:
-        found = model_notes(model, batch_format)
+        # The model's probe runs in the first pre-flight's preparation (the same stay as the case's reference);
+        # with --battery-keep-going there is no pre-flight, and it runs here. Either way before any rank starts.
+        found = model_notes(model, batch_format) if args.keep_going or not recipes else None
     except BadInput:
         printed.stop(said)
         raise
@@ -115,13 +116,19 @@ def cmd_battery(args: argparse.Namespace) -> int:
 
     lanes = drawn_lanes(options) if drawn else []  # one drawn row per precision lane and strategy
     for r in recipes if not args.keep_going else []:
-        stopped = preflight.preflight(r, cases, options)
+        try:
+            stopped = preflight.preflight(r, cases, options, probe=True)
+        except ModelError as exc:
+            printed.stop(said)
+            raise BadInput(f"--model: {exc}" if model is not None else str(exc)) from None
         if stopped:
             block = printed.stop(said)
             if block:
                 print(block, flush=True)
             err(stopped)
             return 1
+    if found is None:
+        found = model_notes(model, batch_format)  # the probe's findings, as the pre-flight's preparation found them
     verdicts = []
     for r in recipes:
         verdicts += run_cases(r, cases, options, progress)

@@ -33,14 +33,15 @@ def smallest(cases: Sequence[plan.Case]) -> plan.Case | None:
     return next((c for c in first if c.scenario == PREFERRED), first[0])
 
 
-def preflight(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions) -> str | None:
+def preflight(recipe: str, cases: Sequence[plan.Case], options: BatteryOptions, *, probe: bool = False) -> str | None:
     """Run ``recipe`` on :func:`smallest` of ``cases``; None when no rank raised, else the one message that says
-    which exception, on which rank, where in the user's code, and the known fix."""
+    which exception, on which rank, where in the user's code, and the known fix. ``probe``: the model's probe runs
+    first, in the case's preparation (:class:`~harness.model.ModelError` when the model cannot be used)."""
     case = smallest(cases)
     if case is None:
         return None
     run = runner.run(options.spec(recipe, case.scenario, case.world_size, case.precision, strategy=case.strategy,
-                                  mesh=case.mesh))
+                                  mesh=case.mesh), probe=probe)
     mesh = "" if case.mesh is None else f", mesh {case.mesh.label}"
     world = case.mesh.world_size if case.mesh is not None else case.world_size
     where = f"in the pre-flight (its first case: {case.scenario}, W={case.world_size}, {case.precision}, " \

@@ -41,10 +41,11 @@ _CACHE: dict[RunSpec, Run] = {}
 
 
 def run(recipe: str | RunSpec, scenario: str | None = None, world_size: int | None = None, precision: str = "fp32",
-        **options: object) -> Run:
+        probe: bool = False, **options: object) -> Run:
     """Launch a run on its named scenario, cached per :class:`~harness.battery.plan.options.RunSpec` for the session:
     ``run(spec)``, or ``run(recipe, scenario, world_size, precision, **options)`` with the spec's other fields as
-    keywords (``model``, ``batch_format``, ``strategy``, ``find_unused``, ``deadline``, ...)."""
+    keywords (``model``, ``batch_format``, ``strategy``, ``find_unused``, ``deadline``, ...). ``probe``: the model's
+    probe runs first, in the same preparation (:func:`~harness.battery.prepare.steps.prepare`)."""
     if isinstance(recipe, RunSpec):
         spec = recipe
     else:
@@ -53,7 +54,8 @@ def run(recipe: str | RunSpec, scenario: str | None = None, world_size: int | No
             raise TypeError(msg)
         spec = RunSpec(recipe, scenario, world_size, precision, **options)  # type: ignore[arg-type]
     if spec not in _CACHE:
-        _CACHE[spec] = launch_run(spec, mesh_scenarios.build(spec.scenario, spec.mesh, spec.chunking), share_chain=True)
+        windows = mesh_scenarios.build(spec.scenario, spec.mesh, spec.chunking)
+        _CACHE[spec] = launch_run(spec, windows, share_chain=True, probe=probe)
     return _CACHE[spec]
 
 
@@ -70,7 +72,7 @@ def run_windows(recipe: str, windows: scenarios.Windows, precision: str = "fp32"
 
 
 def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | None = None, *,
-               share_chain: bool = False) -> Run:
+               share_chain: bool = False, probe: bool = False) -> Run:
     """Launch ``spec`` on ``windows`` through the in-process launcher: :func:`prepare`, then the ranks (not cached).
 
     ``reduction="sum"`` makes the harness's comm hook sum gradients instead of averaging them (DDP's default);
@@ -82,7 +84,7 @@ def launch_run(spec: RunSpec, windows: scenarios.Windows, env: dict[str, str] | 
     (:mod:`harness.distributed.strategies`). A user's model that cannot run one of the microbatches gives a run with
     ``model_error`` set and no launch.
     """
-    ready = prepare(spec, windows, share_chain=share_chain)
+    ready = prepare(spec, windows, share_chain=share_chain, probe=probe)
     if ready.chain.model_error is not None:
         return ready.run(None, model_error=ready.chain.model_error)
     # The forkserver imports the rank program, the recipe's module and the model's once, rather than every rank of

@@ -21,6 +21,7 @@ from harness.battery.plan.options import RunSpec
 from harness.battery.prepare import bf16
 from harness.battery.prepare.chain import Chain, compute_chain
 from harness.battery.prepare.objective import resolve, windows_for
+from harness.battery.prepare.probe.facts import probe as probe_once
 from harness.battery.prepare.probe.facts import probe_meshes, probe_model
 from harness.battery.prepare.probe.gradless import unused_notes
 from harness.battery.prepare.start import start_note, start_weights
@@ -86,10 +87,14 @@ class Prepared:
         return self.run(None, failure=exc, notes=self.notes + _named_indices(exc, self.chain.trainable))
 
 
-def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = False) -> Prepared:
+def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = False, probe: bool = False) -> Prepared:
     """The parent's half of a run (:class:`Prepared`), before any rank starts. ``share_chain``: ``windows`` are the
     named scenario's own (:func:`harness.battery.scenarios.build`), so the reference chain computed for another recipe
-    on the same case is reused."""
+    on the same case is reused. ``probe``: the model's probe (:func:`harness.battery.prepare.probe.facts.probe`) runs
+    first, so that a model that cannot be used raises :class:`~harness.model.ModelError` from here, before any rank
+    (the command line's pre-flight asks for it: the session's preparation is then one stay)."""
+    if probe:
+        probe_once(spec.model, spec.batch_format)
     if spec.mesh.data_ranks != len(windows[0]):
         msg = (f"spec.world_size={spec.world_size} (mesh {spec.mesh.label}: {spec.mesh.data_ranks} distinct windows) "
                f"but the windows have {len(windows[0])} ranks")

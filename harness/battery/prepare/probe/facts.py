@@ -254,13 +254,15 @@ def probe_model(spec: ModelSpec) -> ModelFacts:
                       label_loss=label_loss)
 
 
+@lru_cache(maxsize=16)
 def probe(path: str | None, batch_format: str = HARNESS) -> ModelFacts:
     """Build ``--model`` (None: the built-in model) once and run a battery microbatch through it under
     ``batch_format`` (train mode, gradients on, as the ranks will), so that a factory that cannot be built, an output
     the harness cannot read logits from, or logits of the wrong shape are a usage error before any rank starts
     (:class:`harness.model.ModelError`, naming the path and the fix); then what the model allows
     (:func:`harness.battery.prepare.probe.facts.probe_model`), and a backward that is not the gradient of its forward
-    is a :class:`~harness.model.ModelError` naming the model and where it lies."""
+    is a :class:`~harness.model.ModelError` naming the model and where it lies. Once per process for each path and
+    format (a ModelError is raised again on every call)."""
     from harness.model import ModelError
 
     spec = ModelSpec(path, batch_format)
