@@ -16,9 +16,9 @@ Every Python ``call`` event is attributed to a *room*: the module of the innermo
 ``harness.battery`` and is a function of that module's own. Two kinds of frame are corridors, whose calls count in the
 room that called them: a function elsewhere (``harness.core``, ``harness.distributed``, torch, ...), and a method of a
 value the stages hand each other (a dataclass instance: ``RunSpec``, ``ModelSpec``, ``Prepared``, ``Run``,
-``CheckInfo``; its properties, the methods a dataclass generates), which is the value, carried by whoever holds it. Code that
-runs while a module is imported (a module's or a class's body) is not counted, so that when a module is first imported
-changes nothing. The walk stops at the first call of ``harness.distributed.launcher.launch`` or of
+``CheckInfo``; its properties, the methods a dataclass generates), which is the value, carried by whoever holds it.
+Code that runs while a module is imported (a module's or a class's body) is not counted, so that when a module is first
+imported changes nothing. The walk stops at the first call of ``harness.distributed.launcher.launch`` or of
 ``multiprocessing``'s ``Process.start``, before any rank exists, and the run is abandoned there.
 
 Counted over the walk: ``modules`` (distinct rooms entered), ``stays`` (maximal runs of consecutive events in one room),
