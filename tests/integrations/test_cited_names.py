@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CITED: dict[str, str] = {
     "transformers.Trainer": "transformers.Trainer",
+    "transformers.LlamaConfig": "transformers.LlamaConfig",
+    "transformers.LlamaForCausalLM": "transformers.LlamaForCausalLM",
     "transformers.__version__": "transformers.__version__",
     "transformers.loss.loss_utils": "transformers.loss.loss_utils",
     "transformers.loss.loss_utils.ForCausalLMLoss": "transformers.loss.loss_utils.ForCausalLMLoss",

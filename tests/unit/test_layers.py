@@ -1,8 +1,8 @@
 """The package's layers import one way: a module never imports a layer above its own.
 
-Order, bottom to top: core < data < model < distributed < diagnosis < recipes < battery < training < resume < testing <
-workflow. ``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m harness.train`` alias
-sit outside the order.
+Order, bottom to top: core < data < model < distributed < diagnosis < recipes < battery < audit < training < resume <
+testing < workflow. ``harness``'s own ``__init__`` (the public contract), ``__main__`` and the ``python -m
+harness.train`` alias sit outside the order.
 
 Below every layer sits the test code (``tests/support/``, imported as ``support.<module>``): tests and benchmarks
 import the package, never the other way round, and what moved out of the package stays out.
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).parents[2] / "harness"
-ORDER = ("core", "data", "model", "distributed", "diagnosis", "recipes", "battery", "resume", "training", "testing",
-         "workflow")
+ORDER = ("core", "data", "model", "distributed", "diagnosis", "recipes", "battery", "audit", "resume", "training",
+         "testing", "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
 
 
