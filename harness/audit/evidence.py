@@ -100,24 +100,27 @@ class AuditVerdict:
         return "\n".join(self.lines)
 
 
-def evidence(audit: Record) -> Evidence:
-    """The audit's windows as :class:`~harness.diagnosis.evidence.Evidence` (one process: one data rank), with the
-    reference of each window computed here. ValueError where a window cannot be read."""
+def evidence(audit: Record, others: Sequence[Record] = ()) -> Evidence:
+    """The audit's windows as :class:`~harness.diagnosis.evidence.Evidence`: ``audit`` is rank 0's record (it holds
+    the model), ``others`` the other ranks' in rank order (none: one process); each window's reference is computed
+    here over every rank's calls. ValueError where a window cannot be read."""
+    ranks = [audit, *others]
     if audit.model is None or not audit.windows:
         msg = (f"no optimizer step was recorded: the loop stepped {audit.steps} time(s), and the audit waits for "
                f"{audit.skip} step(s) to pass and then {audit.wanted} more, each after a call of the model")
         raise ValueError(msg)
+    if len({len(r.windows) for r in ranks}) != 1:
+        msg = f"the ranks recorded {[len(r.windows) for r in ranks]} windows: they did not step together"
+        raise ValueError(msg)
     convention = ScriptModel(audit.model)
     windows: list[list[list[Microbatch]]] = []
-    records: list[RankWindow] = []
     references: list[Reference | None] = []
-    for w in audit.windows:
-        mbs = [microbatch(c) for c in w.calls]
-        assert w.grad is not None
-        windows.append([mbs])
-        records.append(RankWindow(grad=w.grad, params_before=w.start, syncs=1))
-        references.append(_reference(convention, w.start, mbs))
-    return Evidence(windows=windows, records=[records], model=convention, mesh=Mesh.data_parallel(1),
+    for k, w in enumerate(audit.windows):
+        per_rank = [[microbatch(c) for c in r.windows[k].calls] for r in ranks]
+        windows.append(per_rank)
+        references.append(_reference(convention, w.start, [mb for mbs in per_rank for mb in mbs]))
+    records = [[RankWindow(grad=w.grad, params_before=w.start, syncs=1) for w in r.windows] for r in ranks]
+    return Evidence(windows=windows, records=records, model=convention, mesh=Mesh.data_parallel(len(ranks)),
                     references=references, reference_starts=[w.start for w in audit.windows], precision="fp32",
                     recipe=f"the script's {type(audit.model).__name__}", scenario="its own data")
 
@@ -143,25 +146,30 @@ def _reference(convention: ScriptModel, start: torch.Tensor, mbs: Sequence[Micro
     return Reference(gradient=flat_grad(model).to(start.dtype), loss=total / n, tokens=n)
 
 
-def judge(audit: Record) -> AuditVerdict:
-    """Each audited window's gradient against its reference; the worst failing window read by the diagnosis."""
-    problems = tuple(audit.problems)
+def judge(audit: Record, others: Sequence[Record] = ()) -> AuditVerdict:
+    """Each audited window's gradient on every rank against its reference; the worst failing one read by the
+    diagnosis."""
+    problems = tuple(p for r in (audit, *others) for p in r.problems)
     try:
-        ev = evidence(audit)
+        ev = evidence(audit, others)
     except ValueError as exc:
         return AuditVerdict(False, (f"audit: not judged: {exc}",), problems=(*problems, str(exc)))
     atol, rtol = tolerances(torch.float32)
     lines, worst = [], None
-    for k, (rec, ref) in enumerate(zip(ev.records[0], ev.references)):  # type: ignore[index]
+    assert ev.records is not None
+    for k, ref in enumerate(ev.references):
         if ref is None:
             lines.append(f"audit: window {k}: no supervised token, nothing to compare")
             continue
-        assert rec.grad is not None
-        c = compare(rec.grad.float(), ref.gradient.float(), atol=atol, rtol=rtol)
-        lines.append(f"audit: window {k}: parity {'PASSED' if c.passed else 'FAILED'}: {c.summary()}")
-        if not c.passed and (worst is None or c.worst_ratio > worst[1]):
-            worst = (k, c.worst_ratio)
-    found = None if worst is None else diagnose(ev, worst[0], 0)
+        for rank, recs in enumerate(ev.records):
+            grad = recs[k].grad
+            assert grad is not None
+            c = compare(grad.float(), ref.gradient.float(), atol=atol, rtol=rtol)
+            where = f"window {k}" + (f", rank {rank}" if len(ev.records) > 1 else "")
+            lines.append(f"audit: {where}: parity {'PASSED' if c.passed else 'FAILED'}: {c.summary()}")
+            if not c.passed and (worst is None or c.worst_ratio > worst[2]):
+                worst = (k, rank, c.worst_ratio)
+    found = None if worst is None else diagnose(ev, worst[0], worst[1])
     if found is not None:
         lines += [f"  reading ({found.signature.name}): {found.signature.sentence}", f"  fix: {found.fix}"]
     lines += [f"  note: {p}" for p in problems]

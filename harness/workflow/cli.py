@@ -30,7 +30,7 @@ from harness.battery.plan.options import (
     SKIP_HELP,
     add_lane_options,
 )
-from harness.workflow import explain, resume
+from harness.workflow import audit, explain, resume
 from harness.workflow.checks import cmd_battery, cmd_check_checkpoints, cmd_check_environment, cmd_clean
 from harness.workflow.commands import (
     DEFAULT_CONFIG,
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     explain.add_parser(sub)
     resume.add_parser(sub)
+    audit.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,108 @@
+"""``python -m harness audit [options] -- <the script's command>``: a training script, unchanged, run with the audit
+loaded in every process (``torchrun --nproc-per-node 2 train.py``, ``python train.py``), and judged.
+
+The harness puts :mod:`harness.audit.site`'s folder first on the command's ``PYTHONPATH``, so that Python loads its
+``sitecustomize`` before the script (the environment's own ``sitecustomize`` still runs after it). After ``--skip``
+optimizer steps, ``--windows`` windows are recorded on every rank, rank 0 judges them against the single-device
+reference through the diagnosis, and the script stops there. The command runs in a folder of its own session, killed
+whole at ``--deadline``; what it writes goes where it always does, and the audit's files go to a temporary folder.
+
+Exit 0 when every window's gradient on every rank is the reference's, 1 when not, when the script failed (its output
+is shown, and it is not judged) or when it ended before the audited windows, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.workflow.outputs import BadInput, err
+
+TAIL_LINES = 30
+"""Lines of a failed script's output shown."""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("audit", help="run a training script unchanged with the audit loaded, and judge its gradients")
+    p.add_argument("--windows", type=int, default=2, metavar="K", help="optimizer steps to audit (default: 2)")
+    p.add_argument("--skip", type=int, default=0, metavar="S", help="optimizer steps to let pass first (default: 0)")
+    p.add_argument("--deadline", type=float, default=600.0, metavar="SECONDS",
+                   help="the whole audit's time limit; the script's processes are killed at it (default: 600)")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script's command, as you run it")
+    p.set_defaults(fn=cmd_audit)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    cmd = list(args.script)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise BadInput("audit: no command after --: give the script's command as you run it, e.g. "
+                       "python -m harness audit -- torchrun --nproc-per-node 2 train.py")
+    if args.windows < 1:
+        raise BadInput(f"--windows={args.windows}: audit at least one optimizer step")
+    if args.skip < 0:
+        raise BadInput(f"--skip={args.skip}: the steps to let pass must be 0 or more")
+    if not args.deadline > 0:
+        raise BadInput(f"--deadline={args.deadline}: give the audit's time limit in seconds, above 0")
+    return cmd
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from harness.audit import capture
+
+    cmd = _command(args)
+    site = str(Path(capture.__file__).parent / "site")
+    with tempfile.TemporaryDirectory(prefix="harness-audit-") as folder:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
+        env.update({capture.DIR_ENV: folder, capture.WINDOWS_ENV: str(args.windows),
+                    capture.SKIP_ENV: str(args.skip)})
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise BadInput(f"audit: cannot run {cmd[0]!r}: {exc}") from None
+        try:
+            output, _ = proc.communicate(timeout=args.deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            err(_tail(output))
+            print(f"FAILED: audit: the script ran past --deadline={args.deadline:g} s and was stopped; not judged")
+            return 1
+        took = time.monotonic() - start
+        verdict = Path(folder) / capture.VERDICT
+        if not verdict.is_file():
+            err(_tail(output))
+            if proc.returncode != 0:
+                print(f"FAILED: audit: the script exited {proc.returncode} before its audited windows ended; not "
+                      "judged (its output is above)")
+            else:
+                print(f"FAILED: audit: the script ended before {args.skip} + {args.windows} optimizer steps: no "
+                      "window to judge (fewer steps, or no torch optimizer's step())")
+            return 1
+        found = json.loads(verdict.read_text())
+    print("\n".join(found["lines"]))
+    what = " ".join(cmd)
+    if found["passed"]:
+        print(f"audit: {what}: every audited window's gradient is the reference's ({took:.1f} s)")
+        return 0
+    print(f"FAILED: audit: {what} ({took:.1f} s)")
+    return 1
+
+
+def _tail(output: str) -> str:
+    lines = (output or "").rstrip().splitlines()[-TAIL_LINES:]
+    return "the script's output (last lines):\n" + "\n".join(f"  {line}" for line in lines)
+
+
+__all__ = ["add_parser", "cmd_audit"]

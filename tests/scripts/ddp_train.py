@@ -1,0 +1,77 @@
+"""A plain PyTorch DDP training script, written as a user writes one, for the audit to run unchanged:
+``torchrun --nproc-per-node 2 ddp_train.py [--wrong local_count]``. A causal LM called the Hugging Face way, a
+DistributedSampler over rows of different lengths, a padding collator, and two microbatches per step with the first
+under ``no_sync()``. Right: each microbatch's loss sum divided by the step's token count all-reduced over the ranks,
+times the world size. ``--wrong local_count``: divided by the rank's own count instead (a mean of local means)."""
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = torch.cumsum(self.emb(input_ids), dim=1)  # causal: position t sees tokens up to t
+        logits = self.head(self.norm(h))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return SimpleNamespace(logits=logits, loss=loss)
+
+
+def collate(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--wrong", choices=["local_count"], default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(1, 32, (int(n),), generator=g) for n in torch.randint(3, 40, (64,), generator=g)]
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=True, seed=0), collate_fn=collate)
+    model = DDP(TinyLM())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = iter(loader)
+    for _ in range(args.steps):
+        mbs = [next(batches), next(batches)]
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in mbs]
+        total = torch.tensor(sum(counts))
+        if args.wrong is None:
+            dist.all_reduce(total)
+        for i, (b, n) in enumerate(zip(mbs, counts)):
+            sync = i == len(mbs) - 1
+            with (model.no_sync() if not sync else torch.enable_grad()):
+                out = model(**b)
+                loss = out.loss * n / total
+                if args.wrong is None:
+                    loss = loss * dist.get_world_size()
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
