@@ -34,7 +34,7 @@ def _rank() -> int:
 def save(record: Record, path: Path) -> None:
     """``record``'s windows as plain tensors (the model stays with rank 0)."""
     torch.save({"steps": record.steps, "problems": record.problems, "skip": record.skip, "wanted": record.wanted,
-                "windows": [{"start": w.start, "grad": w.grad,
+                "windows": [{"start": w.start, "grad": w.grad, "syncs": w.syncs,
                              "calls": [(c.input_ids, c.labels, c.attention_mask) for c in w.calls]}
                             for w in record.windows]}, path)
 
@@ -43,7 +43,8 @@ def load(path: Path) -> Record:
     data = torch.load(path, weights_only=True)
     record = Record(data["wanted"], data["skip"])
     record.steps, record.problems = data["steps"], list(data["problems"])
-    record.windows = [Window(w["start"], [Call(*c) for c in w["calls"]], w["grad"]) for w in data["windows"]]
+    record.windows = [Window(w["start"], [Call(*c) for c in w["calls"]], w["grad"], w["syncs"])
+                      for w in data["windows"]]
     return record
 
 

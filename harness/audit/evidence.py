@@ -32,6 +32,7 @@ from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.core.reference import Reference
 from harness.diagnosis.diagnose import diagnose
 from harness.diagnosis.evidence import Evidence, RankWindow
+from harness.diagnosis.fixes import check_fix
 from harness.diagnosis.result import Diagnosis
 from harness.model import disable_dropout
 
@@ -119,7 +120,8 @@ def evidence(audit: Record, others: Sequence[Record] = ()) -> Evidence:
         per_rank = [[microbatch(c) for c in r.windows[k].calls] for r in ranks]
         windows.append(per_rank)
         references.append(_reference(convention, w.start, [mb for mbs in per_rank for mb in mbs]))
-    records = [[RankWindow(grad=w.grad, params_before=w.start, syncs=1) for w in r.windows] for r in ranks]
+    records = [[RankWindow(grad=w.grad, params_before=w.start, syncs=1 if w.syncs is None else w.syncs)
+                for w in r.windows] for r in ranks]
     return Evidence(windows=windows, records=records, model=convention, mesh=Mesh.data_parallel(len(ranks)),
                     references=references, reference_starts=[w.start for w in audit.windows], precision="fp32",
                     recipe=f"the script's {type(audit.model).__name__}", scenario="its own data")
@@ -169,11 +171,27 @@ def judge(audit: Record, others: Sequence[Record] = ()) -> AuditVerdict:
             lines.append(f"audit: {where}: parity {'PASSED' if c.passed else 'FAILED'}: {c.summary()}")
             if not c.passed and (worst is None or c.worst_ratio > worst[2]):
                 worst = (k, rank, c.worst_ratio)
+    syncing = _one_sync(audit, others)
+    lines += syncing
     found = None if worst is None else diagnose(ev, worst[0], worst[1])
     if found is not None:
         lines += [f"  reading ({found.signature.name}): {found.signature.sentence}", f"  fix: {found.fix}"]
     lines += [f"  note: {p}" for p in problems]
-    return AuditVerdict(worst is None and not problems, tuple(lines), found, problems)
+    return AuditVerdict(worst is None and not syncing and not problems, tuple(lines), found, problems)
+
+
+def _one_sync(audit: Record, others: Sequence[Record]) -> list[str]:
+    """One synchronization per window on every DDP rank: the battery's one_sync check on the counts the watch read
+    (nothing where the model is not wrapped by DDP)."""
+    out = []
+    for rank, record in enumerate((audit, *others)):
+        for k, w in enumerate(record.windows):
+            if w.syncs is not None and w.syncs != 1:
+                out.append(f"audit: window {k}, rank {rank}: one_sync FAILED: DDP synchronized {w.syncs} of the "
+                           f"window's {len(w.calls)} model calls; expected 1")
+    if out:
+        out.append(f"  fix: {check_fix('one_sync')}")
+    return out
 
 
 __all__ = ["AuditVerdict", "ScriptModel", "evidence", "judge", "microbatch"]

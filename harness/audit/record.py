@@ -26,6 +26,9 @@ class Window:
     start: torch.Tensor
     calls: list[Call] = field(default_factory=list)
     grad: torch.Tensor | None = None
+    syncs: int | None = None
+    """The calls whose backward DDP synchronizes (its ``require_backward_grad_sync`` set, gradients on, as DDP reads
+    them at each forward); None when the model is not wrapped by DDP."""
 
 
 class Record:

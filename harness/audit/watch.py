@@ -8,8 +8,9 @@ While the block runs, two global hooks of torch watch every model and optimizer 
 (``register_module_forward_hook(..., with_kwargs=True)`` with its pre-hook, and
 ``register_optimizer_step_pre_hook``): the outermost module call (through DDP: its ``module``) is the model; after
 ``skip`` optimizer steps, each of the next ``windows`` windows records the model's weights when its first call
-starts, every call's batch (``input_ids``, ``labels``, ``attention_mask``, by keyword or as the first argument), and,
-when ``optimizer.step()`` begins, the gradient each parameter holds. Nothing is recorded after the last window, and
+starts, every call's batch (``input_ids``, ``labels``, ``attention_mask``, by keyword or as the first argument), how
+many of the calls DDP synchronizes (its ``require_backward_grad_sync`` at each forward, which ``no_sync()`` clears),
+and, when ``optimizer.step()`` begins, the gradient each parameter holds. Nothing is recorded after the last window, and
 the hooks are removed when the block ends. :mod:`harness.audit.evidence` turns the record into the diagnosis's
 :class:`~harness.diagnosis.evidence.Evidence`.
 
@@ -60,6 +61,10 @@ class Audit(Record):
                 self.model = model
             if model is self.model and self._open is None:
                 self._open = Window(flat_params(model).detach().clone())
+            if model is self.model and model is not module:  # DDP: this call's backward synchronizes or not
+                synced = torch.is_grad_enabled() and bool(getattr(module, "require_backward_grad_sync", True))
+                assert self._open is not None
+                self._open.syncs = (self._open.syncs or 0) + int(synced)
         self._depth += 1
 
     def _post(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:

@@ -35,6 +35,20 @@ def test_an_unchanged_ddp_script_is_judged_under_torchrun(tmp_path: Path, wrong:
     assert [] == list(tmp_path.iterdir())  # nothing written where the script ran
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("wrong", "said"), [
+    ("accumulation_mean", "reading (per_microbatch_mean)"),
+    ("never_no_sync", "one_sync FAILED: DDP synchronized 2 of the window's 2 model calls; expected 1"),
+])
+def test_the_other_realistic_mistakes_of_the_ddp_script_are_named(tmp_path: Path, wrong: str, said: str) -> None:
+    """Each microbatch's mean over the accumulation steps, and a loop without no_sync (its gradient is right: only
+    the count of synchronizations shows it)."""
+    done = audit("--", *TORCHRUN, str(SCRIPT), "--wrong", wrong, cwd=tmp_path)
+    assert 1 == done.returncode, done.stdout + done.stderr
+    assert said in done.stdout, done.stdout
+    assert "fix: " in done.stdout
+
+
 def test_a_failing_script_a_late_one_and_no_command_are_not_judged(tmp_path: Path) -> None:
     failed = audit("--", sys.executable, "-c", "print('boom'); raise SystemExit(3)", cwd=tmp_path)
     assert 1 == failed.returncode and "exited 3 before its audited windows ended; not judged" in failed.stdout

@@ -2,7 +2,9 @@
 ``torchrun --nproc-per-node 2 ddp_train.py [--wrong local_count]``. A causal LM called the Hugging Face way, a
 DistributedSampler over rows of different lengths, a padding collator, and two microbatches per step with the first
 under ``no_sync()``. Right: each microbatch's loss sum divided by the step's token count all-reduced over the ranks,
-times the world size. ``--wrong local_count``: divided by the rank's own count instead (a mean of local means)."""
+times the world size. ``--wrong local_count``: divided by the rank's own count instead (a mean of local means);
+``accumulation_mean``: each microbatch's mean loss divided by the accumulation steps; ``never_no_sync``: both
+microbatches synchronize (the gradient is right, the traffic doubled)."""
 
 import argparse
 from types import SimpleNamespace
@@ -43,7 +45,7 @@ def collate(rows):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--wrong", choices=["local_count"], default=None)
+    parser.add_argument("--wrong", choices=["local_count", "accumulation_mean", "never_no_sync"], default=None)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -58,15 +60,17 @@ def main():
         mbs = [next(batches), next(batches)]
         counts = [int((b["labels"][:, 1:] != -100).sum()) for b in mbs]
         total = torch.tensor(sum(counts))
-        if args.wrong is None:
+        if args.wrong != "local_count":
             dist.all_reduce(total)
         for i, (b, n) in enumerate(zip(mbs, counts)):
-            sync = i == len(mbs) - 1
+            sync = i == len(mbs) - 1 or args.wrong == "never_no_sync"
             with (model.no_sync() if not sync else torch.enable_grad()):
                 out = model(**b)
-                loss = out.loss * n / total
-                if args.wrong is None:
-                    loss = loss * dist.get_world_size()
+                loss = out.loss * n / total * dist.get_world_size()
+                if args.wrong == "local_count":
+                    loss = out.loss * n / total
+                if args.wrong == "accumulation_mean":
+                    loss = out.loss / len(mbs)
                 loss.backward()
         opt.step()
         opt.zero_grad()
