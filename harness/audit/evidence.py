@@ -172,12 +172,30 @@ def judge(audit: Record, others: Sequence[Record] = ()) -> AuditVerdict:
             if not c.passed and (worst is None or c.worst_ratio > worst[2]):
                 worst = (k, rank, c.worst_ratio)
     syncing = _one_sync(audit, others)
-    lines += syncing
+    lines += syncing + [f"  could not show: {blind}" for blind in blind_spots(ev)]
     found = None if worst is None else diagnose(ev, worst[0], worst[1])
     if found is not None:
         lines += [f"  reading ({found.signature.name}): {found.signature.sentence}", f"  fix: {found.fix}"]
     lines += [f"  note: {p}" for p in problems]
     return AuditVerdict(worst is None and not syncing and not problems, tuple(lines), found, problems)
+
+
+def blind_spots(ev: Evidence) -> list[str]:
+    """The mistakes the audited windows cannot tell from the right weighting, from their token counts: where every
+    rank holds the same count in every window, a mean of local means equals the token mean; where every microbatch
+    of a window holds the same count, so does a mean per microbatch."""
+    out = []
+    per_rank = [[sum(mb.supervised for mb in mbs) for mbs in window] for window in ev.windows]
+    per_mb = [[mb.supervised for mbs in window for mb in mbs] for window in ev.windows]
+    if ev.world_size > 1 and all(len(set(counts)) == 1 for counts in per_rank):
+        out.append(f"every rank held the same token count in every audited window ({per_rank[0][0]} in window 0), so "
+                   "a mean of local means would have passed; audit windows whose ranks' counts differ (--skip to "
+                   "others), or judge the step as a recipe with the battery")
+    if all(len(set(counts)) == 1 for counts in per_mb):
+        out.append(f"every microbatch held the same token count ({per_mb[0][0]} in window 0), so a mean per "
+                   "microbatch would have passed; audit windows with microbatches of different counts, or judge the "
+                   "step as a recipe with the battery")
+    return out
 
 
 def _one_sync(audit: Record, others: Sequence[Record]) -> list[str]:
@@ -194,4 +212,4 @@ def _one_sync(audit: Record, others: Sequence[Record]) -> list[str]:
     return out
 
 
-__all__ = ["AuditVerdict", "ScriptModel", "evidence", "judge", "microbatch"]
+__all__ = ["AuditVerdict", "ScriptModel", "blind_spots", "evidence", "judge", "microbatch"]

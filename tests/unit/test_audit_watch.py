@@ -85,6 +85,21 @@ def test_a_mean_per_microbatch_fails_with_its_reading_and_fix() -> None:
     assert "fix: divide each microbatch's loss sum by the window's supervised count" in str(verdict)
 
 
+def test_balanced_windows_pass_a_wrong_loop_and_say_what_they_could_not_show() -> None:
+    """Every microbatch of the same token count: a mean per microbatch is then the token mean, parity holds, and the
+    verdict says which mistake these windows could not show (the unbalanced windows above are its control: no such
+    line)."""
+    balanced = [[batch([8, 8], 5), batch([8, 8], 6)]]
+    with watch(windows=1) as audit:
+        train(HFLike(), balanced, right=False)
+    verdict = audit.verdict()
+    assert verdict.passed, str(verdict)
+    assert "could not show: every microbatch held the same token count (14 in window 0)" in str(verdict)
+    with watch(windows=1) as audit:
+        train(HFLike(), WINDOWS, right=True)
+    assert "could not show" not in str(audit.verdict())
+
+
 def test_skip_lets_steps_pass_before_the_audited_window() -> None:
     with watch(windows=1, skip=1) as audit:
         train(HFLike(), WINDOWS, right=True)
