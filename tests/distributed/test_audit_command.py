@@ -22,7 +22,7 @@ def audit(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(("wrong", "status", "said"), [
     ((), 0, "every audited window's gradient is the reference's"),
-    (("--wrong", "local_count"), 1, "reading (mean_of_local_means)"),
+    pytest.param(("--wrong", "local_count"), 1, "reading (mean_of_local_means)", marks=pytest.mark.slow),
 ])
 def test_an_unchanged_ddp_script_is_judged_under_torchrun(tmp_path: Path, wrong: tuple[str, ...], status: int,
                                                           said: str) -> None:
