@@ -31,7 +31,7 @@ from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.core.reference import Reference
 from harness.diagnosis.diagnose import diagnose
-from harness.diagnosis.evidence import Evidence, RankWindow
+from harness.diagnosis.evidence import Evidence, RankWindow, model_at
 from harness.diagnosis.fixes import check_fix
 from harness.diagnosis.result import Diagnosis
 from harness.model import disable_dropout
@@ -132,12 +132,7 @@ def _reference(convention: ScriptModel, start: torch.Tensor, mbs: Sequence[Micro
     n = sum(mb.supervised for mb in mbs)
     if n == 0:
         return None
-    model = convention.build().double()
-    with torch.no_grad():
-        offset = 0
-        for p in model.parameters():
-            p.copy_(start[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+    model = model_at(convention, start, torch.float64)
     model.zero_grad(set_to_none=True)
     total = 0.0
     for mb in mbs:
