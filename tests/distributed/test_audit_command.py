@@ -49,13 +49,17 @@ def test_the_other_realistic_mistakes_of_the_ddp_script_are_named(tmp_path: Path
     assert "fix: " in done.stdout
 
 
-def test_a_failing_script_a_late_one_and_no_command_are_not_judged(tmp_path: Path) -> None:
+def test_a_failing_script_and_no_command_are_not_judged(tmp_path: Path) -> None:
     failed = audit("--", sys.executable, "-c", "print('boom'); raise SystemExit(3)", cwd=tmp_path)
     assert 1 == failed.returncode and "exited 3 before its audited windows ended; not judged" in failed.stdout
     assert "boom" in failed.stderr
+    missing = audit(cwd=tmp_path)
+    assert 2 == missing.returncode and "no command after --" in missing.stderr
+
+
+@pytest.mark.slow
+def test_a_late_script_and_a_stepless_one_are_not_judged(tmp_path: Path) -> None:
     late = audit("--deadline", "1", "--", sys.executable, "-c", "import time; time.sleep(60)", cwd=tmp_path)
     assert 1 == late.returncode and "ran past --deadline=1 s and was stopped" in late.stdout
     stepless = audit("--", sys.executable, "-c", "print('no optimizer here')", cwd=tmp_path)
     assert 1 == stepless.returncode and "ended before 0 + 2 optimizer steps" in stepless.stdout
-    missing = audit(cwd=tmp_path)
-    assert 2 == missing.returncode and "no command after --" in missing.stderr
