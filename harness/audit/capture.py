@@ -73,9 +73,14 @@ def finish(record: Record, folder: Path, handles: list[Any]) -> None:
     if rank == 0:
         from harness.audit.evidence import judge
 
-        others = [load(folder / f"rank{r}.pt") for r in range(1, _world())]
-        verdict = judge(record, others)
-        (folder / VERDICT).write_text(json.dumps({"passed": verdict.passed, "lines": list(verdict.lines)}))
+        try:  # whatever happens here, rank 0 still meets the others below: no rank waits on it until the deadline
+            others = [load(folder / f"rank{r}.pt") for r in range(1, _world())]
+            verdict = judge(record, others)
+            found = {"passed": verdict.passed, "lines": list(verdict.lines)}
+        except Exception as exc:
+            found = {"passed": False, "lines": [f"audit: not judged: judging the record failed: "
+                                                f"{type(exc).__name__}: {exc}"]}
+        (folder / VERDICT).write_text(json.dumps(found))
     _barrier()
     if os.environ.get(CONTINUE_ENV) != "1":
         sys.stdout.flush()

@@ -5,6 +5,7 @@ is named, never judged."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -142,3 +143,23 @@ def test_bad_arguments_name_the_value_and_the_fix() -> None:
         watch(windows=0).__enter__()
     with pytest.raises(ValueError, match="skip=-1 must be 0 or more"):
         watch(skip=-1).__enter__()
+
+
+def test_a_judging_that_fails_is_said_and_still_reaches_the_end(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's judging raising (a model the reference cannot run) writes a verdict that says so, and finish returns
+    (under --continue) rather than leaving the other ranks at the barrier; its control: a record that judges."""
+    from harness.audit import capture, evidence
+    from harness.audit.record import Record
+
+    monkeypatch.setenv(capture.CONTINUE_ENV, "1")
+    capture.finish(Record(1, 0), tmp_path, [])
+    assert "no optimizer step was recorded" in (tmp_path / capture.VERDICT).read_text()
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the reference's forward failed")
+
+    monkeypatch.setattr(evidence, "judge", broken)
+    capture.finish(Record(1, 0), tmp_path, [])
+    said = (tmp_path / capture.VERDICT).read_text()
+    assert "not judged: judging the record failed: RuntimeError: the reference's forward failed" in said
