@@ -1,11 +1,13 @@
 """The audit inside every process of a script launched by ``python -m harness audit`` (loaded by
 :mod:`harness/audit/site/sitecustomize.py <harness.audit.site>` before the script's first line).
 
-When :data:`DIR_ENV` names a folder, :func:`start` installs :func:`harness.audit.watch.watch`'s hooks for the whole
-process. At the ``optimizer.step()`` that ends the last audited window, each rank removes them, writes its record to
-``<folder>/rank<R>.pt`` and meets the others (``torch.distributed.barrier``, when the script initialized a process
-group); rank 0 then reads every rank's record, judges it (:func:`harness.audit.evidence.judge`) and writes
-``verdict.json``; after a second barrier every rank leaves with status 0, unless :data:`CONTINUE_ENV` says to go on.
+When :data:`DIR_ENV` names a folder, :func:`start` installs :func:`harness.audit.watcher.install`'s hooks and wrappers
+for the whole process. At the ``optimizer.step()`` that ends the last audited window, each rank removes them and
+sends its record to rank 0 through the script's own process group (``gather_object``: no file is shared, so the ranks
+may sit on many nodes); rank 0 judges every rank's windows (:func:`harness.audit.evidence.judge`) and sends the
+verdict back (``broadcast_object_list``); on every node, local rank 0 writes it to ``<folder>/verdict.json`` for the
+command to print. Then every rank leaves with status 0, unless :data:`CONTINUE_ENV` says to go on (the script runs on
+unwatched).
 """
 
 from __future__ import annotations
@@ -16,72 +18,67 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from harness.audit.record import Call, Record, Window
-
 DIR_ENV = "HARNESS_AUDIT_DIR"
 WINDOWS_ENV = "HARNESS_AUDIT_WINDOWS"
 SKIP_ENV = "HARNESS_AUDIT_SKIP"
 CONTINUE_ENV = "HARNESS_AUDIT_CONTINUE"
+LABELS_ENV = "HARNESS_AUDIT_LABELS"
+OBJECTIVE_ENV = "HARNESS_AUDIT_OBJECTIVE"
+UNBALANCE_ENV = "HARNESS_AUDIT_UNBALANCE"
+MAX_MB_ENV = "HARNESS_AUDIT_MAX_CAPTURE_MB"
 VERDICT = "verdict.json"
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def save(record: Record, path: Path) -> None:
-    """``record``'s windows as plain tensors (the model stays with rank 0)."""
-    torch.save({"steps": record.steps, "problems": record.problems, "skip": record.skip, "wanted": record.wanted,
-                "windows": [{"start": w.start, "grad": w.grad, "syncs": w.syncs,
-                             "calls": [(c.input_ids, c.labels, c.attention_mask) for c in w.calls]}
-                            for w in record.windows]}, path)
-
-
-def load(path: Path) -> Record:
-    data = torch.load(path, weights_only=True)
-    record = Record(data["wanted"], data["skip"])
-    record.steps, record.problems = data["steps"], list(data["problems"])
-    record.windows = [Window(w["start"], [Call(*c) for c in w["calls"]], w["grad"], w["syncs"])
-                      for w in data["windows"]]
-    return record
-
-
-def _barrier() -> None:
+def _group() -> tuple[int, int] | None:
+    """(rank, world size) of the script's default process group; None when it has none."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return None
 
 
-def _world() -> int:
+def exchange(record: Any, verdict_of: Any) -> dict[str, Any]:
+    """Every rank's record to rank 0, ``verdict_of(records)`` there, its verdict back to every rank."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def finish(record: Record, folder: Path, handles: list[Any]) -> None:
-    """The end of the audited windows on this rank: write, meet, judge on rank 0, meet, leave."""
-    for h in handles:
-        h.remove()
-    rank = _rank()
-    save(record, folder / f"rank{rank}.pt")
-    _barrier()
+    group = _group()
+    if group is None or group[1] == 1:
+        return verdict_of([record.to_plain()])
+    rank, world = group
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(record.to_plain(), gathered, dst=0)
+    found: list[Any] = [None]
     if rank == 0:
+        assert gathered is not None
+        found[0] = verdict_of(gathered)
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
+    """The end of the audited windows on this rank: send, judge on rank 0, receive, write, leave."""
+    from harness.audit.record import Record
+    from harness.audit.watcher import uninstall
+
+    uninstall(handles)
+    audit.report_unbalance()
+
+    def verdict_of(plain_records: list[Any]) -> dict[str, Any]:
         from harness.audit.evidence import judge
 
-        try:  # whatever happens here, rank 0 still meets the others below: no rank waits on it until the deadline
-            others = [load(folder / f"rank{r}.pt") for r in range(1, _world())]
-            verdict = judge(record, others)
-            found = {"passed": verdict.passed, "lines": list(verdict.lines)}
+        try:  # whatever happens here, rank 0 still answers the others: no rank waits on it until the deadline
+            others = [Record.from_plain(p) for p in plain_records[1:]]
+            verdict = judge(audit, others, objective=os.environ.get(OBJECTIVE_ENV, "token_mean"),
+                            labels=os.environ.get(LABELS_ENV, "auto"))
+            return {"passed": verdict.passed, "lines": list(verdict.lines)}
         except Exception as exc:
-            found = {"passed": False, "lines": [f"audit: not judged: judging the record failed: "
-                                                f"{type(exc).__name__}: {exc}"]}
+            return {"passed": False, "lines": [f"audit: not judged: judging the record failed: "
+                                               f"{type(exc).__name__}: {exc}"]}
+
+    found = exchange(audit, verdict_of)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         (folder / VERDICT).write_text(json.dumps(found))
-    _barrier()
     if os.environ.get(CONTINUE_ENV) != "1":
         sys.stdout.flush()
         sys.stderr.flush()
@@ -93,22 +90,21 @@ def start() -> None:
     where = os.environ.get(DIR_ENV)
     if not where:
         return
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from harness.audit.watcher import Audit, install
 
-    from harness.audit.watch import Audit
-
-    audit = Audit(int(os.environ.get(WINDOWS_ENV, "2")), int(os.environ.get(SKIP_ENV, "0")))
+    unbalance = os.environ.get(UNBALANCE_ENV)
+    max_mb = os.environ.get(MAX_MB_ENV)
+    audit = Audit(int(os.environ.get(WINDOWS_ENV, "2")), int(os.environ.get(SKIP_ENV, "0")),
+                  unbalance=None if unbalance is None else int(unbalance),
+                  max_capture_mb=None if max_mb is None else float(max_mb), rank=int(os.environ.get("RANK", "0")))
     handles: list[Any] = []
 
-    def step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        audit._step(optimizer, args, kwargs)
+    def stepped() -> None:
         if audit.steps == audit.skip + audit.wanted:
             finish(audit, Path(where), handles)
 
-    handles += [register_module_forward_pre_hook(audit._pre),
-                register_module_forward_hook(audit._post, with_kwargs=True),
-                register_optimizer_step_pre_hook(step)]
+    handles += install(audit, stepped)
 
 
-__all__ = ["CONTINUE_ENV", "DIR_ENV", "SKIP_ENV", "VERDICT", "WINDOWS_ENV", "finish", "load", "save", "start"]
+__all__ = ["CONTINUE_ENV", "DIR_ENV", "LABELS_ENV", "MAX_MB_ENV", "OBJECTIVE_ENV", "SKIP_ENV", "UNBALANCE_ENV",
+           "VERDICT", "WINDOWS_ENV", "exchange", "finish", "start"]

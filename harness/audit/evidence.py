@@ -1,58 +1,108 @@
 """An audit's record as the diagnosis's evidence, and its verdict.
 
-Each recorded call becomes a :class:`~harness.core.microbatch.Microbatch`: its ``input_ids``, and its ``labels`` in the
-Hugging Face convention (unshifted, -100 ignored; the model shifts them in its loss) aligned to the positions that
-predict them. The reference is the single-device gradient of the global token mean over every call of the window,
-in float64, through a copy of the script's own model at the weights the window started from, dropout off
-(:func:`harness.model.disable_dropout`); parity compares the gradient the optimizer was about to use with it, at
-float32's tolerances, and a failing window is read by :func:`harness.diagnosis.diagnose.diagnose`, the same reading
-and fix the battery gives.
+Each recorded call becomes a :class:`CallBatch`: a :class:`~harness.core.microbatch.Microbatch` of the call's
+input ids and its labels aligned to the positions that predict them, carrying the call itself. The labels are read
+(:func:`read_labels`) in the Hugging Face convention (``labels=`` unshifted, the model shifting them, -100 ignored), as
+aligned targets (``targets=`` or the second argument, nanoGPT's ``model(X, Y)``, every negative label ignored), or by a
+function of the call's arguments the user names (``--labels pkg.mod:fn``).
 
-What this form audits today: one process (a loop with accumulation), a causal LM called with ``input_ids`` and
-``labels`` (and, if any, a right-padded ``attention_mask``: a causal model's real positions never see the padding
-after them, so the reference forwards the rows whole). A batch padded on the left, or labels on padded positions,
-is named and not judged.
+The reference replays each call of the window, with its own arguments, through a copy of the script's model at the
+weights the window started from, in float64 on the CPU, dropout off, and takes the gradient of the declared objective
+(``token_mean`` by default) over every rank's calls together, from the logits the model returns; where the loop
+clipped (``clip_grad_norm_``), the reference is clipped the same way and the norm each rank's clip returned is judged
+against the reference's. Parity compares the gradient the optimizer was about to use with it, at float32's tolerances,
+and a failing window is read by :func:`harness.diagnosis.diagnose.diagnose`, the same reading and fix the battery
+gives.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import importlib
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 
-from harness.audit.record import Call, Record
-from harness.core.compare import compare, flat_grad, tolerances
+from harness.audit.options import LABELS_HELP, check_labels, objective_parts
+from harness.audit.record import Call, Record, unreplayable
+from harness.core import objectives as ob
+from harness.core.compare import compare, tolerances
 from harness.core.formats import HARNESS, logits_of
 from harness.core.loss import loss_sum
 from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
-from harness.core.reference import Reference
+from harness.core.reference import Reference, reference_gradient
+from harness.diagnosis.clipping import read_norm
 from harness.diagnosis.diagnose import diagnose
-from harness.diagnosis.evidence import Evidence, RankWindow, model_at
+from harness.diagnosis.evidence import Evidence, RankWindow, model_at, terms
 from harness.diagnosis.fixes import check_fix
 from harness.diagnosis.result import Diagnosis
 from harness.model import disable_dropout
 
 
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class CallBatch(Microbatch):
+    """A microbatch that carries the script's call: the reference replays ``call``; its rows slice every tensor
+    argument whose first dimension is the batch's."""
+
+    call: Call | None = None
+
+    def to(self, device: torch.device | str) -> CallBatch:
+        assert self.call is not None
+        moved = Call(_map(self.call.args, lambda t: t.to(device)), _map(self.call.kwargs, lambda t: t.to(device)))
+        return CallBatch(self.inputs.to(device), self.labels.to(device), call=moved)
+
+    def row(self, i: int) -> CallBatch:
+        assert self.call is not None
+        rows = self.inputs.shape[0]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[i : i + 1] if t.dim() and t.shape[0] == rows else t
+
+        return CallBatch(self.inputs[i : i + 1], self.labels[i : i + 1],
+                         call=Call(_map(self.call.args, cut), _map(self.call.kwargs, cut)))
+
+
 @dataclass(frozen=True)
 class ScriptModel:
-    """The script's own model as the diagnosis's :class:`~harness.diagnosis.evidence.Convention`: a copy of it, dropout
-    off, in train mode, called with ``input_ids`` alone; the loss sum of the aligned labels."""
+    """The script's own model as the diagnosis's :class:`~harness.diagnosis.evidence.Convention`: a copy of it on
+    the CPU, dropout off, in train mode, called as the script called it; the loss sum of the aligned labels."""
 
     template: nn.Module
     path: str | None = None
     batch_format: str = HARNESS
 
     def build(self) -> nn.Module:
-        model = disable_dropout(copy.deepcopy(self.template))
+        model = copy.deepcopy(self.template)
+        model = model.to_empty(device="cpu") if any(p.is_meta for p in model.parameters()) else model.to("cpu")
+        model = disable_dropout(model)
         model.train()
         return model
 
     def logits(self, model: nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = logits_of(model(input_ids=mb.inputs))
+        if isinstance(mb, CallBatch) and mb.call is not None:
+            dtype = next(model.parameters()).dtype
+            args, kwargs = (_map(part, lambda t: t.to(dtype) if t.is_floating_point() else t)
+                            for part in (mb.call.args, mb.call.kwargs))
+            raw = logits_of(model(*args, **kwargs))
+        else:
+            raw = logits_of(model(input_ids=mb.inputs))
         return raw, raw
 
     def loss_sum(self, model: nn.Module, mb: Microbatch) -> torch.Tensor:
@@ -62,30 +112,69 @@ class ScriptModel:
         return mb
 
 
-def microbatch(call: Call) -> Microbatch:
-    """A call's batch as a Microbatch: ``labels[:, t + 1]`` is what position ``t`` predicts. ValueError naming what
-    the audit cannot read yet (no labels, left padding, labels on padded positions)."""
-    if call.labels is None:
-        msg = ("the model was called without labels: the audit reads the labels the model is given (a Hugging Face "
-               "causal LM's labels=...)")
-        raise ValueError(msg)
-    ids, labels = call.input_ids.long(), call.labels.long()
-    if ids.dim() != 2 or labels.shape != ids.shape:
-        msg = f"input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} must both be [B, T]"
-        raise ValueError(msg)
-    aligned = torch.full_like(labels, IGNORE_INDEX)
-    aligned[:, :-1] = labels[:, 1:]
-    mask = call.attention_mask
-    if mask is not None:
-        real = mask.bool()
-        if bool((real[:, 1:] & ~real[:, :-1]).any()):
-            msg = ("a row of the attention_mask is padded on the left (or has holes): the audit reads right-padded "
-                   "batches only, where a causal model's real positions never see the padding")
+def _int_tensor(value: Any) -> TypeGuard[torch.Tensor]:
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+
+
+def read_labels(call: Call, labels: str = "auto") -> tuple[torch.Tensor, str]:
+    """The call's labels aligned to the positions that predict them (``IGNORE_INDEX`` where none), and the words for
+    where they were read. ``labels``: :data:`LABELS_HELP`. ValueError naming what is missing."""
+    args, kwargs = call.args, call.kwargs
+    if check_labels(labels) == "auto":
+        if "labels" in kwargs:
+            labels = "hf"
+        elif "targets" in kwargs or (len(args) > 1 and _int_tensor(args[1]) and _int_tensor(args[0])
+                                     and args[1].shape == args[0].shape):
+            labels = "aligned"
+    if labels == "hf":
+        raw = kwargs.get("labels")
+        if not _int_tensor(raw) or raw.dim() != 2:
+            msg = ("the model was called without a labels= tensor [B, T]: the audit reads the labels the model is "
+                   "given (a Hugging Face causal LM's labels=...); name them with --labels")
             raise ValueError(msg)
-        if bool((aligned[~real] != IGNORE_INDEX).any()):
-            msg = "labels are set on padded positions: the audit reads batches whose padding is labelled -100"
+        aligned = torch.full_like(raw.long(), IGNORE_INDEX)
+        aligned[:, :-1] = raw[:, 1:].long()
+        return aligned, "labels= in the Hugging Face convention (unshifted, the model shifts them, -100 ignored)"
+    if labels == "aligned":
+        raw = kwargs.get("targets", kwargs.get("labels", args[1] if len(args) > 1 else None))
+        if not _int_tensor(raw) or raw.dim() != 2:
+            msg = ("no aligned targets found: --labels aligned reads a targets= (or labels=) keyword or the model's "
+                   "second argument, an integer tensor [B, T]")
             raise ValueError(msg)
-    return Microbatch(ids, aligned)
+        return raw.long().masked_fill(raw < 0, IGNORE_INDEX), ("the targets the model is given, aligned (negative "
+                                                               "ignored)")
+    if ":" in labels:
+        module, _, name = labels.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            msg = f"--labels {labels}: cannot import it ({exc}); give PKG.MODULE:FN, a function of (args, kwargs)"
+            raise ValueError(msg) from None
+        raw = fn(args, kwargs)
+        if not _int_tensor(raw) or raw.dim() != 2:
+            msg = f"--labels {labels} returned {type(raw).__name__}; it must return the aligned labels, an int [B, T]"
+            raise ValueError(msg)
+        return raw.long().masked_fill(raw < 0, IGNORE_INDEX), f"the labels {labels} returns (negative ignored)"
+    if labels == "auto":
+        msg = ("the model was called without labels (no labels= or targets= keyword, no second argument of the input "
+               "ids' shape): the audit reads the labels the model is given; a loop whose loss is outside the model "
+               "names them with --labels PKG.MODULE:FN")
+        raise ValueError(msg)
+    msg = f"--labels {labels!r}: give auto, hf, aligned or PKG.MODULE:FN"  # pragma: no cover (check_labels)
+    raise ValueError(msg)
+
+
+def microbatch(call: Call, labels: str = "auto") -> CallBatch:
+    """A call as a :class:`CallBatch`. ValueError naming what the audit cannot read."""
+    aligned, _ = read_labels(call, labels)
+    found = unreplayable((call.args, call.kwargs))
+    if found is not None:
+        msg = (f"the model was called with a {found} argument, which the audit does not record: its reference cannot "
+               "replay the call")
+        raise ValueError(msg)
+    ids = call.kwargs.get("input_ids", call.args[0] if call.args else None)
+    inputs = ids.long() if _int_tensor(ids) and ids.shape == aligned.shape else torch.zeros_like(aligned)
+    return CallBatch(inputs, aligned, call=call)
 
 
 @dataclass(frozen=True)
@@ -101,58 +190,103 @@ class AuditVerdict:
         return "\n".join(self.lines)
 
 
-def evidence(audit: Record, others: Sequence[Record] = ()) -> Evidence:
+def objective_of(name: str) -> ob.Objective:
+    """``token_mean``, ``sequence_mean`` or ``fixed_normalizer=C`` as an Objective. ValueError naming the choices."""
+    base, constant = objective_parts(name)
+    return ob.Objective(base, normalizer=constant)
+
+
+def _clip_of(ranks: Sequence[Record], k: int) -> tuple[float | None, list[float | None]]:
+    """The window's ``max_norm`` (None: no rank clipped) and each rank's returned norm (None: it did not clip)."""
+    clips = [r.windows[k].clips[-1] if r.windows[k].clips else None for r in ranks]
+    bounds = {c.max_norm for c in clips if c is not None}
+    if len(bounds) > 1:
+        msg = f"window {k}: the ranks clipped to different max_norm values {sorted(bounds)}"
+        raise ValueError(msg)
+    for c in clips:
+        if c is not None and c.norm_type != 2.0:
+            msg = f"window {k}: clip_grad_norm_ with norm_type={c.norm_type:g}; the audit judges the L2 clip only"
+            raise ValueError(msg)
+    return (next(iter(bounds)) if bounds else None), [None if c is None else c.returned for c in clips]
+
+
+def evidence(audit: Record, others: Sequence[Record] = (), *, objective: str = "token_mean", labels: str = "auto",
+             template: nn.Module | None = None) -> Evidence:
     """The audit's windows as :class:`~harness.diagnosis.evidence.Evidence`: ``audit`` is rank 0's record (it holds
-    the model), ``others`` the other ranks' in rank order (none: one process); each window's reference is computed
-    here over every rank's calls. ValueError where a window cannot be read."""
+    the model; ``template``, the model before it was sharded, where there is one), ``others`` the other ranks' in rank
+    order (none: one process); each window's reference is computed here over every rank's calls. ValueError where a
+    window cannot be read."""
     ranks = [audit, *others]
     if audit.model is None or not audit.windows:
         msg = (f"no optimizer step was recorded: the loop stepped {audit.steps} time(s), and the audit waits for "
-               f"{audit.skip} step(s) to pass and then {audit.wanted} more, each after a call of the model")
+               f"{audit.skip} step(s) to pass and then {audit.wanted} more, each after a call of the model with "
+               "gradients on")
         raise ValueError(msg)
     if len({len(r.windows) for r in ranks}) != 1:
         msg = f"the ranks recorded {[len(r.windows) for r in ranks]} windows: they did not step together"
         raise ValueError(msg)
-    convention = ScriptModel(audit.model)
+    declared = objective_of(objective)
+    convention = ScriptModel(template if template is not None else audit.model)
     windows: list[list[list[Microbatch]]] = []
     references: list[Reference | None] = []
+    norms: list[float | None] = []
+    max_norm = None
     for k, w in enumerate(audit.windows):
-        per_rank = [[microbatch(c) for c in r.windows[k].calls] for r in ranks]
+        per_rank: list[list[Microbatch]] = [[microbatch(c, labels) for c in r.windows[k].calls] for r in ranks]
         windows.append(per_rank)
-        references.append(_reference(convention, w.start, [mb for mbs in per_rank for mb in mbs]))
-    records = [[RankWindow(grad=w.grad, params_before=w.start, syncs=1 if w.syncs is None else w.syncs)
-                for w in r.windows] for r in ranks]
+        bound, _ = _clip_of(ranks, k)
+        max_norm = bound if bound is not None else max_norm
+        ref = _reference(convention, w.start, per_rank, declared)
+        norm = None if ref is None else float(ref.gradient.double().norm())
+        if ref is not None and norm is not None and bound is not None:
+            factor = min(1.0, bound / (norm + 1e-6))  # clip_grad_norm_'s own formula
+            ref = Reference(gradient=ref.gradient * factor, loss=ref.loss, tokens=ref.tokens,
+                            normalizer=ref.normalizer)
+        references.append(ref)
+        norms.append(norm)
+    records = [[RankWindow(grad=w.grad, params_before=w.start, syncs=1 if w.syncs is None else w.syncs,
+                           grad_norm=_clip_of(ranks, k)[1][r])
+                for k, w in enumerate(rec.windows)] for r, rec in enumerate(ranks)]
     return Evidence(windows=windows, records=records, model=convention, mesh=Mesh.data_parallel(len(ranks)),
-                    references=references, reference_starts=[w.start for w in audit.windows], precision="fp32",
-                    recipe=f"the script's {type(audit.model).__name__}", scenario="its own data")
+                    references=references, reference_starts=[w.start for w in audit.windows], reference_norms=norms,
+                    max_norm=max_norm, objective=declared, precision="fp32",
+                    recipe=f"the script's {type(audit.model).__name__}", scenario="its own data",
+                    strategy="fsdp2" if template is not None else "ddp")
 
 
-def _reference(convention: ScriptModel, start: torch.Tensor, mbs: Sequence[Microbatch]) -> Reference | None:
-    """The global token mean's gradient over ``mbs`` at the flat weights ``start``, in float64."""
-    n = sum(mb.supervised for mb in mbs)
-    if n == 0:
+def _reference(convention: ScriptModel, start: torch.Tensor, per_rank: Sequence[Sequence[Microbatch]],
+               objective: ob.Objective) -> Reference | None:
+    """The declared objective's gradient over every rank's calls at the flat weights ``start``, in float64."""
+    if sum(mb.supervised for mbs in per_rank for mb in mbs) == 0:
         return None
     model = model_at(convention, start, torch.float64)
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for mb in mbs:
-        if mb.supervised:
-            part = convention.loss_sum(model, mb)
-            (part / n).backward()
-            total += float(part.detach())
-    return Reference(gradient=flat_grad(model).to(start.dtype), loss=total / n, tokens=n)
+    ref = reference_gradient(model, per_rank, convention.loss_sum, objective=None if objective.plain else objective,
+                             terms_of=None if objective.plain else
+                             (lambda m, mb: terms(convention, objective, None, m, mb)))
+    return Reference(gradient=ref.gradient.to(start.dtype), loss=ref.loss, tokens=ref.tokens,
+                     normalizer=ref.normalizer)
 
 
-def judge(audit: Record, others: Sequence[Record] = ()) -> AuditVerdict:
-    """Each audited window's gradient on every rank against its reference; the worst failing one read by the
-    diagnosis."""
-    problems = tuple(p for r in (audit, *others) for p in r.problems)
+def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "token_mean", labels: str = "auto",
+          template: nn.Module | None = None) -> AuditVerdict:
+    """Each audited window's gradient on every rank against its reference, and each clip's norm; the worst failing
+    window read by the diagnosis."""
+    objective_of(objective)  # bad arguments raise (ValueError naming the choices); a record that cannot be read is
+    check_labels(labels)     # a verdict that says so
+    ranks = (audit, *others)
+    problems = tuple(p for r in ranks for p in r.problems)
+    notes = list(dict.fromkeys(n for r in ranks for n in r.notes))
+    refusal = next((r.refusal for r in ranks if r.refusal), None)
+    template = template if template is not None else getattr(audit, "template", None)
     try:
-        ev = evidence(audit, others)
-    except ValueError as exc:
-        return AuditVerdict(False, (f"audit: not judged: {exc}",), problems=(*problems, str(exc)))
+        if refusal is not None:
+            raise ValueError(refusal)
+        ev = evidence(audit, others, objective=objective, labels=labels, template=template)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return AuditVerdict(False, (f"audit: not judged: {exc}", *(f"  note: {n}" for n in notes)),
+                            problems=(*problems, str(exc)))
     atol, rtol = tolerances(torch.float32)
-    lines, worst = [], None
+    lines, worst, clipping = [], None, []
     assert ev.records is not None
     for k, ref in enumerate(ev.references):
         if ref is None:
@@ -166,45 +300,73 @@ def judge(audit: Record, others: Sequence[Record] = ()) -> AuditVerdict:
             lines.append(f"audit: {where}: parity {'PASSED' if c.passed else 'FAILED'}: {c.summary()}")
             if not c.passed and (worst is None or c.worst_ratio > worst[2]):
                 worst = (k, rank, c.worst_ratio)
+            clipping += _clip_line(ev, k, rank, where)
     syncing = _one_sync(audit, others)
-    lines += syncing + [f"  could not show: {blind}" for blind in blind_spots(ev)]
+    failed_clips = [line for line in clipping if "FAILED" in line]
+    lines += clipping + syncing + [f"  could not show: {blind}" for blind in blind_spots(ev)]
     found = None if worst is None else diagnose(ev, worst[0], worst[1])
     if found is not None:
         lines += [f"  reading ({found.signature.name}): {found.signature.sentence}", f"  fix: {found.fix}"]
-    lines += [f"  note: {p}" for p in problems]
-    return AuditVerdict(worst is None and not syncing and not problems, tuple(lines), found, problems)
+    lines += [f"  labels read: {read_labels(ev.windows[0][0][0].call, labels)[1]}"]  # type: ignore[attr-defined]
+    if not ev.objective.plain:
+        lines.append(f"  objective: {ev.objective.describe()}")
+    lines += [f"  note: {n}" for n in notes] + [f"  problem: {p}" for p in problems]
+    passed = worst is None and not syncing and not failed_clips and not problems
+    return AuditVerdict(passed, tuple(lines), found, problems)
+
+
+def _clip_line(ev: Evidence, k: int, rank: int, where: str) -> list[str]:
+    """The norm ``rank``'s clip returned in window ``k`` against the reference's global norm before clipping."""
+    want = ev.reference_norms[k]
+    if ev.max_norm is None or want is None:
+        return []
+    assert ev.records is not None
+    got = ev.records[rank][k].grad_norm
+    if got is None:
+        return [f"audit: {where}: clipping FAILED: this rank did not call clip_grad_norm_ (max_norm {ev.max_norm:g} "
+                "on another rank)"]
+    atol, rtol = tolerances(torch.float32)
+    if abs(got - want) <= atol + rtol * want:
+        engaged = "engaged" if want > ev.max_norm else "not engaged"
+        return [f"audit: {where}: clipping PASSED: clip_grad_norm_ returned {got:.6g}, the reference's global norm "
+                f"(max_norm {ev.max_norm:g}, {engaged})"]
+    norm = read_norm(ev, k, rank, got)
+    ratio = got / want if want > 0 else math.inf
+    return [f"audit: {where}: clipping FAILED: clip_grad_norm_ returned {got:.6g}, {ratio:.4g}x the reference's "
+            f"global norm before clipping {want:.6g}: {norm.sentence}"]
 
 
 def blind_spots(ev: Evidence) -> list[str]:
     """The mistakes the audited windows cannot tell from the right weighting, from their token counts: where every
     rank holds the same count in every window, a mean of local means equals the token mean; where every microbatch
-    of a window holds the same count, so does a mean per microbatch."""
+    of a window holds the same count, so does a mean per microbatch. Each names what would show it."""
     out = []
     per_rank = [[sum(mb.supervised for mb in mbs) for mbs in window] for window in ev.windows]
     per_mb = [[mb.supervised for mbs in window for mb in mbs] for window in ev.windows]
+    show = ("audit windows whose counts differ (--skip to others), mask labels with --unbalance (its batches' labels "
+            "reach the model), or judge the step as a recipe with the battery")
     if ev.world_size > 1 and all(len(set(counts)) == 1 for counts in per_rank):
         out.append(f"every rank held the same token count in every audited window ({per_rank[0][0]} in window 0), so "
-                   "a mean of local means would have passed; audit windows whose ranks' counts differ (--skip to "
-                   "others), or judge the step as a recipe with the battery")
-    if all(len(set(counts)) == 1 for counts in per_mb):
+                   f"a mean of local means would have passed; {show}")
+    if any(len(counts) > 1 for counts in per_mb) and all(len(set(counts)) == 1 for counts in per_mb):
         out.append(f"every microbatch held the same token count ({per_mb[0][0]} in window 0), so a mean per "
-                   "microbatch would have passed; audit windows with microbatches of different counts, or judge the "
-                   "step as a recipe with the battery")
+                   f"microbatch would have passed; {show}")
     return out
 
 
 def _one_sync(audit: Record, others: Sequence[Record]) -> list[str]:
-    """One synchronization per window on every DDP rank: the battery's one_sync check on the counts the watch read
-    (nothing where the model is not wrapped by DDP)."""
+    """One synchronization per window on every DDP or FSDP2 rank: the battery's one_sync check on the counts the watch
+    read (nothing where the model is wrapped by neither)."""
     out = []
     for rank, record in enumerate((audit, *others)):
         for k, w in enumerate(record.windows):
             if w.syncs is not None and w.syncs != 1:
-                out.append(f"audit: window {k}, rank {rank}: one_sync FAILED: DDP synchronized {w.syncs} of the "
-                           f"window's {len(w.calls)} model calls; expected 1")
+                out.append(f"audit: window {k}, rank {rank}: one_sync FAILED: the gradient was synchronized in "
+                           f"{w.syncs} of the window's {len(w.calls)} model calls; expected 1")
     if out:
         out.append(f"  fix: {check_fix('one_sync')}")
     return out
 
 
-__all__ = ["AuditVerdict", "ScriptModel", "blind_spots", "evidence", "judge", "microbatch"]
+__all__ = ["LABELS_HELP", "AuditVerdict", "CallBatch", "ScriptModel", "blind_spots", "evidence", "judge",
+           "microbatch", "objective_of", "read_labels"]

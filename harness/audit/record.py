@@ -1,10 +1,12 @@
-"""What an audit recorded, as plain data: each audited window's starting weights, its model calls' batches and the
-gradient at ``optimizer.step()`` (:class:`Window`), and the run around them (:class:`Record`).
-:mod:`harness.audit.watch` fills it; :mod:`harness.audit.evidence` reads it."""
+"""What an audit recorded, as plain data: each audited window's starting weights, its model calls' arguments, the
+clip the loop applied and the gradient at ``optimizer.step()`` (:class:`Window`), and the run around them
+(:class:`Record`). :mod:`harness.audit.watcher` fills it; :mod:`harness.audit.evidence` reads it;
+:mod:`harness.audit.capture` carries it between ranks as :func:`plain` data."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,16 +14,30 @@ from torch import nn
 
 @dataclass
 class Call:
-    """One outermost model call's batch, on the CPU."""
+    """One outermost model call: its positional and keyword arguments as the script passed them, every tensor
+    detached and copied to the CPU (:func:`plain`)."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor | None
-    attention_mask: torch.Tensor | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes((self.args, self.kwargs))
+
+
+@dataclass
+class Clip:
+    """A ``clip_grad_norm_`` call of the window: its ``max_norm``, ``norm_type`` and the total norm it returned."""
+
+    max_norm: float
+    norm_type: float
+    returned: float
 
 
 @dataclass
 class Window:
-    """One audited window: the weights when it started, its calls, and the gradient at ``optimizer.step()``."""
+    """One audited window: the weights when it started, its calls, the clip (if any) and the gradient at
+    ``optimizer.step()``."""
 
     start: torch.Tensor
     calls: list[Call] = field(default_factory=list)
@@ -29,11 +45,15 @@ class Window:
     syncs: int | None = None
     """The calls whose backward DDP synchronizes (its ``require_backward_grad_sync`` set, gradients on, as DDP reads
     them at each forward); None when the model is not wrapped by DDP."""
+    clips: list[Clip] = field(default_factory=list)
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The random generators' states when the window started (``cpu``; ``cuda`` where CUDA is initialized)."""
 
 
 class Record:
     """An audit's record: ``wanted`` windows after ``skip`` optimizer steps; the model (the outermost module called),
-    the windows recorded, the optimizer steps seen, and what could not be read."""
+    the windows recorded, the optimizer steps seen, what could not be read (``problems``), what the audit did to the
+    run and says in its report (``notes``), and a reason the capture stopped (``refusal``)."""
 
     def __init__(self, windows: int, skip: int) -> None:
         if windows < 1:
@@ -47,6 +67,61 @@ class Record:
         self.windows: list[Window] = []
         self.steps = 0
         self.problems: list[str] = []
+        self.notes: list[str] = []
+        self.refusal: str | None = None
+
+    def to_plain(self) -> dict[str, Any]:
+        """The record without its model, as plain data (tensors, numbers, strings, lists, dicts)."""
+        return {"steps": self.steps, "problems": self.problems, "notes": self.notes, "refusal": self.refusal,
+                "skip": self.skip, "wanted": self.wanted,
+                "windows": [{**asdict(w), "calls": [{"args": list(c.args), "kwargs": c.kwargs} for c in w.calls]}
+                            for w in self.windows]}
+
+    @classmethod
+    def from_plain(cls, data: dict[str, Any]) -> Record:
+        record = cls(data["wanted"], data["skip"])
+        record.steps, record.refusal = data["steps"], data["refusal"]
+        record.problems, record.notes = list(data["problems"]), list(data["notes"])
+        record.windows = [Window(w["start"], [Call(tuple(c["args"]), dict(c["kwargs"])) for c in w["calls"]],
+                                 w["grad"], w["syncs"], [Clip(**c) for c in w["clips"]], dict(w["rng"]))
+                          for w in data["windows"]]
+        return record
 
 
-__all__ = ["Call", "Record", "Window"]
+def plain(value: Any) -> Any:
+    """``value`` as plain data: tensors detached and copied to the CPU (a DTensor gathered whole), tuples, lists and
+    dicts element by element, numbers, strings and None as they are; anything else as the string ``<TypeName>``
+    (a reference call that needs it is named as not replayable)."""
+    if isinstance(value, torch.Tensor):
+        full = getattr(value, "full_tensor", None)
+        return (full() if callable(full) else value).detach().cpu().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(plain(v) for v in value) if type(value) in (tuple, list) else [plain(v) for v in value]
+    if isinstance(value, dict) or (hasattr(value, "keys") and hasattr(value, "__getitem__")):
+        keys = list(value.keys())  # a Mapping, or a mapping-like batch (transformers' BatchEncoding)
+        return {str(k): plain(value[k]) for k in keys}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<{type(value).__name__}>"
+
+
+def unreplayable(value: Any) -> str | None:
+    """The first ``<TypeName>`` placeholder :func:`plain` left in ``value`` (None: every part was recorded)."""
+    if isinstance(value, str) and value.startswith("<") and value.endswith(">"):
+        return value[1:-1]
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    for part in parts:
+        found = unreplayable(part)
+        if found is not None:
+            return found
+    return None
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return sum(_nbytes(p) for p in parts)
+
+
+__all__ = ["Call", "Clip", "Record", "Window", "plain", "unreplayable"]

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.audit.options import LABELS_HELP, check_labels, objective_parts
 from harness.workflow.outputs import BadInput, err
 
 TAIL_LINES = 30
@@ -35,6 +36,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--skip", type=int, default=0, metavar="S", help="optimizer steps to let pass first (default: 0)")
     p.add_argument("--deadline", type=float, default=600.0, metavar="SECONDS",
                    help="the whole audit's time limit; the script's processes are killed at it (default: 600)")
+    p.add_argument("--objective", default="token_mean", metavar="NAME",
+                   help="what each window's gradient must be the gradient of: token_mean (default), sequence_mean, "
+                   "or fixed_normalizer=C")
+    p.add_argument("--labels", default="auto", metavar="auto|hf|aligned|PKG.MODULE:FN", help=LABELS_HELP)
+    p.add_argument("--unbalance", nargs="?", type=int, const=0, default=None, metavar="SEED",
+                   help="mask a drawn suffix of each row's supervised labels (-100) in the batches the script's "
+                   "DataLoaders yield until the audited windows end, so that counts differ across ranks and "
+                   "microbatches (default seed 0)")
+    p.add_argument("--continue", dest="go_on", action="store_true",
+                   help="let the script run on, unwatched, after the audited windows (default: it stops there)")
+    p.add_argument("--max-capture-mb", type=float, default=4096.0, metavar="MB",
+                   help="the most each rank may record (weights, calls, gradients); over it the audit stops recording "
+                   "and says so (default: 4096)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script's command, as you run it")
     p.set_defaults(fn=cmd_audit)
 
@@ -52,6 +66,13 @@ def _command(args: argparse.Namespace) -> list[str]:
         raise BadInput(f"--skip={args.skip}: the steps to let pass must be 0 or more")
     if not args.deadline > 0:
         raise BadInput(f"--deadline={args.deadline}: give the audit's time limit in seconds, above 0")
+    if not args.max_capture_mb > 0:
+        raise BadInput(f"--max-capture-mb={args.max_capture_mb:g}: give the bound in MB, above 0")
+    try:
+        objective_parts(args.objective)
+        check_labels(args.labels)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
     return cmd
 
 
@@ -64,7 +85,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
         env.update({capture.DIR_ENV: folder, capture.WINDOWS_ENV: str(args.windows),
-                    capture.SKIP_ENV: str(args.skip)})
+                    capture.SKIP_ENV: str(args.skip), capture.OBJECTIVE_ENV: args.objective,
+                    capture.LABELS_ENV: args.labels, capture.MAX_MB_ENV: str(args.max_capture_mb)})
+        if args.unbalance is not None:
+            env[capture.UNBALANCE_ENV] = str(args.unbalance)
+        if args.go_on:
+            env[capture.CONTINUE_ENV] = "1"
         start = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

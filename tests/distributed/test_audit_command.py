@@ -38,7 +38,7 @@ def test_an_unchanged_ddp_script_is_judged_under_torchrun(tmp_path: Path, wrong:
 @pytest.mark.slow
 @pytest.mark.parametrize(("wrong", "said"), [
     ("accumulation_mean", "reading (per_microbatch_mean)"),
-    ("never_no_sync", "one_sync FAILED: DDP synchronized 2 of the window's 2 model calls; expected 1"),
+    ("never_no_sync", "one_sync FAILED: the gradient was synchronized in 2 of the window's 2 model calls; expected 1"),
 ])
 def test_the_other_realistic_mistakes_of_the_ddp_script_are_named(tmp_path: Path, wrong: str, said: str) -> None:
     """Each microbatch's mean over the accumulation steps, and a loop without no_sync (its gradient is right: only

@@ -105,19 +105,26 @@ def test_skip_lets_steps_pass_before_the_audited_window() -> None:
     with watch(windows=1, skip=1) as audit:
         train(HFLike(), WINDOWS, right=True)
     assert 2 == audit.steps and 1 == len(audit.windows)
-    assert 2 == len(audit.windows[0].calls) and audit.windows[0].calls[0].input_ids.shape == (1, 6)
+    assert 2 == len(audit.windows[0].calls) and audit.windows[0].calls[0].kwargs["input_ids"].shape == (1, 6)
     assert audit.verdict().passed
+
+
+def test_a_left_padded_batch_is_replayed_as_the_script_called_it() -> None:
+    """The reference calls the model with the call's own arguments (its attention_mask too), so padding on the left
+    is judged like any other; the wrong loop on the same batches is its control."""
+    windows = [[batch([9, 4], 1, left=True), batch([5, 2], 2, left=True)]]
+    for right in (True, False):
+        with watch(windows=1) as audit:
+            train(HFLike(), windows, right=right)
+        assert right == audit.verdict().passed, str(audit.verdict())
 
 
 @pytest.mark.parametrize(("what", "said"), [
     ("no_labels", "called without labels"),
-    ("left_padding", "padded on the left"),
     ("no_step", "no optimizer step was recorded"),
 ])
 def test_what_the_audit_cannot_read_is_named_and_not_judged(what: str, said: str) -> None:
     windows = WINDOWS
-    if what == "left_padding":
-        windows = [[batch([9, 4], 1, left=True), batch([5, 2], 2, left=True)]]
     with watch(windows=1) as audit:
         if what == "no_labels":
             model = HFLike()
@@ -150,16 +157,198 @@ def test_a_judging_that_fails_is_said_and_still_reaches_the_end(tmp_path: Path,
     """Rank 0's judging raising (a model the reference cannot run) writes a verdict that says so, and finish returns
     (under --continue) rather than leaving the other ranks at the barrier; its control: a record that judges."""
     from harness.audit import capture, evidence
-    from harness.audit.record import Record
+    from harness.audit.watcher import Audit
 
     monkeypatch.setenv(capture.CONTINUE_ENV, "1")
-    capture.finish(Record(1, 0), tmp_path, [])
+    capture.finish(Audit(1, 0), tmp_path, [])
     assert "no optimizer step was recorded" in (tmp_path / capture.VERDICT).read_text()
 
-    def broken(*args: object) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the reference's forward failed")
 
     monkeypatch.setattr(evidence, "judge", broken)
-    capture.finish(Record(1, 0), tmp_path, [])
+    capture.finish(Audit(1, 0), tmp_path, [])
     said = (tmp_path / capture.VERDICT).read_text()
     assert "not judged: judging the record failed: RuntimeError: the reference's forward failed" in said
+
+
+class GPTLike(nn.Module):
+    """nanoGPT's calling convention: ``model(X, Y)`` with aligned targets (-1 ignored) returns ``(logits, loss)``."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.lm = build_model(Config(dropout=0.0), seed=4)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.drop(self.lm(idx))
+        assert targets is not None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def gpt_windows(seed: int = 7, balanced: bool = False) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Two windows of two microbatches (X, Y): Y aligned, each row keeping a drawn number of its targets (all of them
+    when ``balanced``), the rest -1."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        window = []
+        for _ in range(2):
+            x = torch.randint(1, 32, (2, 10), generator=g)
+            y = torch.randint(1, 32, (2, 10), generator=g)
+            if not balanced:
+                for row, keep in zip(y, torch.randint(2, 10, (2,), generator=g)):
+                    row[int(keep):] = -1
+            window.append((x, y))
+        out.append(window)
+    return out
+
+
+def gpt_train(model: nn.Module, windows: list[list[tuple[torch.Tensor, torch.Tensor]]], mistake: str | None = None,
+              clip: float | None = None) -> None:
+    """nanoGPT's loop: ``mistake`` ``accumulation_mean`` is its own ``loss / gradient_accumulation_steps``; with
+    ``clip``, ``clip_grad_norm_`` over every parameter (``per_tensor``: each tensor clipped alone)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for mbs in windows:
+        total = sum(int((y != -1).sum()) for _, y in mbs)
+        for x, y in mbs:
+            _, loss = model(x, y)
+            loss = loss / len(mbs) if mistake == "accumulation_mean" else loss * int((y != -1).sum()) / total
+            loss.backward()
+        if clip is not None:
+            params = list(model.parameters())
+            for group in ([[p] for p in params] if mistake == "per_tensor" else [params]):
+                torch.nn.utils.clip_grad_norm_(group, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_aligned_targets_as_the_second_argument_are_read_and_judged() -> None:
+    """nanoGPT's ``model(X, Y)``: the targets are read as aligned (-1 ignored) without being told; its own
+    ``loss / gradient_accumulation_steps`` over microbatches of different counts is the control that fails."""
+    with watch(windows=2) as audit:
+        gpt_train(GPTLike(), gpt_windows())
+    verdict = audit.verdict()
+    assert verdict.passed, str(verdict)
+    assert "labels read: the targets the model is given, aligned (negative ignored)" in str(verdict)
+    with watch(windows=2) as audit:
+        gpt_train(GPTLike(), gpt_windows(), mistake="accumulation_mean")
+    verdict = audit.verdict()
+    assert verdict.diagnosis is not None and "per_microbatch_mean" == verdict.diagnosis.signature.name, str(verdict)
+
+
+def labels_of_second(args: tuple[object, ...], kwargs: dict[str, object]) -> torch.Tensor:
+    """A ``--labels`` function: the call's second argument."""
+    y = args[1]
+    assert isinstance(y, torch.Tensor)
+    return y
+
+
+def test_labels_named_by_a_function_and_wrong_label_modes_are_said() -> None:
+    with watch(windows=1) as audit:
+        gpt_train(GPTLike(), gpt_windows()[:1])
+    assert audit.verdict(labels=f"{__name__}:labels_of_second").passed
+    assert "called without a labels= tensor" in str(audit.verdict(labels="hf"))
+    assert "cannot import it" in str(audit.verdict(labels="nowhere.at_all:fn"))
+    with pytest.raises(ValueError, match="give auto, hf, aligned or PKG"):
+        audit.verdict(labels="shifted")
+
+
+def test_a_clip_is_judged_by_its_norm_and_a_clip_per_tensor_is_named() -> None:
+    """The reference is clipped as ``clip_grad_norm_`` clips (here it engages: max_norm 0.05); each tensor clipped
+    alone returns the last tensor's norm and leaves another gradient: both are named."""
+    with watch(windows=2) as audit:
+        gpt_train(GPTLike(), gpt_windows(), clip=0.05)
+    verdict = audit.verdict()
+    assert verdict.passed, str(verdict)
+    assert 2 == str(verdict).count("clipping PASSED") and "(max_norm 0.05, engaged)" in str(verdict)
+    with watch(windows=2) as audit:
+        gpt_train(GPTLike(), gpt_windows(), mistake="per_tensor", clip=0.05)
+    verdict = audit.verdict()
+    assert not verdict.passed and "clipping FAILED" in str(verdict), str(verdict)
+    assert "the last tensor's norm" in str(verdict)
+    assert verdict.diagnosis is not None and "clipped_per_tensor" == verdict.diagnosis.signature.name
+
+
+def test_dropout_is_off_in_the_windows_and_restored_after() -> None:
+    model = GPTLike(dropout=0.5)
+    with watch(windows=2) as audit:
+        gpt_train(model, gpt_windows())
+    verdict = audit.verdict()
+    assert verdict.passed and "dropout was off in the audited windows (1 probabilities" in str(verdict), str(verdict)
+    assert 0.5 == model.drop.p
+
+
+class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Rows of one length, every token supervised: balanced batches."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1, 32, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def loader_train(model: nn.Module, right: bool) -> None:
+    """A loop over a DataLoader: two microbatches per step; each counted after the loader yields it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = iter(torch.utils.data.DataLoader(Rows(), batch_size=2, generator=torch.Generator().manual_seed(0)))
+    for _ in range(2):
+        mbs = [next(batches), next(batches)]
+        n = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs)
+        for b in mbs:
+            out = model(**b)
+            count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+            (out.loss * count / n if right else out.loss / len(mbs)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_unbalance_makes_a_mean_per_microbatch_visible_on_balanced_batches() -> None:
+    """Balanced batches hide a mean per microbatch (the verdict says so); ``unbalance`` masks a drawn suffix of each
+    row's labels in the batches the DataLoader yields, and the same wrong loop fails with its reading. The right
+    loop passes under the same masking (its counts are taken from the masked batches)."""
+    with watch(windows=2) as audit:
+        loader_train(HFLike(), right=False)
+    verdict = audit.verdict()
+    assert verdict.passed and "could not show: every microbatch held the same token count" in str(verdict)
+    with watch(windows=2, unbalance=3) as audit:
+        loader_train(HFLike(), right=False)
+    verdict = audit.verdict()
+    assert verdict.diagnosis is not None and "per_microbatch_mean" == verdict.diagnosis.signature.name, str(verdict)
+    assert "--unbalance: each row of the 4 batches" in str(verdict) and "(seed 3)" in str(verdict)
+    with watch(windows=2, unbalance=3) as audit:
+        loader_train(HFLike(), right=True)
+    assert audit.verdict().passed, str(audit.verdict())
+
+
+def test_a_capture_over_its_bound_is_refused_and_not_judged() -> None:
+    with watch(windows=2, max_capture_mb=0.01) as audit:
+        train(HFLike(), WINDOWS, right=True)
+    verdict = audit.verdict()
+    assert not verdict.passed and "not judged: the capture reached" in str(verdict), str(verdict)
+    assert "over --max-capture-mb=0.01" in str(verdict)
+
+
+def test_a_declared_sequence_mean_is_judged_against_its_own_reference() -> None:
+    """A loop that averages each row's mean over the window's rows passes under ``objective="sequence_mean"`` and
+    fails under the default token mean (rows of different counts)."""
+    def seq_train(model: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for mbs in WINDOWS:
+            rows = sum(b["input_ids"].shape[0] for b in mbs)
+            for b in mbs:
+                logits = model(**b).logits[:, :-1]
+                target = b["labels"][:, 1:]
+                per = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE_INDEX, reduction="none")
+                ((per.sum(1) / (target != IGNORE_INDEX).sum(1)).sum() / rows).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with watch(windows=2) as audit:
+        seq_train(HFLike())
+    assert audit.verdict(objective="sequence_mean").passed, str(audit.verdict(objective="sequence_mean"))
+    assert not audit.verdict().passed
+    with pytest.raises(ValueError, match="the audit judges token_mean"):
+        audit.verdict(objective="median")

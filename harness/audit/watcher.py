@@ -1,0 +1,394 @@
+"""Watching a training loop the harness did not write: the in-code form of the audit.
+
+    with harness.audit.watch(windows=1) as audit:
+        train()                      # the script's own loop, unchanged
+    print(audit.verdict())          # parity against the single-device reference, the reading and its fix
+
+While the block runs, global hooks of torch watch every model and optimizer in the process
+(``register_module_forward_hook(..., with_kwargs=True)`` with its pre-hook, and
+``register_optimizer_step_pre_hook``), and four functions of torch are wrapped (:data:`PATCHED`):
+
+- the outermost module call (through DDP: its ``module``) is the model. After ``skip`` optimizer steps, each of the
+  next ``windows`` windows records the model's weights when its first call starts (an FSDP2 model's gathered whole),
+  the random generators' states then, every call's arguments and keyword arguments (:func:`harness.audit.record.plain`),
+  how many of the calls synchronize their backward (DDP's ``require_backward_grad_sync``, which ``no_sync()`` clears;
+  FSDP2's ``set_requires_gradient_sync``), and, when ``optimizer.step()`` begins, the gradient each parameter holds
+  (gathered whole under FSDP2);
+- ``torch.nn.utils.clip_grad_norm_``: the ``max_norm`` and the norm it returned in a window, so that the reference is
+  clipped the same way and the norm judged;
+- ``torch.distributed.fsdp.fully_shard``: at its first call, a copy of the whole model before any part is sharded
+  (the reference's model);
+- with ``unbalance``, ``DataLoader`` iteration: each batch the script's loaders yield until the last window ends has
+  a drawn suffix of each row's supervised ``labels`` set to -100 (:func:`mask_suffixes`), so that counts differ
+  across ranks and microbatches and a mean of means shows. The masking starts with the first batch because loops
+  count a window's tokens, and loaders fetch, before the window's first forward.
+
+Dropout is off in the audited windows: each dropout probability of the model (the battery's rule,
+:func:`harness.model.disable_dropout`) is 0 from the first window's first call and restored after the last; the
+reference runs without it too. Nothing is recorded after the last window, and everything is undone when the block
+ends.
+
+A model that is not given its labels, a loop that never steps an optimizer, and a capture over ``max_capture_mb`` are
+named by :meth:`Audit.verdict`, never judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import gc
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from harness.audit.record import Call, Clip, Record, Window, plain
+from harness.core.microbatch import IGNORE_INDEX
+from harness.model import DROPOUT_SUFFIXES
+
+PATCHED = (("torch.nn.utils", "", "clip_grad_norm_"), ("torch.nn.utils.clip_grad", "", "clip_grad_norm_"),
+           ("torch.distributed.fsdp", "", "fully_shard"),
+           ("torch.utils.data.dataloader", "_BaseDataLoaderIter", "__next__"))
+"""The functions the watch wraps while it is active: (module, class in it or "", attribute)."""
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "module", None)
+    return inner if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel" else module
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)  # a DTensor (FSDP2, tp): gathered whole, a collective every rank enters
+    return (full() if callable(full) else t).detach()
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    """Every parameter, whole, in ``parameters()`` order: one flat CPU vector."""
+    return torch.cat([_whole(p).reshape(-1).cpu() for p in model.parameters()])
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, whole (zeros where it has none), in ``parameters()`` order: one flat CPU vector."""
+    return torch.cat([(_whole(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)).reshape(-1)
+                      .cpu() for p in model.parameters()])
+
+
+def _syncs(called: nn.Module, model: nn.Module) -> bool | None:
+    """Whether this call's backward synchronizes the gradient: DDP's flag, FSDP2's per param group; None where the
+    model is wrapped by neither."""
+    if called is not model:
+        return bool(getattr(called, "require_backward_grad_sync", True))
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if callable(state):
+            groups = getattr(state(), "_fsdp_param_groups", None) or []
+            if groups:
+                return bool(groups[0].reduce_grads)
+    return None
+
+
+def _root_of(module: nn.Module) -> nn.Module:
+    """The outermost module holding ``module`` (its parents found through the garbage collector's referrers)."""
+    current, seen = module, {id(module)}
+    while True:
+        parent = None
+        for holder in gc.get_referrers(current):
+            if isinstance(holder, dict):
+                parent = next((o for o in gc.get_referrers(holder)
+                               if isinstance(o, nn.Module) and getattr(o, "_modules", None) is holder), None)
+                if parent is not None and id(parent) not in seen:
+                    break
+                parent = None
+        if parent is None:
+            return current
+        seen.add(id(parent))
+        current = parent
+
+
+def dropout_off(model: nn.Module) -> Callable[[], None]:
+    """Set every dropout probability of ``model`` to 0 (:func:`harness.model.disable_dropout`'s rule); returns the
+    function that restores them. Its ``changed`` attribute counts the probabilities that were not 0."""
+    saved: list[tuple[object, str, float]] = []
+
+    def zero(obj: object, name: str) -> None:
+        value = getattr(obj, name)
+        if isinstance(value, float):
+            saved.append((obj, name, value))
+            setattr(obj, name, 0.0)
+
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            zero(module, "p")
+        for name in [n for n, v in vars(module).items() if isinstance(v, float) and n.endswith(DROPOUT_SUFFIXES)]:
+            zero(module, name)
+    config = getattr(model, "config", None)
+    if config is not None and not isinstance(config, nn.Module):
+        for name in [n for n, v in vars(config).items() if isinstance(v, float) and n.endswith(DROPOUT_SUFFIXES)]:
+            zero(config, name)
+
+    def restore() -> None:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+    restore.changed = sum(v != 0.0 for _, _, v in saved)  # type: ignore[attr-defined]
+    return restore
+
+
+def mask_suffixes(labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A copy of ``labels`` [B, T] in which each row keeps a drawn number (1 to all) of its first supervised labels
+    and the rest of them are set to -100."""
+    out = labels.clone()
+    for row in out:
+        where = (row != IGNORE_INDEX).nonzero().flatten()
+        if len(where) > 1:
+            keep = int(torch.randint(1, len(where) + 1, (1,), generator=generator))
+            row[where[keep:]] = IGNORE_INDEX
+    return out
+
+
+class Audit(Record):
+    """What :func:`watch` records (a :class:`~harness.audit.record.Record`); :meth:`verdict` judges it.
+
+    ``unbalance``: the seed of the label masking (None: off); ``max_capture_mb``: the capture's bound (None: none);
+    ``rank``: this process's rank, which the masking's generator is seeded with besides the seed."""
+
+    def __init__(self, windows: int, skip: int, unbalance: int | None = None, max_capture_mb: float | None = None,
+                 rank: int = 0) -> None:
+        super().__init__(windows, skip)
+        self.unbalance, self.max_capture_mb = unbalance, max_capture_mb
+        self.template: nn.Module | None = None
+        """The whole model before ``fully_shard`` (None: the script did not shard it)."""
+        self._depth = 0
+        self._open: Window | None = None
+        self._restore: Callable[[], None] | None = None
+        self._bytes = 0
+        self._masked = 0
+        self._masking = None if unbalance is None else torch.Generator().manual_seed(unbalance * 1009 + rank)
+        self._judges = rank == 0  # only the judging rank keeps a copy of the model before fully_shard
+
+    @property
+    def recording(self) -> bool:
+        return self.refusal is None and self.skip <= self.steps < self.skip + self.wanted
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.skip + self.wanted
+
+    def _count(self, nbytes: int) -> None:
+        self._bytes += nbytes
+        if self.max_capture_mb is not None and self._bytes > self.max_capture_mb * 2**20:
+            self.refusal = (f"the capture reached {self._bytes / 2**20:.1f} MB, over --max-capture-mb="
+                            f"{self.max_capture_mb:g}: audit fewer windows (--windows), smaller batches, or raise the "
+                            "bound")
+            self._open = None
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0 and self.recording:
+            model = _unwrap(module)
+            if self.model is None:
+                self.model = model
+            if model is self.model:
+                if self._open is None:
+                    if self._restore is None:
+                        self._restore = dropout_off(model)
+                        changed = self._restore.changed  # type: ignore[attr-defined]
+                        if changed:
+                            self.notes.append(f"dropout was off in the audited windows ({changed} probabilities of "
+                                              "the model set to 0, restored after), and off in the reference")
+                    rng = {"cpu": torch.get_rng_state()}
+                    if torch.cuda.is_available() and torch.cuda.is_initialized():
+                        rng["cuda"] = torch.cuda.get_rng_state()
+                    self._open = Window(flat_weights(model), rng=rng)
+                    self._count(self._open.start.numel() * self._open.start.element_size() * 2)
+                synced = _syncs(module, model)
+                if synced is not None and self._open is not None:
+                    self._open.syncs = (self._open.syncs or 0) + int(synced and torch.is_grad_enabled())
+        self._depth += 1
+
+    def _post(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        self._depth -= 1
+        if self._depth != 0 or self._open is None or _unwrap(module) is not self.model:
+            return
+        call = Call(plain(tuple(args)), plain(dict(kwargs)))
+        self._count(call.nbytes)
+        if self._open is not None:
+            self._open.calls.append(call)
+
+    def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.recording and self._open is not None and self.model is not None:
+            self._open.grad = flat_grads(self.model)
+            self.windows.append(self._open)
+        self._open = None
+        self.steps += 1
+        if self.done:
+            self.undo_dropout()
+
+    def undo_dropout(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = lambda: None
+
+    def _clip(self, original: Callable[..., Any], parameters: Any, max_norm: float, norm_type: float = 2.0,
+              *args: Any, **kwargs: Any) -> Any:
+        total = original(parameters, max_norm, norm_type, *args, **kwargs)
+        if self._open is not None:
+            self._open.clips.append(Clip(float(max_norm), float(norm_type), float(_whole(total))))
+        return total
+
+    def _shard(self, original: Callable[..., Any], module: Any, *args: Any, **kwargs: Any) -> Any:
+        first = module[0] if isinstance(module, (list, tuple)) and module else module
+        if self._judges and self.template is None and isinstance(first, nn.Module):
+            root = _root_of(first)
+            self.template = copy.deepcopy(root).to("cpu") if not _on_meta(root) else copy.deepcopy(root)
+        return original(module, *args, **kwargs)
+
+    def _next(self, original: Callable[..., Any], iterator: Any) -> Any:
+        batch = original(iterator)
+        if self._masking is None or self.done:
+            return batch
+        labels = batch.get("labels") if hasattr(batch, "get") else None
+        if isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point():
+            batch["labels"] = mask_suffixes(labels, self._masking)
+            self._masked += 1
+        return batch
+
+    def report_unbalance(self) -> None:
+        """The note (or problem) ``unbalance`` leaves in the record at the end."""
+        if self.unbalance is None:
+            return
+        if self._masked:
+            self.notes.append(f"--unbalance: each row of the {self._masked} batches this rank's DataLoader yielded "
+                              "until the audited windows ended kept a drawn number of its supervised labels, the rest "
+                              f"set to -100 (seed {self.unbalance}); the reference reads the same masked labels")
+        else:
+            self.problems.append("--unbalance found no batch to mask: it masks the labels of the dict batches a "
+                                 "torch DataLoader yields (a 'labels' tensor [B, T])")
+
+    def verdict(self, objective: str = "token_mean", labels: str = "auto") -> Any:
+        """The audit's verdict (:class:`harness.audit.evidence.AuditVerdict`)."""
+        from harness.audit.evidence import judge
+
+        return judge(self, objective=objective, labels=labels)
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` right after module ``name`` is first imported (so that a module the script may never use,
+    ``torch.distributed.fsdp``, costs nothing to watch when it does not)."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        self.remove()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, then = spec.loader, self.then
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            then(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def _wrap_in(wrap: Callable[[Any, str], None], inside: str, name: str, module: Any) -> None:
+    wrap(getattr(module, inside) if inside else module, name)
+
+
+@contextlib.contextmanager
+def patched(audit: Audit) -> Iterator[None]:
+    """:data:`PATCHED`'s functions wrapped by ``audit`` while the block runs (a module not yet imported, when it
+    is), restored after."""
+    saved: list[tuple[Any, str, Any]] = []
+    waiting: list[_AfterImport] = []
+    wrappers: dict[str, Callable[..., Any]] = {"clip_grad_norm_": audit._clip, "fully_shard": audit._shard,
+                                               "__next__": audit._next}
+
+    def wrap(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        if name == "__next__":  # a method: a function, so that it binds to the iterator
+
+            def method(iterator: Any) -> Any:
+                return audit._next(original, iterator)
+
+            wrapper: Any = functools.wraps(original)(method)
+        else:
+            wrapper = functools.wraps(original)(functools.partial(wrappers[name], original))
+        saved.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    for where, inside, name in PATCHED:
+        if where in sys.modules:
+            module = sys.modules[where]
+            wrap(getattr(module, inside) if inside else module, name)
+        else:
+            hook = _AfterImport(where, functools.partial(_wrap_in, wrap, inside, name))
+            sys.meta_path.insert(0, hook)
+            waiting.append(hook)
+    try:
+        yield
+    finally:
+        for hook in waiting:
+            hook.remove()
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def install(audit: Audit, on_step: Callable[[], None] | None = None) -> list[Any]:
+    """``audit``'s hooks and wrappers, installed for the whole process; ``on_step`` runs after each optimizer step's
+    record. Returns what :func:`uninstall` takes."""
+    def step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        audit._step(optimizer, args, kwargs)
+        if on_step is not None:
+            on_step()
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(audit))
+    return [register_module_forward_pre_hook(audit._pre), register_module_forward_hook(audit._post, with_kwargs=True),
+            register_optimizer_step_pre_hook(step), stack]
+
+
+def uninstall(handles: list[Any]) -> None:
+    for h in handles:
+        if isinstance(h, contextlib.ExitStack):
+            h.close()
+        else:
+            h.remove()
+
+
+@contextlib.contextmanager
+def watch(windows: int = 1, skip: int = 0, unbalance: int | None = None,
+          max_capture_mb: float | None = None) -> Iterator[Audit]:
+    """Record ``windows`` optimizer steps of whatever loop runs inside the block, after ``skip`` steps."""
+    audit = Audit(windows, skip, unbalance, max_capture_mb)
+    handles = install(audit)
+    try:
+        yield audit
+    finally:
+        uninstall(handles)
+        audit.undo_dropout()
+        audit.report_unbalance()
+
+
+__all__ = ["PATCHED", "Audit", "dropout_off", "flat_grads", "flat_weights", "install", "mask_suffixes", "patched",
+           "uninstall", "watch"]
