@@ -251,7 +251,7 @@ def evidence(audit: Record, others: Sequence[Record] = (), *, objective: str = "
                     references=references, reference_starts=[w.start for w in audit.windows], reference_norms=norms,
                     max_norm=max_norm, objective=declared, precision="fp32",
                     recipe=f"the script's {type(audit.model).__name__}", scenario="its own data",
-                    strategy="fsdp2" if template is not None else "ddp")
+                    strategy="fsdp2" if audit.strategy == "fsdp2" else "ddp")
 
 
 def _reference(convention: ScriptModel, start: torch.Tensor, per_rank: Sequence[Sequence[Microbatch]],
@@ -286,7 +286,10 @@ def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "tok
         return AuditVerdict(False, (f"audit: not judged: {exc}", *(f"  note: {n}" for n in notes)),
                             problems=(*problems, str(exc)))
     atol, rtol = tolerances(torch.float32)
-    lines, worst, clipping = [], None, []
+    wrapped = {"ddp": "DDP", "fsdp2": "FSDP2"}.get(audit.strategy or "", "no DDP or FSDP2 wrapper")
+    lines = [f"audit: {ev.world_size} rank(s) ({wrapped}), {len(ev.windows)} window(s) after {audit.skip} optimizer "
+             f"step(s), judged against {ev.objective.describe()}"]
+    worst, clipping = None, []
     assert ev.records is not None
     for k, ref in enumerate(ev.references):
         if ref is None:
@@ -301,15 +304,13 @@ def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "tok
             if not c.passed and (worst is None or c.worst_ratio > worst[2]):
                 worst = (k, rank, c.worst_ratio)
             clipping += _clip_line(ev, k, rank, where)
-    syncing = _one_sync(audit, others)
+    syncing = _one_sync(audit, others, ev.strategy)
     failed_clips = [line for line in clipping if "FAILED" in line]
     lines += clipping + syncing + [f"  could not show: {blind}" for blind in blind_spots(ev)]
     found = None if worst is None else diagnose(ev, worst[0], worst[1])
     if found is not None:
         lines += [f"  reading ({found.signature.name}): {found.signature.sentence}", f"  fix: {found.fix}"]
     lines += [f"  labels read: {read_labels(ev.windows[0][0][0].call, labels)[1]}"]  # type: ignore[attr-defined]
-    if not ev.objective.plain:
-        lines.append(f"  objective: {ev.objective.describe()}")
     lines += [f"  note: {n}" for n in notes] + [f"  problem: {p}" for p in problems]
     passed = worst is None and not syncing and not failed_clips and not problems
     return AuditVerdict(passed, tuple(lines), found, problems)
@@ -354,7 +355,7 @@ def blind_spots(ev: Evidence) -> list[str]:
     return out
 
 
-def _one_sync(audit: Record, others: Sequence[Record]) -> list[str]:
+def _one_sync(audit: Record, others: Sequence[Record], strategy: str) -> list[str]:
     """One synchronization per window on every DDP or FSDP2 rank: the battery's one_sync check on the counts the watch
     read (nothing where the model is wrapped by neither)."""
     out = []
@@ -364,7 +365,7 @@ def _one_sync(audit: Record, others: Sequence[Record]) -> list[str]:
                 out.append(f"audit: window {k}, rank {rank}: one_sync FAILED: the gradient was synchronized in "
                            f"{w.syncs} of the window's {len(w.calls)} model calls; expected 1")
     if out:
-        out.append(f"  fix: {check_fix('one_sync')}")
+        out.append(f"  fix: {check_fix('one_sync', strategy=strategy)}")
     return out
 
 

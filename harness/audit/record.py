@@ -69,6 +69,8 @@ class Record:
         self.problems: list[str] = []
         self.notes: list[str] = []
         self.refusal: str | None = None
+        self.strategy: str | None = None
+        """How the model is wrapped: ``"ddp"``, ``"fsdp2"``, or None (neither)."""
 
     def to_plain(self) -> dict[str, Any]:
         """The record without its model, as plain data (tensors, numbers, strings, lists, dicts)."""

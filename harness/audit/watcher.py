@@ -94,22 +94,59 @@ def _syncs(called: nn.Module, model: nn.Module) -> bool | None:
     return None
 
 
+def _parent_of(module: nn.Module) -> nn.Module | None:
+    """A module whose ``_modules`` holds ``module`` (found through the garbage collector's referrers: the
+    ``_modules`` dict, the parent's instance dict, the parent)."""
+    for holder in gc.get_referrers(module):
+        if not isinstance(holder, dict):
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, nn.Module) and owner.__dict__.get("_modules") is holder:
+                return owner
+            if isinstance(owner, dict) and owner.get("_modules") is holder:
+                found = next((o for o in gc.get_referrers(owner)
+                              if isinstance(o, nn.Module) and o.__dict__ is owner), None)
+                if found is not None:
+                    return found
+    return None
+
+
 def _root_of(module: nn.Module) -> nn.Module:
-    """The outermost module holding ``module`` (its parents found through the garbage collector's referrers)."""
+    """The outermost module holding ``module``."""
     current, seen = module, {id(module)}
-    while True:
-        parent = None
-        for holder in gc.get_referrers(current):
-            if isinstance(holder, dict):
-                parent = next((o for o in gc.get_referrers(holder)
-                               if isinstance(o, nn.Module) and getattr(o, "_modules", None) is holder), None)
-                if parent is not None and id(parent) not in seen:
-                    break
-                parent = None
-        if parent is None:
-            return current
+    while (parent := _parent_of(current)) is not None and id(parent) not in seen:
         seen.add(id(parent))
         current = parent
+    return current
+
+
+DATA_DIMS = frozenset({"dp", "ddp", "data", "dp_replicate", "dp_shard", "replicate", "shard", "fsdp", "hsdp"})
+"""Device-mesh dimension names the audit reads as data parallel: every rank of them holds its own batch."""
+
+
+def mesh_refusal(model: nn.Module, world: int | None = None) -> str | None:
+    """Why the audit cannot judge a model whose parameters live on a device mesh with a dimension that is not data
+    parallel (:data:`DATA_DIMS`; an unnamed mesh of more than one dimension), or on fewer ranks than the world:
+    there the ranks of a group share a batch (tensor, context or pipeline parallelism), and the reference over every
+    rank's calls would count it more than once. None where it can (DDP, FSDP2, HSDP over every rank)."""
+    import torch.distributed as dist
+
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        data = set(names) <= DATA_DIMS if names else mesh.ndim == 1
+        if data and mesh.size() == world:
+            return None
+        shape = " x ".join(f"{n}={k}" for n, k in zip(names, mesh.shape)) if names else str(tuple(mesh.shape))
+        return (f"the model's parameters live on a device mesh ({shape}) over {mesh.size()} of {world} ranks: the "
+                "audit judges data parallelism over every rank (DDP, FSDP2, HSDP: mesh dimensions named "
+                f"{', '.join(sorted(DATA_DIMS))}), where each rank holds its own batch; judge this step as a recipe "
+                "with the battery (python -m harness battery --recipe ... --mesh ...)")
+    return None
 
 
 def dropout_off(model: nn.Module) -> Callable[[], None]:
@@ -195,6 +232,10 @@ class Audit(Record):
             if self.model is None:
                 self.model = model
             if model is self.model:
+                if self._open is None and self.refusal is None and (mesh := mesh_refusal(model)):
+                    self.refusal = mesh
+                    self._depth += 1
+                    return
                 if self._open is None:
                     if self._restore is None:
                         self._restore = dropout_off(model)
@@ -208,6 +249,8 @@ class Audit(Record):
                     self._open = Window(flat_weights(model), rng=rng)
                     self._count(self._open.start.numel() * self._open.start.element_size() * 2)
                 synced = _syncs(module, model)
+                if self.strategy is None and synced is not None:
+                    self.strategy = "ddp" if module is not model else "fsdp2"
                 if synced is not None and self._open is not None:
                     self._open.syncs = (self._open.syncs or 0) + int(synced and torch.is_grad_enabled())
         self._depth += 1
@@ -390,5 +433,5 @@ def watch(windows: int = 1, skip: int = 0, unbalance: int | None = None,
         audit.report_unbalance()
 
 
-__all__ = ["PATCHED", "Audit", "dropout_off", "flat_grads", "flat_weights", "install", "mask_suffixes", "patched",
-           "uninstall", "watch"]
+__all__ = ["DATA_DIMS", "PATCHED", "Audit", "dropout_off", "flat_grads", "flat_weights", "install", "mask_suffixes",
+           "mesh_refusal", "patched", "uninstall", "watch"]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 MARKERS = {
     "recipe": "the recipe battery: gradient-semantics checks of a recipe (--recipe=pkg.module:attr picks it)",
     "resume": "the resume battery: kill-and-resume equality of a training loop (--trainer=pkg.module:factory picks it)",
+    "audit": "the audit of a training script, unchanged (pytest --pyargs harness.audit --audit-command=...)",
     "gpu": "needs one CUDA device",
     "gpu2": "needs two CUDA devices and NCCL (one rank per device)",
     "slow": "over ~10 s; scripts/test.sh leaves it out, `scripts/test.sh -m slow` runs it (CI runs both)",
@@ -117,6 +118,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "called on every rank whose result has step(), save(folder), load(folder) and state() (default: the "
         "harness's trainer, harness.training.trainer:trainer_factory)",
     )
+    group.addoption(
+        "--audit-command", default=None, metavar="COMMAND",
+        help="the training script the audit lane judges (pytest --pyargs harness.audit), as you run it: "
+        '"torchrun --nproc-per-node 2 train.py --its-args" (docs/audit.md)',
+    )
+    group.addoption("--audit-options", default=None, metavar="OPTIONS",
+                    help='options of python -m harness audit for the audit lane, e.g. "--windows 2 --unbalance"')
     group.addoption("--resume-steps", default=20, type=int, metavar="S",
                     help="the resume battery's continuous run length in optimizer steps (default: 20)")
     group.addoption("--resume-every", default=5, type=int, metavar="K",

@@ -4,30 +4,30 @@ loaded in every process (``torchrun --nproc-per-node 2 train.py``, ``python trai
 The harness puts :mod:`harness.audit.site`'s folder first on the command's ``PYTHONPATH``, so that Python loads its
 ``sitecustomize`` before the script (the environment's own ``sitecustomize`` still runs after it). After ``--skip``
 optimizer steps, ``--windows`` windows are recorded on every rank, rank 0 judges them against the single-device
-reference through the diagnosis, and the script stops there. The command runs in a folder of its own session, killed
-whole at ``--deadline``; what it writes goes where it always does, and the audit's files go to a temporary folder.
+reference through the diagnosis, and the script stops there (``--continue``: it runs on, unwatched). The command runs
+in a session of its own, killed whole at ``--deadline``; its output goes to stderr as it comes, the verdict to stdout;
+what it writes goes where it always does, and the audit's files go to a temporary folder.
 
 Exit 0 when every window's gradient on every rank is the reference's, 1 when not, when the script failed (its output
-is shown, and it is not judged) or when it ended before the audited windows, 2 for bad input.
+is above the verdict, and it is not judged) or when it ended before the audited windows, 2 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from harness.audit.options import LABELS_HELP, check_labels, objective_parts
-from harness.workflow.outputs import BadInput, err
-
-TAIL_LINES = 30
-"""Lines of a failed script's output shown."""
+from harness.workflow.outputs import BadInput
 
 
 def add_parser(sub: Any) -> None:
@@ -92,23 +92,23 @@ def cmd_audit(args: argparse.Namespace) -> int:
         if args.go_on:
             env[capture.CONTINUE_ENV] = "1"
         start = time.monotonic()
-        try:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        try:  # the script's output goes to stderr as it comes; stdout holds the verdict
+            proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
                                     start_new_session=True)
         except OSError as exc:
             raise BadInput(f"audit: cannot run {cmd[0]!r}: {exc}") from None
-        try:
-            output, _ = proc.communicate(timeout=args.deadline)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            err(_tail(output))
-            print(f"FAILED: audit: the script ran past --deadline={args.deadline:g} s and was stopped; not judged")
-            return 1
-        took = time.monotonic() - start
         verdict = Path(folder) / capture.VERDICT
-        if not verdict.is_file():
-            err(_tail(output))
+        found, took = _wait(proc, verdict, args.deadline, start)
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if found is None:
+                print(f"FAILED: audit: the script ran past --deadline={args.deadline:g} s and was stopped; not judged")
+                return 1
+            print(f"FAILED: audit: the script ran on past --deadline={args.deadline:g} s after its audited windows "
+                  "(--continue) and was stopped")
+            return 1
+        if found is None:
             if proc.returncode != 0:
                 print(f"FAILED: audit: the script exited {proc.returncode} before its audited windows ended; not "
                       "judged (its output is above)")
@@ -116,8 +116,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
                 print(f"FAILED: audit: the script ended before {args.skip} + {args.windows} optimizer steps: no "
                       "window to judge (fewer steps, or no torch optimizer's step())")
             return 1
-        found = json.loads(verdict.read_text())
-    print("\n".join(found["lines"]))
+        if proc.returncode != 0:
+            print(f"FAILED: audit: the script exited {proc.returncode} after its audited windows (--continue)")
+            return 1
     what = " ".join(cmd)
     if found["passed"]:
         print(f"audit: {what}: every audited window's gradient is the reference's ({took:.1f} s)")
@@ -126,9 +127,20 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 1
 
 
-def _tail(output: str) -> str:
-    lines = (output or "").rstrip().splitlines()[-TAIL_LINES:]
-    return "the script's output (last lines):\n" + "\n".join(f"  {line}" for line in lines)
+def _wait(proc: subprocess.Popen[bytes], verdict: Path, deadline: float,
+          start: float) -> tuple[dict[str, Any] | None, float]:
+    """Wait for the script to end or ``deadline`` to pass, printing the verdict as soon as it is written (under
+    ``--continue`` the script runs on after it). Returns the verdict (None: none written) and the seconds to it."""
+    found, took = None, 0.0
+    while time.monotonic() - start < deadline:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+        if found is None and verdict.is_file():
+            found, took = json.loads(verdict.read_text()), time.monotonic() - start
+            print("\n".join(found["lines"]), flush=True)
+        if proc.returncode is not None:
+            break
+    return found, took
 
 
 __all__ = ["add_parser", "cmd_audit"]

@@ -4,7 +4,8 @@ DistributedSampler over rows of different lengths, a padding collator, and two m
 under ``no_sync()``. Right: each microbatch's loss sum divided by the step's token count all-reduced over the ranks,
 times the world size. ``--wrong local_count``: divided by the rank's own count instead (a mean of local means);
 ``accumulation_mean``: each microbatch's mean loss divided by the accumulation steps; ``never_no_sync``: both
-microbatches synchronize (the gradient is right, the traffic doubled)."""
+microbatches synchronize (the gradient is right, the traffic doubled). ``--balanced``: every row 16 tokens long,
+every token supervised (packed data: every rank and microbatch holds the same count)."""
 
 import argparse
 from types import SimpleNamespace
@@ -47,11 +48,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrong", choices=["local_count", "accumulation_mean", "never_no_sync"], default=None)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--balanced", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(1, 32, (int(n),), generator=g) for n in torch.randint(3, 40, (64,), generator=g)]
+    lengths = torch.full((64,), 16) if args.balanced else torch.randint(3, 40, (64,), generator=g)
+    data = [torch.randint(1, 32, (int(n),), generator=g) for n in lengths]
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=True, seed=0), collate_fn=collate)
     model = DDP(TinyLM())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -74,6 +77,8 @@ def main():
                 loss.backward()
         opt.step()
         opt.zero_grad()
+    if dist.get_rank() == 0:
+        print(f"trained {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
 

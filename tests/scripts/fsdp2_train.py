@@ -1,10 +1,12 @@
 """A plain PyTorch FSDP2 training script, written as a user writes one, for the audit to run unchanged:
-``torchrun --nproc-per-node 2 fsdp2_train.py [--wrong local_count]``. A small causal LM of two residual blocks called
-the Hugging Face way, each block and then the root sharded with ``fully_shard``, a DistributedSampler over rows of
-different lengths, a padding collator, and two microbatches per step with gradient sync off for the first
+``torchrun --nproc-per-node 2 fsdp2_train.py [--wrong local_count|always_sync] [--hsdp]``. A small causal LM of two
+residual blocks called the Hugging Face way, each block and then the root sharded with ``fully_shard``, a
+DistributedSampler over rows of different lengths, a padding collator, and two microbatches per step with gradient sync off for the first
 (``set_requires_gradient_sync(False)``) and on for the last. Right: each microbatch's loss sum divided by the step's
 token count all-reduced over the ranks, times the world size (FSDP2 averages over the ranks). ``--wrong local_count``:
-divided by the rank's own count instead (a mean of local means)."""
+divided by the rank's own count instead (a mean of local means); ``always_sync``: gradient sync left on for both
+microbatches (the gradient is right, the reduce-scatters doubled). ``--hsdp``: sharded over a 2-D device mesh
+(dp_replicate=1 x dp_shard=W)."""
 
 import argparse
 from types import SimpleNamespace
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -60,8 +63,9 @@ def collate(rows):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--wrong", choices=["local_count"], default=None)
+    parser.add_argument("--wrong", choices=["local_count", "always_sync"], default=None)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--hsdp", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -69,9 +73,12 @@ def main():
     data = [torch.randint(1, 32, (int(n),), generator=g) for n in torch.randint(3, 40, (64,), generator=g)]
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=True, seed=0), collate_fn=collate)
     model = TinyBlocksLM()
+    mesh = None
+    if args.hsdp:
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp_replicate", "dp_shard"))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = iter(loader)
     for _ in range(args.steps):
@@ -81,7 +88,7 @@ def main():
         if args.wrong != "local_count":
             dist.all_reduce(total)
         for i, (b, n) in enumerate(zip(mbs, counts)):
-            model.set_requires_gradient_sync(i == len(mbs) - 1)
+            model.set_requires_gradient_sync(i == len(mbs) - 1 or args.wrong == "always_sync")
             out = model(**b)
             loss = out.loss * n / total * dist.get_world_size()
             if args.wrong == "local_count":

@@ -352,3 +352,23 @@ def test_a_declared_sequence_mean_is_judged_against_its_own_reference() -> None:
     assert not audit.verdict().passed
     with pytest.raises(ValueError, match="the audit judges token_mean"):
         audit.verdict(objective="median")
+
+
+def test_a_mesh_that_is_not_data_parallel_is_refused_with_its_reason() -> None:
+    """Parameters on a (dp, tp) mesh: the tp ranks share a batch, so the audit refuses and names the mesh; its
+    controls are a dp_replicate x dp_shard mesh over every rank and a plain model, which it judges."""
+    from harness.audit.watcher import mesh_refusal
+
+    def on(names: tuple[str, ...], shape: tuple[int, ...]) -> nn.Module:
+        model = nn.Linear(2, 2, bias=False, device="meta")  # no draw from the global generator
+        mesh = SimpleNamespace(mesh_dim_names=names, shape=shape, ndim=len(shape), size=lambda: int(torch.tensor(shape)
+                                                                                                  .prod()))
+        model.weight.device_mesh = mesh  # type: ignore[attr-defined]
+        return model
+
+    said = mesh_refusal(on(("dp", "tp"), (2, 2)), world=4)
+    assert said is not None and "device mesh (dp=2 x tp=2) over 4 of 4 ranks" in said
+    assert "python -m harness battery --recipe ... --mesh" in said
+    assert mesh_refusal(on(("dp_replicate", "dp_shard"), (2, 2)), world=4) is None
+    assert "over 2 of 4 ranks" in str(mesh_refusal(on(("dp_shard",), (2,)), world=4))
+    assert mesh_refusal(nn.Flatten(), world=4) is None
