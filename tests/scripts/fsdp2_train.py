@@ -1,12 +1,13 @@
 """A plain PyTorch FSDP2 training script, written as a user writes one, for the audit to run unchanged:
-``torchrun --nproc-per-node 2 fsdp2_train.py [--wrong local_count|always_sync] [--hsdp]``. A small causal LM of two
-residual blocks called the Hugging Face way, each block and then the root sharded with ``fully_shard``, a
-DistributedSampler over rows of different lengths, a padding collator, and two microbatches per step with gradient sync off for the first
-(``set_requires_gradient_sync(False)``) and on for the last. Right: each microbatch's loss sum divided by the step's
-token count all-reduced over the ranks, times the world size (FSDP2 averages over the ranks). ``--wrong local_count``:
-divided by the rank's own count instead (a mean of local means); ``always_sync``: gradient sync left on for both
-microbatches (the gradient is right, the reduce-scatters doubled). ``--hsdp``: sharded over a 2-D device mesh
-(dp_replicate=1 x dp_shard=W)."""
+``torchrun --nproc-per-node 2 fsdp2_train.py [--wrong local_count|always_sync] [--hsdp]``.
+
+A small causal LM of two residual blocks called the Hugging Face way, each block and then the root sharded with
+``fully_shard``, a DistributedSampler over rows of different lengths, a padding collator, and two microbatches per
+step with gradient sync off for the first (``set_requires_gradient_sync(False)``) and on for the last. Right: each
+microbatch's loss sum divided by the step's token count all-reduced over the ranks, times the world size (FSDP2
+averages over the ranks). ``--wrong local_count``: divided by the rank's own count instead (a mean of local means);
+``always_sync``: gradient sync left on for both microbatches (the gradient is right, the reduce-scatters doubled).
+``--hsdp``: sharded over a 2-D device mesh (dp_replicate=1 x dp_shard=W)."""
 
 import argparse
 from types import SimpleNamespace
