@@ -1,7 +1,8 @@
 """A transformers ``Trainer`` script, written as its documentation shows, for the audit to run unchanged:
 ``torchrun --nproc-per-node 2 trainer_train.py [--local-average]``. A Llama built from a config, rows of different
 lengths padded by a collator, two microbatches of accumulation. ``--local-average`` sets
-``average_tokens_across_devices=False`` (each rank's tokens averaged alone: a mean of local means)."""
+``average_tokens_across_devices=False`` (each rank's tokens averaged alone: a mean of local means);
+``--max-grad-norm X`` sets the Trainer's clip (default 1.0, the Trainer's own)."""
 
 import argparse
 import tempfile
@@ -24,6 +25,7 @@ def collate(rows):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local-average", action="store_true")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": torch.randint(1, 32, (int(n),), generator=g).tolist()}
@@ -34,7 +36,8 @@ def main():
     training = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2,
                                  gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, use_cpu=True,
                                  report_to="none", save_strategy="no", logging_strategy="no",
-                                 average_tokens_across_devices=not args.local_average)
+                                 average_tokens_across_devices=not args.local_average,
+                                 max_grad_norm=args.max_grad_norm)
     Trainer(model=model, args=training, train_dataset=data, data_collator=collate).train()
 
 
