@@ -18,6 +18,7 @@ gives.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import math
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from torch import nn
 
 from harness.audit.options import LABELS_HELP, check_labels, objective_parts
 from harness.audit.record import Call, Record, unreplayable
+from harness.battery.prepare.bf16 import NOISE_MULTIPLE, SEPARATION, relative_l2
 from harness.core import objectives as ob
 from harness.core.compare import compare, tolerances
 from harness.core.formats import HARNESS, logits_of
@@ -249,22 +251,67 @@ def evidence(audit: Record, others: Sequence[Record] = (), *, objective: str = "
                 for k, w in enumerate(rec.windows)] for r, rec in enumerate(ranks)]
     return Evidence(windows=windows, records=records, model=convention, mesh=Mesh.data_parallel(len(ranks)),
                     references=references, reference_starts=[w.start for w in audit.windows], reference_norms=norms,
-                    max_norm=max_norm, objective=declared, precision="fp32",
+                    max_norm=max_norm, objective=declared,
+                    precision="bf16" if any(w.autocast for w in audit.windows) else "fp32",
                     recipe=f"the script's {type(audit.model).__name__}", scenario="its own data",
                     strategy="fsdp2" if audit.strategy == "fsdp2" else "ddp")
 
 
 def _reference(convention: ScriptModel, start: torch.Tensor, per_rank: Sequence[Sequence[Microbatch]],
-               objective: ob.Objective) -> Reference | None:
-    """The declared objective's gradient over every rank's calls at the flat weights ``start``, in float64."""
+               objective: ob.Objective, dtype: torch.dtype = torch.float64) -> Reference | None:
+    """The declared objective's gradient over every rank's calls at the flat weights ``start``, in ``dtype``."""
     if sum(mb.supervised for mbs in per_rank for mb in mbs) == 0:
         return None
-    model = model_at(convention, start, torch.float64)
+    model = model_at(convention, start, dtype)
     ref = reference_gradient(model, per_rank, convention.loss_sum, objective=None if objective.plain else objective,
                              terms_of=None if objective.plain else
                              (lambda m, mb: terms(convention, objective, None, m, mb)))
     return Reference(gradient=ref.gradient.to(start.dtype), loss=ref.loss, tokens=ref.tokens,
                      normalizer=ref.normalizer)
+
+
+@dataclass(frozen=True)
+class LowPrecision:
+    """How a window computed under autocast is judged (the battery's bf16 lane, :mod:`harness.battery.prepare.bf16`):
+    the correct computation replayed under the same autocast on one device misses the float64 reference by
+    ``noise`` (relative L2); the window's gradient may miss it by ``bound``, ``NOISE_MULTIPLE`` times that.
+    ``apart``: how far the mean of local means (one process: of per-microbatch means) stands from the reference, in
+    bounds; under ``SEPARATION`` such a mistake could pass."""
+
+    dtype: str
+    noise: float
+    bound: float
+    apart: float
+
+
+def low_precision(ev: Evidence, audit: Record) -> list[LowPrecision | None]:
+    """Per window, its :class:`LowPrecision` where its calls ran under autocast (None elsewhere or without tokens)."""
+    out: list[LowPrecision | None] = []
+    convention = ev.model
+    assert isinstance(convention, ScriptModel)
+    for k, w in enumerate(audit.windows):
+        ref = ev.references[k]
+        if w.autocast is None or ref is None:
+            out.append(None)
+            continue
+        truth = ref.gradient.double() / _clip_factor(ev, k)
+        per_rank = ev.windows[k]
+        dtype = getattr(torch, w.autocast)
+        with torch.autocast("cpu", dtype=dtype):
+            low = _reference(convention, w.start, per_rank, ev.objective, torch.float32)
+        assert low is not None
+        noise = relative_l2(low.gradient, truth)
+        groups = per_rank if len(per_rank) > 1 else [[mb] for mb in per_rank[0]]
+        means = [_reference(convention, w.start, [g], ev.objective) for g in groups]
+        local = torch.stack([m.gradient.double() for m in means if m is not None]).mean(0)
+        bound = NOISE_MULTIPLE * noise
+        out.append(LowPrecision(w.autocast, noise, bound, relative_l2(local, truth) / bound if bound > 0 else math.inf))
+    return out
+
+
+def _clip_factor(ev: Evidence, k: int) -> float:
+    norm = ev.reference_norms[k] if k < len(ev.reference_norms) else None
+    return 1.0 if ev.max_norm is None or norm is None else min(1.0, ev.max_norm / (norm + 1e-6))
 
 
 def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "token_mean", labels: str = "auto",
@@ -291,22 +338,42 @@ def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "tok
              f"step(s), judged against {ev.objective.describe()}"]
     worst, clipping = None, []
     assert ev.records is not None
+    lows = low_precision(ev, audit) if ev.precision == "bf16" else [None] * len(ev.references)
+    bounds = [lp.bound for lp in lows if lp is not None]
+    if bounds:
+        ev = dataclasses.replace(ev, noise_bound=max(bounds))
+    records = ev.records
+    assert records is not None
+    blind = []
     for k, ref in enumerate(ev.references):
         if ref is None:
             lines.append(f"audit: window {k}: no supervised token, nothing to compare")
             continue
-        for rank, recs in enumerate(ev.records):
+        lp = lows[k]
+        if lp is not None and lp.apart < SEPARATION:
+            blind.append(f"window {k} ran under {lp.dtype} autocast, whose noise ({lp.noise:.3g}) lets a mean of "
+                         f"local means stand only {lp.apart:.2g} bounds from the reference: it would have passed; "
+                         "audit windows whose counts differ more (--unbalance), or judge the step in float32")
+        for rank, recs in enumerate(records):
             grad = recs[k].grad
             assert grad is not None
-            c = compare(grad.float(), ref.gradient.float(), atol=atol, rtol=rtol)
-            where = f"window {k}" + (f", rank {rank}" if len(ev.records) > 1 else "")
-            lines.append(f"audit: {where}: parity {'PASSED' if c.passed else 'FAILED'}: {c.summary()}")
-            if not c.passed and (worst is None or c.worst_ratio > worst[2]):
-                worst = (k, rank, c.worst_ratio)
-            clipping += _clip_line(ev, k, rank, where)
+            where = f"window {k}" + (f", rank {rank}" if len(records) > 1 else "")
+            if lp is None:
+                c = compare(grad.float(), ref.gradient.float(), atol=atol, rtol=rtol)
+                ok, ratio, summary = c.passed, c.worst_ratio, c.summary()
+            else:
+                error = relative_l2(grad, ref.gradient)
+                ok, ratio = error <= lp.bound, error / lp.bound if lp.bound > 0 else math.inf
+                summary = (f"relative L2 error {error:.3g}, bound {lp.bound:.3g} ({ratio:.2g} of it): under "
+                           f"{lp.dtype} autocast, {NOISE_MULTIPLE:g} x the noise {lp.noise:.3g} of the correct "
+                           "computation replayed under the same autocast")
+            lines.append(f"audit: {where}: parity {'PASSED' if ok else 'FAILED'}: {summary}")
+            if not ok and (worst is None or ratio > worst[2]):
+                worst = (k, rank, ratio)
+            clipping += _clip_line(ev, k, rank, where, None if lp is None else lp.bound)
     syncing = _one_sync(audit, others, ev.strategy)
     failed_clips = [line for line in clipping if "FAILED" in line]
-    lines += clipping + syncing + [f"  could not show: {blind}" for blind in blind_spots(ev)]
+    lines += clipping + syncing + [f"  could not show: {spot}" for spot in [*blind_spots(ev), *blind]]
     found = None if worst is None else diagnose(ev, worst[0], worst[1])
     if found is not None:
         lines += [f"  reading ({found.signature.name}): {found.signature.sentence}", f"  fix: {found.fix}"]
@@ -316,8 +383,9 @@ def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "tok
     return AuditVerdict(passed, tuple(lines), found, problems)
 
 
-def _clip_line(ev: Evidence, k: int, rank: int, where: str) -> list[str]:
-    """The norm ``rank``'s clip returned in window ``k`` against the reference's global norm before clipping."""
+def _clip_line(ev: Evidence, k: int, rank: int, where: str, bound: float | None = None) -> list[str]:
+    """The norm ``rank``'s clip returned in window ``k`` against the reference's global norm before clipping (within
+    float32's tolerances, or the relative ``bound`` of a window under autocast)."""
     want = ev.reference_norms[k]
     if ev.max_norm is None or want is None:
         return []
@@ -327,7 +395,7 @@ def _clip_line(ev: Evidence, k: int, rank: int, where: str) -> list[str]:
         return [f"audit: {where}: clipping FAILED: this rank did not call clip_grad_norm_ (max_norm {ev.max_norm:g} "
                 "on another rank)"]
     atol, rtol = tolerances(torch.float32)
-    if abs(got - want) <= atol + rtol * want:
+    if abs(got - want) <= (atol + rtol * want if bound is None else bound * want):
         engaged = "engaged" if want > ev.max_norm else "not engaged"
         return [f"audit: {where}: clipping PASSED: clip_grad_norm_ returned {got:.6g}, the reference's global norm "
                 f"(max_norm {ev.max_norm:g}, {engaged})"]

@@ -48,6 +48,8 @@ class Window:
     clips: list[Clip] = field(default_factory=list)
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """The random generators' states when the window started (``cpu``; ``cuda`` where CUDA is initialized)."""
+    autocast: str | None = None
+    """The autocast dtype the window's calls ran under (``"bfloat16"``, ``"float16"``); None: none."""
 
 
 class Record:
@@ -85,7 +87,8 @@ class Record:
         record.steps, record.refusal = data["steps"], data["refusal"]
         record.problems, record.notes = list(data["problems"]), list(data["notes"])
         record.windows = [Window(w["start"], [Call(tuple(c["args"]), dict(c["kwargs"])) for c in w["calls"]],
-                                 w["grad"], w["syncs"], [Clip(**c) for c in w["clips"]], dict(w["rng"]))
+                                 w["grad"], w["syncs"], [Clip(**c) for c in w["clips"]], dict(w["rng"]),
+                                 w["autocast"])
                           for w in data["windows"]]
         return record
 

@@ -260,11 +260,17 @@ class Audit(Record):
         if self._depth != 0 or self._open is None or _unwrap(module) is not self.model:
             return
         call = Call(plain(tuple(args)), plain(dict(kwargs)))
+        if self._open.autocast is None:
+            self._open.autocast = _autocast()
         self._count(call.nbytes)
         if self._open is not None:
             self._open.calls.append(call)
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.recording and self._open is not None and (dtype := _autocast()) is not None:
+            self.problems.append(f"optimizer.step() ran inside a {dtype} autocast region: autocast caches its casts "
+                                 "of the weights until the region exits, so the next forward in it reads the weights "
+                                 "from before this step; wrap only the forward and the loss in torch.autocast")
         if self.recording and self._open is not None and self.model is not None:
             self._open.grad = flat_grads(self.model)
             self.windows.append(self._open)
@@ -319,6 +325,17 @@ class Audit(Record):
         from harness.audit.evidence import judge
 
         return judge(self, objective=objective, labels=labels)
+
+
+def _autocast() -> str | None:
+    """The dtype autocast computes in right now, on any device type (None: off)."""
+    for device in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+        except (RuntimeError, ValueError):  # a device type this build does not know
+            continue
+    return None
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -205,14 +206,16 @@ def gpt_windows(seed: int = 7, balanced: bool = False) -> list[list[tuple[torch.
 
 
 def gpt_train(model: nn.Module, windows: list[list[tuple[torch.Tensor, torch.Tensor]]], mistake: str | None = None,
-              clip: float | None = None) -> None:
+              clip: float | None = None, autocast: bool = False) -> None:
     """nanoGPT's loop: ``mistake`` ``accumulation_mean`` is its own ``loss / gradient_accumulation_steps``; with
-    ``clip``, ``clip_grad_norm_`` over every parameter (``per_tensor``: each tensor clipped alone)."""
+    ``clip``, ``clip_grad_norm_`` over every parameter (``per_tensor``: each tensor clipped alone); ``autocast``: each
+    forward under bf16 autocast, as nanoGPT's ``ctx``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for mbs in windows:
         total = sum(int((y != -1).sum()) for _, y in mbs)
         for x, y in mbs:
-            _, loss = model(x, y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                _, loss = model(x, y)
             loss = loss / len(mbs) if mistake == "accumulation_mean" else loss * int((y != -1).sum()) / total
             loss.backward()
         if clip is not None:
@@ -372,3 +375,24 @@ def test_a_mesh_that_is_not_data_parallel_is_refused_with_its_reason() -> None:
     assert mesh_refusal(on(("dp_replicate", "dp_shard"), (2, 2)), world=4) is None
     assert "over 2 of 4 ranks" in str(mesh_refusal(on(("dp_shard",), (2,)), world=4))
     assert mesh_refusal(nn.Flatten(), world=4) is None
+
+
+def test_a_loop_under_bf16_autocast_is_judged_by_the_noise_of_its_own_replay() -> None:
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` fixed float32 tolerances would fail the right loop; the
+    bound is 4x the noise of the correct computation replayed under the same autocast. The right loop passes with the
+    bound printed; nanoGPT's loss / gradient_accumulation_steps over unbalanced microbatches fails it."""
+    def under_autocast(mistake: str | None) -> Any:
+        with watch(windows=2) as audit:
+            gpt_train(GPTLike(), gpt_windows(), mistake=mistake, autocast=True)
+        return audit.verdict()
+
+    right = under_autocast(None)
+    assert right.passed, str(right)
+    assert 2 == str(right).count("under bfloat16 autocast, 4 x the noise"), str(right)
+    assert "could not show: window 1 ran under bfloat16 autocast" in str(right)  # its microbatches: 14 and 14
+    with watch(windows=2) as audit, torch.autocast("cpu", dtype=torch.bfloat16):  # the whole loop: a stale cache
+        gpt_train(GPTLike(), gpt_windows())
+    assert "problem: optimizer.step() ran inside a bfloat16 autocast region" in str(audit.verdict())
+    assert not audit.verdict().passed
+    wrong = under_autocast("accumulation_mean")
+    assert not wrong.passed and "parity FAILED: relative L2 error" in str(wrong), str(wrong)
