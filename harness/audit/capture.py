@@ -26,6 +26,7 @@ LABELS_ENV = "HARNESS_AUDIT_LABELS"
 OBJECTIVE_ENV = "HARNESS_AUDIT_OBJECTIVE"
 UNBALANCE_ENV = "HARNESS_AUDIT_UNBALANCE"
 MAX_MB_ENV = "HARNESS_AUDIT_MAX_CAPTURE_MB"
+MODEL_ENV = "HARNESS_AUDIT_MODEL"
 VERDICT = "verdict.json"
 
 
@@ -70,7 +71,7 @@ def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
         try:  # whatever happens here, rank 0 still answers the others: no rank waits on it until the deadline
             others = [Record.from_plain(p) for p in plain_records[1:]]
             verdict = judge(audit, others, objective=os.environ.get(OBJECTIVE_ENV, "token_mean"),
-                            labels=os.environ.get(LABELS_ENV, "auto"))
+                            labels=os.environ.get(LABELS_ENV, "auto"), model=os.environ.get(MODEL_ENV) or None)
             return {"passed": verdict.passed, "lines": list(verdict.lines)}
         except Exception as exc:
             return {"passed": False, "lines": [f"audit: not judged: judging the record failed: "
@@ -106,5 +107,5 @@ def start() -> None:
     handles += install(audit, stepped)
 
 
-__all__ = ["CONTINUE_ENV", "DIR_ENV", "LABELS_ENV", "MAX_MB_ENV", "OBJECTIVE_ENV", "SKIP_ENV", "UNBALANCE_ENV",
-           "VERDICT", "WINDOWS_ENV", "exchange", "finish", "start"]
+__all__ = ["CONTINUE_ENV", "DIR_ENV", "LABELS_ENV", "MAX_MB_ENV", "MODEL_ENV", "OBJECTIVE_ENV", "SKIP_ENV",
+           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "exchange", "finish", "start"]

@@ -87,12 +87,21 @@ class ScriptModel:
     the CPU, dropout off, in train mode, called as the script called it; the loss sum of the aligned labels."""
 
     template: nn.Module
+    buffers: tuple[torch.Tensor, ...] = ()
+    """The script's model's buffers when the first window started (a template built on the meta device has none)."""
     path: str | None = None
     batch_format: str = HARNESS
 
     def build(self) -> nn.Module:
         model = copy.deepcopy(self.template)
-        model = model.to_empty(device="cpu") if any(p.is_meta for p in model.parameters()) else model.to("cpu")
+        meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        model = model.to_empty(device="cpu") if meta else model.to("cpu")
+        own = list(model.buffers())
+        if len(own) == len(self.buffers):
+            with torch.no_grad():
+                for mine, theirs in zip(own, self.buffers):
+                    if mine.shape == theirs.shape:
+                        mine.copy_(theirs)
         model = disable_dropout(model)
         model.train()
         return model
@@ -146,13 +155,7 @@ def read_labels(call: Call, labels: str = "auto") -> tuple[torch.Tensor, str]:
         return raw.long().masked_fill(raw < 0, IGNORE_INDEX), ("the targets the model is given, aligned (negative "
                                                                "ignored)")
     if ":" in labels:
-        module, _, name = labels.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            msg = f"--labels {labels}: cannot import it ({exc}); give PKG.MODULE:FN, a function of (args, kwargs)"
-            raise ValueError(msg) from None
-        raw = fn(args, kwargs)
+        raw = imported(labels, "--labels", "a function of (args, kwargs)")(args, kwargs)
         if not _int_tensor(raw) or raw.dim() != 2:
             msg = f"--labels {labels} returned {type(raw).__name__}; it must return the aligned labels, an int [B, T]"
             raise ValueError(msg)
@@ -164,6 +167,25 @@ def read_labels(call: Call, labels: str = "auto") -> tuple[torch.Tensor, str]:
         raise ValueError(msg)
     msg = f"--labels {labels!r}: give auto, hf, aligned or PKG.MODULE:FN"  # pragma: no cover (check_labels)
     raise ValueError(msg)
+
+
+def imported(spec: str, option: str, what: str) -> Any:
+    """``PKG.MODULE:ATTR``'s object. ValueError naming ``option``, the value and what it must be."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        msg = f"{option} {spec}: cannot import it ({exc}); give PKG.MODULE:ATTR, {what}"
+        raise ValueError(msg) from None
+
+
+def model_from(spec: str) -> nn.Module:
+    """``--model PKG.MODULE:FACTORY``'s model: the factory called with no argument (an nn.Module class is one)."""
+    model = imported(spec, "--model", "a zero-argument callable returning the script's model")()
+    if not isinstance(model, nn.Module):
+        msg = f"--model {spec} returned {type(model).__name__}, not a torch.nn.Module"
+        raise ValueError(msg)
+    return model
 
 
 def microbatch(call: Call, labels: str = "auto") -> CallBatch:
@@ -228,7 +250,7 @@ def evidence(audit: Record, others: Sequence[Record] = (), *, objective: str = "
         msg = f"the ranks recorded {[len(r.windows) for r in ranks]} windows: they did not step together"
         raise ValueError(msg)
     declared = objective_of(objective)
-    convention = ScriptModel(template if template is not None else audit.model)
+    convention = ScriptModel(template if template is not None else audit.model, tuple(audit.windows[0].buffers))
     windows: list[list[list[Microbatch]]] = []
     references: list[Reference | None] = []
     norms: list[float | None] = []
@@ -315,9 +337,10 @@ def _clip_factor(ev: Evidence, k: int) -> float:
 
 
 def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "token_mean", labels: str = "auto",
-          template: nn.Module | None = None) -> AuditVerdict:
+          template: nn.Module | None = None, model: str | None = None) -> AuditVerdict:
     """Each audited window's gradient on every rank against its reference, and each clip's norm; the worst failing
-    window read by the diagnosis."""
+    window read by the diagnosis. The reference's model is a copy of ``template`` (default: the script's model as
+    the watch found it, or as it was before ``fully_shard``), or of what ``model``, ``PKG.MODULE:FACTORY``, builds."""
     objective_of(objective)  # bad arguments raise (ValueError naming the choices); a record that cannot be read is
     check_labels(labels)     # a verdict that says so
     ranks = (audit, *others)
@@ -328,6 +351,8 @@ def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "tok
     try:
         if refusal is not None:
             raise ValueError(refusal)
+        if isinstance(model, str):
+            template = model_from(model)
         ev = evidence(audit, others, objective=objective, labels=labels, template=template)
     except (ValueError, TypeError, RuntimeError) as exc:
         return AuditVerdict(False, (f"audit: not judged: {exc}", *(f"  note: {n}" for n in notes)),
@@ -417,7 +442,8 @@ def blind_spots(ev: Evidence) -> list[str]:
     if ev.world_size > 1 and all(len(set(counts)) == 1 for counts in per_rank):
         out.append(f"every rank held the same token count in every audited window ({per_rank[0][0]} in window 0), so "
                    f"a mean of local means would have passed; {show}")
-    if any(len(counts) > 1 for counts in per_mb) and all(len(set(counts)) == 1 for counts in per_mb):
+    several = any(len(mbs) > 1 for window in ev.windows for mbs in window)  # else the line above says it
+    if several and all(len(set(counts)) == 1 for counts in per_mb):
         out.append(f"every microbatch held the same token count ({per_mb[0][0]} in window 0), so a mean per "
                    f"microbatch would have passed; {show}")
     return out
@@ -437,5 +463,17 @@ def _one_sync(audit: Record, others: Sequence[Record], strategy: str) -> list[st
     return out
 
 
-__all__ = ["LABELS_HELP", "AuditVerdict", "CallBatch", "ScriptModel", "blind_spots", "evidence", "judge",
-           "microbatch", "objective_of", "read_labels"]
+__all__ = [
+    "LABELS_HELP",
+    "AuditVerdict",
+    "CallBatch",
+    "ScriptModel",
+    "blind_spots",
+    "evidence",
+    "imported",
+    "judge",
+    "microbatch",
+    "model_from",
+    "objective_of",
+    "read_labels",
+]

@@ -50,6 +50,8 @@ class Window:
     """The random generators' states when the window started (``cpu``; ``cuda`` where CUDA is initialized)."""
     autocast: str | None = None
     """The autocast dtype the window's calls ran under (``"bfloat16"``, ``"float16"``); None: none."""
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    """The model's buffers when the window started, in ``buffers()`` order (rotary tables, normalization statistics)."""
 
 
 class Record:
@@ -88,7 +90,7 @@ class Record:
         record.problems, record.notes = list(data["problems"]), list(data["notes"])
         record.windows = [Window(w["start"], [Call(tuple(c["args"]), dict(c["kwargs"])) for c in w["calls"]],
                                  w["grad"], w["syncs"], [Clip(**c) for c in w["clips"]], dict(w["rng"]),
-                                 w["autocast"])
+                                 w["autocast"], list(w["buffers"]))
                           for w in data["windows"]]
         return record
 

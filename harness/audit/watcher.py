@@ -246,7 +246,8 @@ class Audit(Record):
                     rng = {"cpu": torch.get_rng_state()}
                     if torch.cuda.is_available() and torch.cuda.is_initialized():
                         rng["cuda"] = torch.cuda.get_rng_state()
-                    self._open = Window(flat_weights(model), rng=rng)
+                    self._open = Window(flat_weights(model), rng=rng,
+                                        buffers=[_whole(b).cpu().clone() for b in model.buffers()])
                     self._count(self._open.start.numel() * self._open.start.element_size() * 2)
                 synced = _syncs(module, model)
                 if self.strategy is None and synced is not None:
@@ -320,11 +321,12 @@ class Audit(Record):
             self.problems.append("--unbalance found no batch to mask: it masks the labels of the dict batches a "
                                  "torch DataLoader yields (a 'labels' tensor [B, T])")
 
-    def verdict(self, objective: str = "token_mean", labels: str = "auto") -> Any:
-        """The audit's verdict (:class:`harness.audit.evidence.AuditVerdict`)."""
+    def verdict(self, objective: str = "token_mean", labels: str = "auto", model: str | None = None) -> Any:
+        """The audit's verdict (:class:`harness.audit.evidence.AuditVerdict`): ``objective`` and ``labels`` as the
+        command's options; ``model``, ``PKG.MODULE:FACTORY``, builds the reference's model."""
         from harness.audit.evidence import judge
 
-        return judge(self, objective=objective, labels=labels)
+        return judge(self, objective=objective, labels=labels, model=model)
 
 
 def _autocast() -> str | None:

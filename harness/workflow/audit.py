@@ -40,6 +40,9 @@ def add_parser(sub: Any) -> None:
                    help="what each window's gradient must be the gradient of: token_mean (default), sequence_mean, "
                    "or fixed_normalizer=C")
     p.add_argument("--labels", default="auto", metavar="auto|hf|aligned|PKG.MODULE:FN", help=LABELS_HELP)
+    p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                   help="builds the reference's model (default: a copy of the script's own, taken before fully_shard "
+                   "under FSDP2); its weights are the window's")
     p.add_argument("--unbalance", nargs="?", type=int, const=0, default=None, metavar="SEED",
                    help="mask a drawn suffix of each row's supervised labels (-100) in the batches the script's "
                    "DataLoaders yield until the audited windows end, so that counts differ across ranks and "
@@ -71,6 +74,8 @@ def _command(args: argparse.Namespace) -> list[str]:
     try:
         objective_parts(args.objective)
         check_labels(args.labels)
+        if args.model is not None and not all(args.model.partition(":")[::2]):
+            raise ValueError(f"--model {args.model!r}: give PKG.MODULE:FACTORY, a zero-argument callable")
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     return cmd
@@ -86,7 +91,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
         env.update({capture.DIR_ENV: folder, capture.WINDOWS_ENV: str(args.windows),
                     capture.SKIP_ENV: str(args.skip), capture.OBJECTIVE_ENV: args.objective,
-                    capture.LABELS_ENV: args.labels, capture.MAX_MB_ENV: str(args.max_capture_mb)})
+                    capture.LABELS_ENV: args.labels, capture.MAX_MB_ENV: str(args.max_capture_mb),
+                    capture.MODEL_ENV: args.model or ""})
         if args.unbalance is not None:
             env[capture.UNBALANCE_ENV] = str(args.unbalance)
         if args.go_on:

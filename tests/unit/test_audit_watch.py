@@ -396,3 +396,17 @@ def test_a_loop_under_bf16_autocast_is_judged_by_the_noise_of_its_own_replay() -
     assert not audit.verdict().passed
     wrong = under_autocast("accumulation_mean")
     assert not wrong.passed and "parity FAILED: relative L2 error" in str(wrong), str(wrong)
+
+
+def not_a_model() -> str:
+    return "a string"
+
+
+def test_a_model_factory_builds_the_reference_and_a_bad_one_is_named() -> None:
+    """``model="pkg.mod:factory"`` builds the reference's model (its weights are the window's); a factory that does
+    not return a module, and one that does not import, are named and not judged."""
+    with watch(windows=1) as audit:
+        train(HFLike(), WINDOWS, right=True)
+    assert audit.verdict(model=f"{__name__}:HFLike").passed
+    assert "returned str, not a torch.nn.Module" in str(audit.verdict(model=f"{__name__}:not_a_model"))
+    assert "--model nowhere:at_all: cannot import it" in str(audit.verdict(model="nowhere:at_all"))
