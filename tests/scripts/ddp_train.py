@@ -5,9 +5,11 @@ under ``no_sync()``. Right: each microbatch's loss sum divided by the step's tok
 times the world size. ``--wrong local_count``: divided by the rank's own count instead (a mean of local means);
 ``accumulation_mean``: each microbatch's mean loss divided by the accumulation steps; ``never_no_sync``: both
 microbatches synchronize (the gradient is right, the traffic doubled). ``--balanced``: every row 16 tokens long,
-every token supervised (packed data: every rank and microbatch holds the same count)."""
+every token supervised (packed data: every rank and microbatch holds the same count). ``--device cuda --backend
+nccl``: each rank on its local rank's GPU (modulo the GPUs there are: two ranks may share one over gloo)."""
 
 import argparse
+import os
 from types import SimpleNamespace
 
 import torch
@@ -49,20 +51,26 @@ def main():
     parser.add_argument("--wrong", choices=["local_count", "accumulation_mean", "never_no_sync"], default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--balanced", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="gloo")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
+    device = args.device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     lengths = torch.full((64,), 16) if args.balanced else torch.randint(3, 40, (64,), generator=g)
     data = [torch.randint(1, 32, (int(n),), generator=g) for n in lengths]
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=True, seed=0), collate_fn=collate)
-    model = DDP(TinyLM())
+    model = DDP(TinyLM().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = iter(loader)
     for _ in range(args.steps):
-        mbs = [next(batches), next(batches)]
+        mbs = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(2)]
         counts = [int((b["labels"][:, 1:] != -100).sum()) for b in mbs]
-        total = torch.tensor(sum(counts))
+        total = torch.tensor(sum(counts), device=device)
         if args.wrong != "local_count":
             dist.all_reduce(total)
         for i, (b, n) in enumerate(zip(mbs, counts)):

@@ -3,9 +3,13 @@
 returning ``(logits, loss)``, rows from a random token stream with a drawn suffix of each target row ignored (-1), two
 micro-steps per step under DDP with ``require_backward_grad_sync`` set on the last, clipping, AdamW. Right: each
 micro-step's mean loss times its token count, over the step's count all-reduced over the ranks, times the world size.
-``--wrong accumulation_mean``: nanoGPT's ``loss / gradient_accumulation_steps``; ``local_count``: its own count."""
+``--wrong accumulation_mean``: nanoGPT's ``loss / gradient_accumulation_steps``; ``local_count``: its own count.
+``--device cuda --backend nccl``: each rank on its local rank's GPU, the forward under bf16 autocast (nanoGPT's
+``ctx``)."""
 
 import argparse
+import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -75,9 +79,17 @@ def main():
     parser.add_argument("--wrong", choices=["accumulation_mean", "local_count"], default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="gloo")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = args.device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    device_type = "cuda" if "cuda" in device else "cpu"
+    ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type=device_type, dtype=torch.bfloat16)
     gradient_accumulation_steps, batch_size, grad_clip = 2, 4, args.grad_clip
     config, T = GPTConfig(), GPTConfig.block_size
     g = torch.Generator().manual_seed(1000 + rank)
@@ -87,20 +99,21 @@ def main():
         ix = torch.randint(len(data) - T - 1, (batch_size,), generator=g)
         x, y = (torch.stack([data[i + o : i + o + T] for i in ix]) for o in (0, 1))
         keep = torch.randint(4, T + 1, (batch_size, 1), generator=g)
-        return x, y.masked_fill(torch.arange(T) >= keep, -1)
+        return x.to(device), y.masked_fill(torch.arange(T) >= keep, -1).to(device)
 
     torch.manual_seed(0)
-    model = DDP(GPT(config))
+    model = DDP(GPT(config).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(args.steps):
         batches = [get_batch() for _ in range(gradient_accumulation_steps)]
         counts = [int((Y != -1).sum()) for _, Y in batches]
-        total = torch.tensor(sum(counts))
+        total = torch.tensor(sum(counts), device=device)
         if args.wrong is None:
             dist.all_reduce(total)
         for micro_step, ((X, Y), n_mb) in enumerate(zip(batches, counts)):
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
-            logits, loss = model(X, Y)  # noqa: RUF059
+            with ctx:
+                logits, loss = model(X, Y)  # noqa: RUF059
             if args.wrong == "accumulation_mean":
                 loss = loss / gradient_accumulation_steps
             elif args.wrong == "local_count":
