@@ -335,8 +335,23 @@ def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
     return lambda data: fn(data, *args)
 
 
+def _audit_table(d: Any) -> str:
+    """The audit benchmark's table: each script alone, audited, and the overhead."""
+    rows = ["| script | alone (median) | audited (median) | overhead |", "| --- | --- | --- | --- |"]
+    for script, f in d["figures"].items():
+        alone, audited = fixed(f["script_alone"]["median_s"], 2), fixed(f["audited"]["median_s"], 2)
+        rows.append(f"| `{script}` | {alone} s | {audited} s | +{fixed(f['overhead_s'], 2)} s ({fixed(f['ratio'], 2)}x) |")
+    return "\n".join(rows)
+
+
+def _audit_span(d: Any) -> dict[str, str]:
+    overheads = [f["overhead_s"] for f in d["figures"].values()]
+    return {"low": fixed(min(overheads), 1), "high": fixed(max(overheads), 1)}
+
+
 README = "README.md"
 BATTERY = "docs/battery.md"
+AUDIT = "docs/audit.md"
 FSDP2 = "docs/fsdp2-bf16-clipping.md"
 
 REGISTRY: tuple[Figure, ...] = (
@@ -361,6 +376,13 @@ REGISTRY: tuple[Figure, ...] = (
            _one("table", lambda d: str(_benchmark("library_table").markdown(d)))),
     Figure(README, "the whole battery takes {s} s on 2 CPU cores (median, `python benchmarks/resume_bench.py`",
            "resume_battery.json", _one("s", lambda d: fixed(d["median_battery_s"], 1))),
+
+    # the audit: README.md and docs/audit.md
+    Figure(README, "On the tests' scripts the audit adds {low}-{high} s to the script's own two steps", "audit.json",
+           _audit_span),
+    Figure(AUDIT, "start-up is included in both. {table:table} Every verdict came within {within} s", "audit.json",
+           lambda d: {"table": _audit_table(d), "within": str(math.ceil(max(f["audited"]["range_s"][1]
+                                                                           for f in d["figures"].values())))}),
 
     # docs/battery.md
     Figure(BATTERY, "{correct} s for the correct recipe; a recipe whose module imports `matplotlib.pyplot` "

@@ -26,6 +26,7 @@ def collate(rows):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--as-documented", action="store_true")
+    parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     accum = 2
     accelerator = Accelerator(gradient_accumulation_steps=accum, cpu=True)
@@ -38,7 +39,7 @@ def main():
     loader = DataLoader(data, batch_size=2, shuffle=True, collate_fn=collate)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     batches = iter(loader)
-    for _ in range(4):
+    for _ in range(args.steps):
         window = [next(batches) for _ in range(accum)]
         counts = [(b["labels"][:, 1:] != -100).sum() for b in window]
         total = accelerator.reduce(torch.stack(counts).sum(), reduction="sum")

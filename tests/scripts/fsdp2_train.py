@@ -10,6 +10,7 @@ averages over the ranks). ``--wrong local_count``: divided by the rank's own cou
 ``--hsdp``: sharded over a 2-D device mesh (dp_replicate=1 x dp_shard=W)."""
 
 import argparse
+import gc
 from types import SimpleNamespace
 
 import torch
@@ -97,7 +98,8 @@ def main():
             loss.backward()
         opt.step()
         opt.zero_grad()
-    del model, opt
+    del model, opt, batches, loader
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local-average", action="store_true")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": torch.randint(1, 32, (int(n),), generator=g).tolist()}
@@ -34,7 +35,7 @@ def main():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
     training = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2,
-                                 gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, use_cpu=True,
+                                 gradient_accumulation_steps=2, max_steps=args.steps, learning_rate=1e-3, use_cpu=True,
                                  report_to="none", save_strategy="no", logging_strategy="no",
                                  average_tokens_across_devices=not args.local_average,
                                  max_grad_norm=args.max_grad_norm)
