@@ -340,7 +340,8 @@ def _audit_table(d: Any) -> str:
     rows = ["| script | alone (median) | audited (median) | overhead |", "| --- | --- | --- | --- |"]
     for script, f in d["figures"].items():
         alone, audited = fixed(f["script_alone"]["median_s"], 2), fixed(f["audited"]["median_s"], 2)
-        rows.append(f"| `{script}` | {alone} s | {audited} s | +{fixed(f['overhead_s'], 2)} s ({fixed(f['ratio'], 2)}x) |")
+        over = f"+{fixed(f['overhead_s'], 2)} s ({fixed(f['ratio'], 2)}x)"
+        rows.append(f"| `{script}` | {alone} s | {audited} s | {over} |")
     return "\n".join(rows)
 
 
