@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import gc
 import importlib.abc
 import importlib.machinery
 import sys
@@ -49,145 +48,25 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from harness.audit.models import (
+    autocast_dtype,
+    dropout_off,
+    flat_grads,
+    flat_weights,
+    mask_suffixes,
+    mesh_refusal,
+    on_meta,
+    root_of,
+    synchronizes,
+    unwrap,
+    whole,
+)
 from harness.audit.record import Call, Clip, Record, Window, plain
-from harness.core.microbatch import IGNORE_INDEX
-from harness.model import DROPOUT_SUFFIXES
 
 PATCHED = (("torch.nn.utils", "", "clip_grad_norm_"), ("torch.nn.utils.clip_grad", "", "clip_grad_norm_"),
            ("torch.distributed.fsdp", "", "fully_shard"),
            ("torch.utils.data.dataloader", "_BaseDataLoaderIter", "__next__"))
 """The functions the watch wraps while it is active: (module, class in it or "", attribute)."""
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    inner = getattr(module, "module", None)
-    return inner if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel" else module
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)  # a DTensor (FSDP2, tp): gathered whole, a collective every rank enters
-    return (full() if callable(full) else t).detach()
-
-
-def flat_weights(model: nn.Module) -> torch.Tensor:
-    """Every parameter, whole, in ``parameters()`` order: one flat CPU vector."""
-    return torch.cat([_whole(p).reshape(-1).cpu() for p in model.parameters()])
-
-
-def flat_grads(model: nn.Module) -> torch.Tensor:
-    """Every parameter's gradient, whole (zeros where it has none), in ``parameters()`` order: one flat CPU vector."""
-    return torch.cat([(_whole(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)).reshape(-1)
-                      .cpu() for p in model.parameters()])
-
-
-def _syncs(called: nn.Module, model: nn.Module) -> bool | None:
-    """Whether this call's backward synchronizes the gradient: DDP's flag, FSDP2's per param group; None where the
-    model is wrapped by neither."""
-    if called is not model:
-        return bool(getattr(called, "require_backward_grad_sync", True))
-    for m in model.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        if callable(state):
-            groups = getattr(state(), "_fsdp_param_groups", None) or []
-            if groups:
-                return bool(groups[0].reduce_grads)
-    return None
-
-
-def _parent_of(module: nn.Module) -> nn.Module | None:
-    """A module whose ``_modules`` holds ``module`` (found through the garbage collector's referrers: the
-    ``_modules`` dict, the parent's instance dict, the parent)."""
-    for holder in gc.get_referrers(module):
-        if not isinstance(holder, dict):
-            continue
-        for owner in gc.get_referrers(holder):
-            if isinstance(owner, nn.Module) and owner.__dict__.get("_modules") is holder:
-                return owner
-            if isinstance(owner, dict) and owner.get("_modules") is holder:
-                found = next((o for o in gc.get_referrers(owner)
-                              if isinstance(o, nn.Module) and o.__dict__ is owner), None)
-                if found is not None:
-                    return found
-    return None
-
-
-def _root_of(module: nn.Module) -> nn.Module:
-    """The outermost module holding ``module``."""
-    current, seen = module, {id(module)}
-    while (parent := _parent_of(current)) is not None and id(parent) not in seen:
-        seen.add(id(parent))
-        current = parent
-    return current
-
-
-DATA_DIMS = frozenset({"dp", "ddp", "data", "dp_replicate", "dp_shard", "replicate", "shard", "fsdp", "hsdp"})
-"""Device-mesh dimension names the audit reads as data parallel: every rank of them holds its own batch."""
-
-
-def mesh_refusal(model: nn.Module, world: int | None = None) -> str | None:
-    """Why the audit cannot judge a model whose parameters live on a device mesh with a dimension that is not data
-    parallel (:data:`DATA_DIMS`; an unnamed mesh of more than one dimension), or on fewer ranks than the world:
-    there the ranks of a group share a batch (tensor, context or pipeline parallelism), and the reference over every
-    rank's calls would count it more than once. None where it can (DDP, FSDP2, HSDP over every rank)."""
-    import torch.distributed as dist
-
-    if world is None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None:
-            continue
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        data = set(names) <= DATA_DIMS if names else mesh.ndim == 1
-        if data and mesh.size() == world:
-            return None
-        shape = " x ".join(f"{n}={k}" for n, k in zip(names, mesh.shape)) if names else str(tuple(mesh.shape))
-        return (f"the model's parameters live on a device mesh ({shape}) over {mesh.size()} of {world} ranks: the "
-                "audit judges data parallelism over every rank (DDP, FSDP2, HSDP: mesh dimensions named "
-                f"{', '.join(sorted(DATA_DIMS))}), where each rank holds its own batch; judge this step as a recipe "
-                "with the battery (python -m harness battery --recipe ... --mesh ...)")
-    return None
-
-
-def dropout_off(model: nn.Module) -> Callable[[], None]:
-    """Set every dropout probability of ``model`` to 0 (:func:`harness.model.disable_dropout`'s rule); returns the
-    function that restores them. Its ``changed`` attribute counts the probabilities that were not 0."""
-    saved: list[tuple[object, str, float]] = []
-
-    def zero(obj: object, name: str) -> None:
-        value = getattr(obj, name)
-        if isinstance(value, float):
-            saved.append((obj, name, value))
-            setattr(obj, name, 0.0)
-
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            zero(module, "p")
-        for name in [n for n, v in vars(module).items() if isinstance(v, float) and n.endswith(DROPOUT_SUFFIXES)]:
-            zero(module, name)
-    config = getattr(model, "config", None)
-    if config is not None and not isinstance(config, nn.Module):
-        for name in [n for n, v in vars(config).items() if isinstance(v, float) and n.endswith(DROPOUT_SUFFIXES)]:
-            zero(config, name)
-
-    def restore() -> None:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-
-    restore.changed = sum(v != 0.0 for _, _, v in saved)  # type: ignore[attr-defined]
-    return restore
-
-
-def mask_suffixes(labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A copy of ``labels`` [B, T] in which each row keeps a drawn number (1 to all) of its first supervised labels
-    and the rest of them are set to -100."""
-    out = labels.clone()
-    for row in out:
-        where = (row != IGNORE_INDEX).nonzero().flatten()
-        if len(where) > 1:
-            keep = int(torch.randint(1, len(where) + 1, (1,), generator=generator))
-            row[where[keep:]] = IGNORE_INDEX
-    return out
 
 
 class Audit(Record):
@@ -228,7 +107,7 @@ class Audit(Record):
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0 and self.recording:
-            model = _unwrap(module)
+            model = unwrap(module)
             if self.model is None:
                 self.model = model
             if model is self.model:
@@ -247,9 +126,9 @@ class Audit(Record):
                     if torch.cuda.is_available() and torch.cuda.is_initialized():
                         rng["cuda"] = torch.cuda.get_rng_state()
                     self._open = Window(flat_weights(model), rng=rng,
-                                        buffers=[_whole(b).cpu().clone() for b in model.buffers()])
+                                        buffers=[whole(b).cpu().clone() for b in model.buffers()])
                     self._count(self._open.start.numel() * self._open.start.element_size() * 2)
-                synced = _syncs(module, model)
+                synced = synchronizes(module, model)
                 if self.strategy is None and synced is not None:
                     self.strategy = "ddp" if module is not model else "fsdp2"
                 if synced is not None and self._open is not None:
@@ -258,17 +137,17 @@ class Audit(Record):
 
     def _post(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         self._depth -= 1
-        if self._depth != 0 or self._open is None or _unwrap(module) is not self.model:
+        if self._depth != 0 or self._open is None or unwrap(module) is not self.model:
             return
         call = Call(plain(tuple(args)), plain(dict(kwargs)))
         if self._open.autocast is None:
-            self._open.autocast = _autocast()
+            self._open.autocast = autocast_dtype()
         self._count(call.nbytes)
         if self._open is not None:
             self._open.calls.append(call)
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.recording and self._open is not None and (dtype := _autocast()) is not None:
+        if self.recording and self._open is not None and (dtype := autocast_dtype()) is not None:
             self.problems.append(f"optimizer.step() ran inside a {dtype} autocast region: autocast caches its casts "
                                  "of the weights until the region exits, so the next forward in it reads the weights "
                                  "from before this step; wrap only the forward and the loss in torch.autocast")
@@ -289,14 +168,14 @@ class Audit(Record):
               *args: Any, **kwargs: Any) -> Any:
         total = original(parameters, max_norm, norm_type, *args, **kwargs)
         if self._open is not None:
-            self._open.clips.append(Clip(float(max_norm), float(norm_type), float(_whole(total))))
+            self._open.clips.append(Clip(float(max_norm), float(norm_type), float(whole(total))))
         return total
 
     def _shard(self, original: Callable[..., Any], module: Any, *args: Any, **kwargs: Any) -> Any:
         first = module[0] if isinstance(module, (list, tuple)) and module else module
         if self._judges and self.template is None and isinstance(first, nn.Module):
-            root = _root_of(first)
-            self.template = copy.deepcopy(root).to("cpu") if not _on_meta(root) else copy.deepcopy(root)
+            root = root_of(first)
+            self.template = copy.deepcopy(root).to("cpu") if not on_meta(root) else copy.deepcopy(root)
         return original(module, *args, **kwargs)
 
     def _next(self, original: Callable[..., Any], iterator: Any) -> Any:
@@ -327,21 +206,6 @@ class Audit(Record):
         from harness.audit.evidence import judge
 
         return judge(self, objective=objective, labels=labels, model=model)
-
-
-def _autocast() -> str | None:
-    """The dtype autocast computes in right now, on any device type (None: off)."""
-    for device in ("cuda", "cpu", "xpu", "mps"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
-        except (RuntimeError, ValueError):  # a device type this build does not know
-            continue
-    return None
-
-
-def _on_meta(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -452,5 +316,4 @@ def watch(windows: int = 1, skip: int = 0, unbalance: int | None = None,
         audit.report_unbalance()
 
 
-__all__ = ["DATA_DIMS", "PATCHED", "Audit", "dropout_off", "flat_grads", "flat_weights", "install", "mask_suffixes",
-           "mesh_refusal", "patched", "uninstall", "watch"]
+__all__ = ["PATCHED", "Audit", "install", "patched", "uninstall", "watch"]

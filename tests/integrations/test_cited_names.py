@@ -41,6 +41,7 @@ CITED: dict[str, str] = {
     "Trainer._get_num_items_in_batch": "transformers.Trainer._get_num_items_in_batch",
     "TrainingArguments.average_tokens_across_devices": "transformers.TrainingArguments.average_tokens_across_devices",
     "accelerate.Accelerator": "accelerate.Accelerator",
+    "accelerate.commands.launch": "accelerate.commands.launch",
     "Accelerator.accumulate": "accelerate.Accelerator.accumulate",
     "Accelerator.backward": "accelerate.Accelerator.backward",
     "Accelerator.no_sync": "accelerate.Accelerator.no_sync",

@@ -360,7 +360,7 @@ def test_a_declared_sequence_mean_is_judged_against_its_own_reference() -> None:
 def test_a_mesh_that_is_not_data_parallel_is_refused_with_its_reason() -> None:
     """Parameters on a (dp, tp) mesh: the tp ranks share a batch, so the audit refuses and names the mesh; its
     controls are a dp_replicate x dp_shard mesh over every rank and a plain model, which it judges."""
-    from harness.audit.watcher import mesh_refusal
+    from harness.audit.models import mesh_refusal
 
     def on(names: tuple[str, ...], shape: tuple[int, ...]) -> nn.Module:
         model = nn.Linear(2, 2, bias=False, device="meta")  # no draw from the global generator
