@@ -56,11 +56,20 @@ def test_a_failing_script_and_no_command_are_not_judged(tmp_path: Path) -> None:
     assert "boom" in failed.stderr
     missing = audit(cwd=tmp_path)
     assert 2 == missing.returncode and "no command after --" in missing.stderr
-    for option, said in ((("--objective", "median"), "the audit judges token_mean (default), sequence_mean"),
-                         (("--labels", "shifted"), "give auto, hf, aligned or PKG.MODULE:FN"),
-                         (("--max-capture-mb", "0"), "--max-capture-mb=0: give the bound in MB")):
-        bad = audit(*option, "--", sys.executable, "-c", "pass", cwd=tmp_path)
-        assert 2 == bad.returncode and said in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    (("--objective", "median"), "the audit judges token_mean (default), sequence_mean"),
+    (("--labels", "shifted"), "give auto, hf, aligned or PKG.MODULE:FN"),
+    (("--max-capture-mb", "0"), "--max-capture-mb=0: give the bound in MB"),
+    (("--model", "nocolon"), "--model 'nocolon': give PKG.MODULE:FACTORY"),
+])
+def test_bad_options_are_refused_before_the_script_starts(option: tuple[str, ...], said: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.workflow.cli import main
+
+    assert 2 == main(["audit", *option, "--", sys.executable, "-c", "raise SystemExit(9)"])
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.slow
