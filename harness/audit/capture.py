@@ -30,7 +30,7 @@ MODEL_ENV = "HARNESS_AUDIT_MODEL"
 VERDICT = "verdict.json"
 
 
-def _group() -> tuple[int, int] | None:
+def group() -> tuple[int, int] | None:
     """(rank, world size) of the script's default process group; None when it has none."""
     import torch.distributed as dist
 
@@ -43,10 +43,10 @@ def exchange(record: Any, verdict_of: Any) -> dict[str, Any]:
     """Every rank's record to rank 0, ``verdict_of(records)`` there, its verdict back to every rank."""
     import torch.distributed as dist
 
-    group = _group()
-    if group is None or group[1] == 1:
+    found_group = group()
+    if found_group is None or found_group[1] == 1:
         return verdict_of([record.to_plain()])
-    rank, world = group
+    rank, world = found_group
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(record.to_plain(), gathered, dst=0)
     found: list[Any] = [None]
@@ -108,4 +108,4 @@ def start() -> None:
 
 
 __all__ = ["CONTINUE_ENV", "DIR_ENV", "LABELS_ENV", "MAX_MB_ENV", "MODEL_ENV", "OBJECTIVE_ENV", "SKIP_ENV",
-           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "exchange", "finish", "start"]
+           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "exchange", "finish", "group", "start"]

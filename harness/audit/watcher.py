@@ -202,10 +202,32 @@ class Audit(Record):
 
     def verdict(self, objective: str = "token_mean", labels: str = "auto", model: str | None = None) -> Any:
         """The audit's verdict (:class:`harness.audit.evidence.AuditVerdict`): ``objective`` and ``labels`` as the
-        command's options; ``model``, ``PKG.MODULE:FACTORY``, builds the reference's model."""
-        from harness.audit.evidence import judge
+        command's options; ``model``, ``PKG.MODULE:FACTORY``, builds the reference's model.
 
-        return judge(self, objective=objective, labels=labels, model=model)
+        In a process group of more than one rank every rank must call it: the ranks' records meet on rank 0
+        (:func:`harness.audit.capture.exchange`), rank 0 judges them together, and every rank gets the same verdict
+        (its diagnosis object on rank 0 only)."""
+        from harness.audit.capture import exchange, group
+        from harness.audit.evidence import AuditVerdict, judge, objective_of
+        from harness.audit.options import check_labels
+        from harness.audit.record import Record
+
+        objective_of(objective)  # bad arguments raise on every rank, before any rank waits on another
+        check_labels(labels)
+        ranks = group()
+        if ranks is None or ranks[1] == 1:
+            return judge(self, objective=objective, labels=labels, model=model)
+        found = None
+
+        def judged(plains: list[Any]) -> dict[str, Any]:
+            nonlocal found
+            found = judge(self, [Record.from_plain(p) for p in plains[1:]], objective=objective, labels=labels,
+                          model=model)
+            return {"passed": found.passed, "lines": list(found.lines), "problems": list(found.problems)}
+
+        said = exchange(self, judged)
+        return AuditVerdict(said["passed"], tuple(said["lines"]), None if found is None else found.diagnosis,
+                            tuple(said["problems"]))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

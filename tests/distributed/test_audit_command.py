@@ -167,3 +167,46 @@ def test_the_pytest_lane_runs_the_audit_of_a_script(tmp_path: Path) -> None:
     wrong = lane("--wrong", "accumulation_mean")
     assert 1 == wrong.returncode and "reading (per_microbatch_mean)" in wrong.stdout, wrong.stdout
     assert "fix: divide each microbatch's loss sum" in wrong.stdout
+
+
+def _in_code_rank(wrong: bool) -> tuple[bool, str]:
+    """One rank of a DDP loop run some other way than by the command: ``harness.audit.watch`` around it, and
+    ``verdict()`` called on every rank."""
+    import torch
+    import torch.distributed as dist
+    from support.audit_models import HFLike, batch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import harness.audit
+    from harness.core.microbatch import IGNORE_INDEX
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    windows = [[batch([9, 4], 1 + rank), batch([17, 12, 3][: 1 + 2 * rank], 2 + rank)]]
+    with harness.audit.watch(windows=1) as audit:
+        model = DistributedDataParallel(HFLike())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for mbs in windows:
+            counts = [int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs]
+            total = torch.tensor(sum(counts))
+            if not wrong:
+                dist.all_reduce(total)
+            for i, (b, n) in enumerate(zip(mbs, counts)):
+                model.require_backward_grad_sync = i == len(mbs) - 1
+                (model(**b).loss * n / total * (1 if wrong else world)).backward()
+            opt.step()
+    verdict = audit.verdict()
+    return verdict.passed, str(verdict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_in_code_form_judges_every_rank_together(wrong: bool) -> None:
+    """Two ranks started by the harness's launcher, not by the command: each records its own windows, verdict()
+    gathers them on rank 0, and both ranks get the same verdict (right: passed; a local count: the reading)."""
+    from harness.distributed.launcher import launch
+
+    results = launch(_in_code_rank, 2, wrong, deadline=120.0)
+    assert results[0] == results[1], results
+    passed, said = results[0]
+    assert passed is not wrong, said
+    assert "2 rank(s) (DDP)" in said and ("reading (mean_of_local_means)" in said) is wrong
