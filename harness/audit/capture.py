@@ -30,33 +30,6 @@ MODEL_ENV = "HARNESS_AUDIT_MODEL"
 VERDICT = "verdict.json"
 
 
-def group() -> tuple[int, int] | None:
-    """(rank, world size) of the script's default process group; None when it has none."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
-    return None
-
-
-def exchange(record: Any, verdict_of: Any) -> dict[str, Any]:
-    """Every rank's record to rank 0, ``verdict_of(records)`` there, its verdict back to every rank."""
-    import torch.distributed as dist
-
-    found_group = group()
-    if found_group is None or found_group[1] == 1:
-        return verdict_of([record.to_plain()])
-    rank, world = found_group
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(record.to_plain(), gathered, dst=0)
-    found: list[Any] = [None]
-    if rank == 0:
-        assert gathered is not None
-        found[0] = verdict_of(gathered)
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
-
-
 def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
     """The end of the audited windows on this rank: send, judge on rank 0, receive, write, leave."""
     from harness.audit.record import Record
@@ -76,6 +49,8 @@ def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
         except Exception as exc:
             return {"passed": False, "lines": [f"audit: not judged: judging the record failed: "
                                                f"{type(exc).__name__}: {exc}"]}
+
+    from harness.audit.exchange import exchange
 
     found = exchange(audit, verdict_of)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -108,4 +83,4 @@ def start() -> None:
 
 
 __all__ = ["CONTINUE_ENV", "DIR_ENV", "LABELS_ENV", "MAX_MB_ENV", "MODEL_ENV", "OBJECTIVE_ENV", "SKIP_ENV",
-           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "exchange", "finish", "group", "start"]
+           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "finish", "start"]

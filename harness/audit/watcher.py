@@ -205,10 +205,10 @@ class Audit(Record):
         command's options; ``model``, ``PKG.MODULE:FACTORY``, builds the reference's model.
 
         In a process group of more than one rank every rank must call it: the ranks' records meet on rank 0
-        (:func:`harness.audit.capture.exchange`), rank 0 judges them together, and every rank gets the same verdict
+        (:func:`harness.audit.exchange.exchange`), rank 0 judges them together, and every rank gets the same verdict
         (its diagnosis object on rank 0 only)."""
-        from harness.audit.capture import exchange, group
         from harness.audit.evidence import AuditVerdict, judge, objective_of
+        from harness.audit.exchange import exchange, group
         from harness.audit.options import check_labels
         from harness.audit.record import Record
 
