@@ -39,6 +39,12 @@ class Microbatch:
     None where it holds them all, in order (``0 .. T-1``). A model that shards the sequence reads them as
     ``position_ids``."""
 
+    counts: torch.Tensor | None = None
+    """int64 ``[B]``, each row's supervised count in its whole sequence, where the microbatch holds a part of its rows'
+    supervised positions (the diagnosis's block of one cp rank's chunk: :func:`harness.diagnosis.mesh.token_blocks`);
+    None where its labels hold them all. A per-sequence objective divides each row's tokens by it
+    (:func:`harness.core.objectives.coefficients`)."""
+
     def __post_init__(self) -> None:
         for name in ("inputs", "labels"):
             t = getattr(self, name)
@@ -62,6 +68,11 @@ class Microbatch:
             msg = (f"Microbatch.positions must be None or an int64 tensor of the labels' shape [B, T], got "
                    f"{_describe(p)}")
             raise TypeError(msg)
+        c = self.counts
+        if c is not None and (not isinstance(c, torch.Tensor) or c.dtype != torch.int64
+                              or c.shape != self.labels.shape[:1]):
+            msg = f"Microbatch.counts must be None or an int64 tensor [B] (one count per row), got {_describe(c)}"
+            raise TypeError(msg)
 
     @property
     def supervised(self) -> int:
@@ -71,13 +82,15 @@ class Microbatch:
     def to(self, device: torch.device | str) -> Microbatch:
         weights = None if self.weights is None else self.weights.to(device)
         positions = None if self.positions is None else self.positions.to(device)
-        return Microbatch(self.inputs.to(device), self.labels.to(device), weights, positions)
+        counts = None if self.counts is None else self.counts.to(device)
+        return Microbatch(self.inputs.to(device), self.labels.to(device), weights, positions, counts)
 
     def row(self, i: int) -> Microbatch:
         """Row ``i`` alone, as a one-row microbatch (its weights with it)."""
         weights = None if self.weights is None else self.weights[i : i + 1]
         positions = None if self.positions is None else self.positions[i : i + 1]
-        return Microbatch(self.inputs[i : i + 1], self.labels[i : i + 1], weights, positions)
+        counts = None if self.counts is None else self.counts[i : i + 1]
+        return Microbatch(self.inputs[i : i + 1], self.labels[i : i + 1], weights, positions, counts)
 
 
 def _describe(t: object) -> str:

@@ -163,8 +163,9 @@ def coefficients(name: str, mb: Microbatch, weighted: bool = True) -> torch.Tens
     w = mask if mb.weights is None or not weighted else mb.weights.to(torch.float64) * mask
     if name == SEQUENCE_MEAN:
         # Each row's tokens share its one weight: divided by the row's own supervised count (a row without one
-        # contributes nothing, and counts for nothing in S).
-        return w / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        # contributes nothing, and counts for nothing in S); a part of a row (a cp chunk's block) by its whole's.
+        counts = mask.sum(dim=1) if mb.counts is None else mb.counts.to(torch.float64)
+        return w / counts.unsqueeze(1).clamp(min=1)
     return w
 
 

@@ -28,7 +28,7 @@ from harness.diagnosis import ranks as rr
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
 from harness.diagnosis.fixes import fix_for
-from harness.diagnosis.mesh import mesh_reading, sharded_sequence_note, token_blocks
+from harness.diagnosis.mesh import mesh_reading, per_shard_sequence_reading, sharded_sequence_note, token_blocks
 from harness.diagnosis.packing import packing_gap
 from harness.diagnosis.parameter_view import ParameterRow, locate, parameter_table, residual_shares
 from harness.diagnosis.pipeline import pipeline_reading, pipeline_rows_reading
@@ -349,12 +349,16 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         common["parameters"] = tuple(params)
     seq_sig, seq_resid = None, None
     if per_sequence or sig.name == "unexplained":
-        rows, cols = [], []
+        rows, cols, parts = [], [], []
         for b, mb in held:
             for i in range(mb.inputs.shape[0]):
                 row = mb.row(i)
                 rows.append(dataclasses.replace(b, tokens=row.supervised, row=i, rows=0))
                 cols.append(_column(ev, model, row) if row.supervised else zero)
+                parts.append((row, cols[-1]))
+        shard = per_shard_sequence_reading(ev, window, parts, g) if sig.name == "unexplained" else None
+        if shard is not None:
+            sig = shard
         seq_fit = fit_weights(torch.stack(cols, dim=1), g)
         seq_resid = seq_fit.residual
         # On a pipeline, the schedule's own chunks of rows first: a mean per chunk of one row is a sequence mean too.

@@ -77,6 +77,12 @@ FIXES: dict[str, str] = {
     "auxiliary_misweighted": "weigh the auxiliary term by its unit's 1/D on every microbatch alike: a per-microbatch "
                              "term aux / k on each rank ({data}); a per-token term summed over the microbatch's "
                              "supervised tokens and divided like the main loss ({right})",
+    "per_shard_sequence_mean": "all-reduce each row's supervised count over the cp group (mesh[\"cp\"]) before the "
+                               "first backward and divide each chunk's tokens of a sequence by that whole count, and "
+                               "the sum of the sequences' means by the count of sequences with a supervised token "
+                               "taken over the data-parallel group (harness.recipes.data_group(mesh)), each sequence "
+                               "once, times the token group's size (harness.recipes.token_group_size(mesh)); "
+                               "harness.recipes.mesh_objectives:mesh_sequence_mean does this",
     "count_group": "all-reduce the count over the token group, {group}, not over the group this reading names, and "
                    "multiply by {size}: {right}",
     "not_reduced_over_group": "all-reduce the gradients of the replicated parameters this reading names over the "

@@ -62,6 +62,9 @@ SIGNATURES: dict[str, str] = {
     "count_group": "on a device mesh, each token rank's tokens weigh N/N_S, its group's count: the count was "
                    "all-reduced over a group S of the mesh's dimensions other than the token group (dp x cp): over dp "
                    "alone under cp, each shard's own, across tp ranks that hold the same tokens",
+    "per_shard_sequence_mean": "under cp, each chunk's tokens of a sequence weigh 1/(S * n_chunk): every cp rank "
+                               "divided its chunk of a sequence by the chunk's own count of its tokens, not the whole "
+                               "sequence's (a per-shard sequence mean)",
     "not_reduced_over_group": "on a mesh, some tensors' synchronized gradients differ between ranks along one "
                               "dimension: replicated parameters never all-reduced over it (tp's norms)",
     "pp_scale_grads": "scale_grads rescaled each pipeline step: step a of A weighs 1/M^(A-1-a), an exponential moving "

@@ -19,9 +19,10 @@ MESH = "harness.recipes:mesh_token_mean"
 
 
 def mesh_run(recipe: str, shape: str = "dp=2,cp=2", chunking: str = "contiguous",
-             scenario: str = "uneven") -> runner.Run:
+             scenario: str = "uneven", objective: str = "token_mean") -> runner.Run:
     mesh = Mesh.parse(shape)
-    return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", layout=mesh, chunking=chunking))
+    return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", layout=mesh, chunking=chunking,
+                              objective=objective))
 
 
 @pytest.mark.parametrize("chunking", ["contiguous", pytest.param("load_balanced", marks=pytest.mark.slow)])
@@ -122,3 +123,29 @@ def test_explain_refuses_a_world_size_the_mesh_contradicts(capsys: pytest.Captur
     """``--world-size 2 --mesh dp=2,cp=2`` is a usage error (exit 2) naming both."""
     assert 2 == main(["explain", "--recipe", MESH, "--world-size", "2", "--mesh", "dp=2,cp=2"])
     assert "--world-size=2 but --mesh=dp=2,cp=2 has 4 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["dp=2,cp=2", "dp=3"])
+def test_the_mesh_sequence_mean_passes_over_dp_and_cp(shape: str) -> None:
+    """``harness.recipes.mesh_objectives:mesh_sequence_mean`` (each row's count all-reduced over cp, the sequences
+    counted over dp) passes parity and the logged loss under ``--objective sequence_mean``, over dp x cp and on a
+    one-dimensional mesh."""
+    run = mesh_run("harness.recipes.mesh_objectives:mesh_sequence_mean", shape, objective="sequence_mean")
+    for check in (checks.parity, checks.logged_loss, checks.one_sync):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "reading"), [
+    ("harness.recipes:token_mean_under_sequence_mean", "other_objective"),
+    ("harness.recipes:per_shard_sequence_mean", "per_shard_sequence_mean"),
+])
+def test_a_sequence_mean_mistake_over_cp_reads_its_own_cause(recipe: str, reading: str) -> None:
+    """Under ``--objective sequence_mean`` on dp=2,cp=2 the diagnosis's chunk blocks divide by their rows' whole
+    counts, so a token mean reads ``other_objective`` and a per-chunk mean ``per_shard_sequence_mean`` (both read
+    ``model_not_fixed`` when a chunk's block divided by the chunk's own count)."""
+    verdict = checks.parity(mesh_run(recipe, objective="sequence_mean"))
+    assert not verdict.passed
+    assert verdict.diagnosis is not None and reading == verdict.diagnosis["signature"], verdict.message

@@ -168,3 +168,19 @@ def test_a_recipe_declares_advantages_and_its_auxiliary_term_through_the_contrac
     aux = resolve("token_mean", "harness.recipes.objectives:token_mean_with_load_balance")
     assert ob.MICROBATCH == aux.auxiliary_unit and not aux.plain
     assert resolve("token_mean", "harness.recipes:global_token_mean").plain
+
+
+def test_a_part_of_a_row_divides_by_its_whole_rows_count_under_the_sequence_mean() -> None:
+    """``Microbatch.counts``: a cp chunk's block carries each row's whole count, and the sequence mean's coefficient
+    divides by it (1/5 for a row of 5 tokens of which the chunk holds 2), not by the chunk's own count (1/2, its
+    control); a count of another shape is refused."""
+    coefficients = ob.coefficients
+    labels = torch.tensor([[3, 4, -100, -100]])
+    part = Microbatch(torch.ones(1, 4, dtype=torch.int64), labels)
+    assert torch.allclose(coefficients("sequence_mean", part)[0, :2], torch.full((2,), 0.5, dtype=torch.float64))
+    whole = Microbatch(part.inputs, labels, counts=torch.tensor([5]))
+    assert torch.allclose(coefficients("sequence_mean", whole)[0, :2], torch.full((2,), 0.2, dtype=torch.float64))
+    assert torch.equal(whole.row(0).counts, torch.tensor([5]))
+    assert torch.allclose(coefficients("token_mean", whole), coefficients("token_mean", part))
+    with pytest.raises(TypeError, match="counts must be None or an int64 tensor"):
+        Microbatch(part.inputs, labels, counts=torch.tensor([5, 6]))

@@ -2,7 +2,8 @@
 record has them: the count all-reduced over dp alone while DDP averages over dp x cp (verl #5983, #6049), each cp
 shard dividing by its own count (Megatron-LM #7513, #673), the count and the data-parallel size both taken from dp
 (right while the shards hold equal counts), a rank that skips its backward when its own shard holds no token, and a
-router's auxiliary loss scaled for the token group where the data-parallel one belongs (Megatron-LM #5047, #3768).
+router's auxiliary loss scaled for the token group where the data-parallel one belongs (Megatron-LM #5047, #3768),
+and a sequence mean whose chunks divide by their own counts of a sequence's tokens.
 
 Every one is right on ``dp=W`` (the world is one data-parallel group there); each declares the mesh its mistake shows
 on (``Target(mesh=...)``) and what the diagnosis reads in its gradient (``@control``, :mod:`harness.recipes.catalog`);
@@ -25,7 +26,7 @@ from harness.core.microbatch import Microbatch
 from harness.recipes.catalog import Target, control
 from harness.recipes.correct import accumulate
 from harness.recipes.helpers import require_tokens, token_group, token_group_size
-from harness.recipes.objectives import MeshTokenMeanWithLoadBalance, data_microbatches
+from harness.recipes.objectives import MeshTokenMeanWithLoadBalance, SequenceMean, data_microbatches
 
 MESH = "dp=2,cp=2"
 
@@ -116,3 +117,14 @@ class AuxScaledForTokenGroup(MeshTokenMeanWithLoadBalance):
 
     def auxiliary_scale(self, window: Sequence[Microbatch], mesh: Any, tokens: int) -> float:
         return token_group_size(mesh) / data_microbatches(window, mesh)
+
+
+@control(Target("parity", "uneven", objective="sequence_mean", mesh=MESH), "per_shard_sequence_mean")
+class PerShardSequenceMean(SequenceMean):
+    """The sequence mean written without cp in mind, run on a dp x cp mesh: each cp rank divides its chunk of a
+    sequence by the chunk's own count of that sequence's tokens (a per-shard mean: the chunks of one sequence weigh
+    alike whatever their counts), and counts the sequences over every rank, once per chunk holding one of their
+    tokens. Right on ``dp=W``; ``harness.recipes.mesh_objectives:mesh_sequence_mean`` is its right twin (each row's
+    count all-reduced over the cp group, the sequences counted over the data-parallel group)."""
+
+    name = "per_shard_sequence_mean"
