@@ -35,6 +35,7 @@ Workers leave through :func:`harness.distributed.worker.exit_worker` with the pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -42,7 +43,7 @@ import pickle
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -75,6 +76,7 @@ from harness.battery.plan.skips import check_skips, skip_all
 from harness.battery.prepare.objective import windows_for
 from harness.battery.prepare.steps import Prepared, prepare
 from harness.battery.rank.rank_program import rank_body
+from harness.distributed.divergence import StepReport, first_divergence
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
 
@@ -213,6 +215,43 @@ def _get(store: dist.Store, key: str, deadline: float) -> Any:
     return pickle.loads(store.get(key))
 
 
+class _StoreChannel:
+    """:func:`harness.distributed.launcher.progress` in a torchrun worker: each window's notice (what the rank did, the
+    synchronizations it ran) published to the store under the run, as the in-process launcher's pipe carries it, so
+    that the run's owner reads every rank's record when the run fails, whatever ended it
+    (:mod:`harness.distributed.divergence`)."""
+
+    def __init__(self, store: dist.Store, run: int, rank: int) -> None:
+        self.store, self.key = store, f"{run}/steps{rank}"
+        self.history: dict[int, tuple[str, int | None]] = {}
+
+    def notice(self, step: int, note: str, collectives: int | None = None) -> None:
+        self.history[step] = (note, collectives)
+        _put(self.store, self.key, self.history)
+
+
+@contextlib.contextmanager
+def _reporting(store: dist.Store, run: int, rank: int) -> Iterator[None]:
+    from harness.distributed import rank as rank_module
+
+    before = rank_module.CHANNEL
+    rank_module.CHANNEL = _StoreChannel(store, run, rank)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        rank_module.CHANNEL = before
+
+
+def _histories(store: dist.Store, run: int, world: int) -> dict[int, dict[int, StepReport]]:
+    """Every rank's published notices of run ``run`` (none for a rank that published none)."""
+    out: dict[int, dict[int, StepReport]] = {}
+    for r in range(world):
+        key = f"{run}/steps{r}"
+        seen = pickle.loads(store.get(key)) if store.check([key]) else {}
+        out[r] = {step: StepReport(note, count) for step, (note, count) in seen.items()}
+    return out
+
+
 def _on_cpu(records: list[WindowRecord]) -> list[WindowRecord]:
     return [replace(r, grad=None if r.grad is None else r.grad.cpu(), params_before=r.params_before.cpu(),
                     params_after=r.params_after.cpu()) for r in records]
@@ -311,7 +350,9 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         if model_error is None:
             with captured(not verbose) as said:  # the recipe's prints: once per distinct line, by rank 0 at the end
                 try:
-                    out: tuple[Any, ...] = ("ok", _on_cpu(rank_body(spec, windows, digest, wrap, max_norm, weights)))
+                    with _reporting(store, i, rank):
+                        records = rank_body(spec, windows, digest, wrap, max_norm, weights)
+                    out: tuple[Any, ...] = ("ok", _on_cpu(records))
                 except Exception as exc:
                     out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
             _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
@@ -369,8 +410,12 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
         failure = _desync(ahead, errors, world)
     else:
         failure = _failure(errors, world)
+    found = first_divergence(_histories(store, i, world), world)  # the ranks' records first, whatever ended the run
+    if found is not None:
+        failure.name_cause(*found)
     s = ready.spec
-    return ready.failed(failure), f"{failure.summary} (run {s.scenario}, W={world}, {s.precision})"
+    said = failure.summary if failure.cause is None else f"{failure.cause} (then: {failure.summary})"
+    return ready.failed(failure), f"{said} (run {s.scenario}, W={world}, {s.precision})"
 
 
 def _report(recipe: str, options: BatteryOptions, cases: list[plan.Case], verdicts: list[Verdict],
