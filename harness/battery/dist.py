@@ -35,15 +35,13 @@ Workers leave through :func:`harness.distributed.worker.exit_worker` with the pr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import os
-import pickle
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -51,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from harness.battery import mesh_scenarios, scenarios
+from harness.battery.dist_store import STORE_SLACK, connect, get, histories, put, reporting
 from harness.battery.judge import registry
 from harness.battery.judge.crash_report import every_rank_raised, grouped
 from harness.battery.judge.verdict import FAIL, Verdict
@@ -76,16 +75,12 @@ from harness.battery.plan.skips import check_skips, skip_all
 from harness.battery.prepare.objective import windows_for
 from harness.battery.prepare.steps import Prepared, prepare
 from harness.battery.rank.rank_program import rank_body
-from harness.distributed.divergence import StepReport, first_divergence
+from harness.distributed.divergence import first_divergence
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
 
 USAGE = ("torchrun --nnodes=1 --nproc-per-node=2 -m harness.battery.dist --recipe pkg.module:attr "
          "[--battery-report out.json] [--battery-junit out.xml]")
-
-STORE_SLACK = 15.0
-"""Seconds past the deadline a worker waits on the store for a peer's result before it gives up on the peer."""
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.battery.dist", description=__doc__.split("\n\n")[0],
@@ -198,60 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
-def _store(deadline: float) -> dist.Store:
-    """A client of torchrun's store, under the battery's own key prefix."""
-    world = dist.get_world_size()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=datetime.timedelta(seconds=deadline + STORE_SLACK))
-    return dist.PrefixStore(f"harness.battery/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", store)
-
-
-def _put(store: dist.Store, key: str, value: object) -> None:
-    store.set(key, pickle.dumps(value))  # type: ignore[arg-type]  # the store takes bytes; its stub says str
-
-
-def _get(store: dist.Store, key: str, deadline: float) -> Any:
-    store.wait([key], datetime.timedelta(seconds=deadline + STORE_SLACK))
-    return pickle.loads(store.get(key))
-
-
-class _StoreChannel:
-    """:func:`harness.distributed.launcher.progress` in a torchrun worker: each window's notice (what the rank did, the
-    synchronizations it ran) published to the store under the run, as the in-process launcher's pipe carries it, so
-    that the run's owner reads every rank's record when the run fails, whatever ended it
-    (:mod:`harness.distributed.divergence`)."""
-
-    def __init__(self, store: dist.Store, run: int, rank: int) -> None:
-        self.store, self.key = store, f"{run}/steps{rank}"
-        self.history: dict[int, tuple[str, int | None]] = {}
-
-    def notice(self, step: int, note: str, collectives: int | None = None) -> None:
-        self.history[step] = (note, collectives)
-        _put(self.store, self.key, self.history)
-
-
-@contextlib.contextmanager
-def _reporting(store: dist.Store, run: int, rank: int) -> Iterator[None]:
-    from harness.distributed import rank as rank_module
-
-    before = rank_module.CHANNEL
-    rank_module.CHANNEL = _StoreChannel(store, run, rank)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        rank_module.CHANNEL = before
-
-
-def _histories(store: dist.Store, run: int, world: int) -> dict[int, dict[int, StepReport]]:
-    """Every rank's published notices of run ``run`` (none for a rank that published none)."""
-    out: dict[int, dict[int, StepReport]] = {}
-    for r in range(world):
-        key = f"{run}/steps{r}"
-        seen = pickle.loads(store.get(key)) if store.check([key]) else {}
-        out[r] = {step: StepReport(note, count) for step, (note, count) in seen.items()}
-    return out
-
-
 def _on_cpu(records: list[WindowRecord]) -> list[WindowRecord]:
     return [replace(r, grad=None if r.grad is None else r.grad.cpu(), params_before=r.params_before.cpu(),
                     params_after=r.params_after.cpu()) for r in records]
@@ -310,13 +251,13 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
         try:
             ready = prepare(spec, windows, share_chain=True)
         except Exception as exc:
-            _put(store, f"{i}/plan", ("raise", f"rank {rank} preparing run {spec.scenario}/{spec.precision}: "
+            put(store, f"{i}/plan", ("raise", f"rank {rank} preparing run {spec.scenario}/{spec.precision}: "
                                                f"{type(exc).__name__}: {exc}"))
             raise
         mine[i] = ready
         # The starting weights travel whole (harness.battery.prepare.start): a worker that recomputed them could sum
         # otherwise.
-        _put(store, f"{i}/plan", ("ok", ready.chain.model_error, ready.digest, ready.wrap, ready.chain.max_norm,
+        put(store, f"{i}/plan", ("ok", ready.chain.model_error, ready.digest, ready.wrap, ready.chain.max_norm,
                                   ready.start))
     return mine
 
@@ -324,7 +265,7 @@ def _prepare_share(store: dist.Store, rank: int, world: int,
 def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: str, junit: str | None,
              verbose: bool = False, keep_going: bool = False) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = _store(options.deadline)
+    store = connect(options.deadline)
     device = "cuda" if backend == "nccl" else "cpu"
     cases = [c for c in plan.session_cases(options) if c.scenario in names]
     runs = list(dict.fromkeys((c.scenario, c.precision, c.strategy, c.mesh) for c in cases))
@@ -342,7 +283,7 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
     stopped: str | None = None
     done = 0
     for i, (spec, windows) in enumerate(specs):
-        published = _get(store, f"{i}/plan", options.deadline)
+        published = get(store, f"{i}/plan", options.deadline)
         if published[0] == "raise":
             raise RuntimeError(published[1])
         _, model_error, digest, wrap, max_norm, weights = published
@@ -350,36 +291,36 @@ def _battery(recipe: str, options: BatteryOptions, names: list[str], backend: st
         if model_error is None:
             with captured(not verbose) as said:  # the recipe's prints: once per distinct line, by rank 0 at the end
                 try:
-                    with _reporting(store, i, rank):
+                    with reporting(store, i, rank):
                         records = rank_body(spec, windows, digest, wrap, max_norm, weights)
                     out: tuple[Any, ...] = ("ok", _on_cpu(records))
                 except Exception as exc:
                     out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
-            _put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
-        _put(store, f"{i}/printed{rank}", "".join(said))
+            put(store, f"{i}/rank{rank}", out)  # a peer left in a collective fails at the deadline, and reports
+        put(store, f"{i}/printed{rank}", "".join(said))
         if i in mine:
             judged[i], stopped = _collect(store, i, mine[i], world, options.deadline, model_error)
             if keep_going and every_rank_raised(judged[i].failure, world):
                 stopped = None  # --battery-keep-going: no rank is left in a collective, so the next run can start
-            _put(store, f"{i}/go", stopped)
-        stopped = _get(store, f"{i}/go", options.deadline)
+            put(store, f"{i}/go", stopped)
+        stopped = get(store, f"{i}/go", options.deadline)
         done = i + 1
         if stopped is not None:
             break
     # Each rank judges the runs it owns, all at once, then rank 0 gathers the verdicts in the battery's order.
     for i, run in judged.items():
         mine_cases = [c for c in cases if (c.scenario, c.precision, c.strategy, c.mesh) == runs[i]]
-        _put(store, f"{i}/verdicts", [registry.CHECKS[c.check](run) for c in mine_cases])
+        put(store, f"{i}/verdicts", [registry.CHECKS[c.check](run) for c in mine_cases])
     status = 0
     if rank == 0:
-        verdicts: list[Verdict] = [v for i in range(done) for v in _get(store, f"{i}/verdicts", options.deadline)]
+        verdicts: list[Verdict] = [v for i in range(done) for v in get(store, f"{i}/verdicts", options.deadline)]
         printed = Printed()
         for i in range(done):
-            printed.add({r: _get(store, f"{i}/printed{r}", options.deadline) for r in range(world)})
+            printed.add({r: get(store, f"{i}/printed{r}", options.deadline) for r in range(world)})
         status = _report(recipe, options, cases, verdicts, stopped, junit, time.monotonic() - start, world, verbose,
                          printed.block())
-        _put(store, "status", status)
-    status = int(_get(store, "status", options.deadline))
+        put(store, "status", status)
+    status = int(get(store, "status", options.deadline))
     _say(rank, f"prepared and judged {len(judged)} of {done} run(s)", everyone=True)
     if stopped is not None:
         _say(rank, f"FAILED: {stopped}", everyone=True)
@@ -398,7 +339,7 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
     results: dict[int, tuple[Any, ...]] = {}
     for r in range(world):
         try:
-            results[r] = _get(store, f"{i}/rank{r}", deadline)
+            results[r] = get(store, f"{i}/rank{r}", deadline)
         except Exception as exc:  # the store wait timed out: the rank died or hangs
             results[r] = ("error", f"no result from rank {r} within {deadline + STORE_SLACK:g} s ({exc})",
                           time.time())
@@ -410,7 +351,7 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
         failure = _desync(ahead, errors, world)
     else:
         failure = _failure(errors, world)
-    found = first_divergence(_histories(store, i, world), world)  # the ranks' records first, whatever ended the run
+    found = first_divergence(histories(store, i, world), world)  # the ranks' records first, whatever ended the run
     if found is not None:
         failure.name_cause(*found)
     s = ready.spec

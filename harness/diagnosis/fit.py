@@ -102,6 +102,9 @@ class Block:
     row: int | None = None
     rows: int = 0
     """The block's rows (sequences): a count one token per row off is named as such (0: unknown)."""
+    real: int = 0
+    """The block's real (non-padding) positions, prompt included: what a count of an attention mask gives (0:
+    unknown)."""
     holder: str | None = None
     """Who holds the block where ``rank`` alone would not say it (on a mesh: ``"rank 1 (dp 0, cp 1)"``); ``rank`` is
     then its index among the mesh's token ranks (:meth:`harness.core.mesh.Mesh.token_rank`)."""

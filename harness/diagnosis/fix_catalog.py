@@ -29,6 +29,9 @@ FIXES: dict[str, str] = {
     "mean_of_local_means": "{right}; not by each rank's own count (a local mean, which the gradients' average over the "
                            "ranks turns into a mean of local means)",
     "per_microbatch_mean": "{right}; not by its own count, not by k",
+    "weighted_by_real_tokens": "{right}; not each microbatch's mean weighted by its real (non-padding) tokens: an "
+                               "attention mask's sum counts prompt tokens and each row's last position, which the "
+                               "loss never supervises; count the labels that are not -100 after the shift",
     "per_sequence_mean": "{right}; not by each sequence's own length (a mean per sequence){found}",
     "per_pack_mean": "count the sequences of a packed row by seq_idx or position_ids' restarts, never the rows, and "
                      "{right}; not by a pack's own count",

@@ -15,7 +15,7 @@ import math
 import torch
 
 from harness.core.mesh import Mesh
-from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.core.objective_names import SEQUENCE_MEAN
 from harness.data.context_parallel import supervise_chunk
 from harness.diagnosis.count_groups import count_group, mesh_factor
@@ -47,7 +47,8 @@ def token_blocks(ev: Evidence, window: int) -> list[tuple[Block, Microbatch]]:
                 if part is not mb:  # a per-sequence objective divides a chunk's tokens by their whole row's count
                     whole = mb.counts if mb.counts is not None else (mb.labels != IGNORE_INDEX).sum(dim=1)
                     part = dataclasses.replace(part, counts=whole)
-                out.append((Block(t, m, part.supervised, rows=mb.inputs.shape[0], holder=holder), part))
+                real = int((mb.inputs != PAD).sum()) if cp == 1 else 0
+                out.append((Block(t, m, part.supervised, rows=mb.inputs.shape[0], real=real, holder=holder), part))
     return out
 
 

@@ -11,6 +11,8 @@ SIGNATURES: dict[str, str] = {
                     "normalizing count that is not the window's",
     "mean_of_local_means": "each rank's tokens weigh 1/(W * n_r): each rank divides by its own count",
     "per_microbatch_mean": "each microbatch's tokens weigh 1/(W * k * n_rm): a mean per microbatch",
+    "weighted_by_real_tokens": "each microbatch's tokens weigh (r_m / n_m) / R: its mean over its supervised tokens "
+                               "weighted by its real (non-padding) tokens r_m, prompt included, over the window's R",
     "per_sequence_mean": "each sequence's tokens weigh in inverse proportion to its own length: a mean per sequence",
     "per_pack_mean": "each packed row's tokens weigh 1/(n_r * P): a mean over the packs of a packed batch (several "
                      "sequences per row) taken for a mean over its sequences",

@@ -67,11 +67,19 @@ def patterns(blocks: Sequence[Block], world_size: int) -> dict[str, list[float]]
     def ratio(denominator: float) -> float:
         return n / denominator if denominator > 0 else math.nan
 
-    return {
+    found = {
         "correct": [1.0 for _ in blocks],
         "mean_of_local_means": [ratio(world_size * per_rank[b.rank]) for b in blocks],
         "per_microbatch_mean": [ratio(world_size * k[b.rank] * per_mb[(b.rank, b.microbatch)]) for b in blocks],
     }
+    # Each microbatch's mean over its supervised tokens weighted by its real tokens (prompt and all) over the
+    # window's (composer #3677): only where the blocks' real tokens are known and their ratios to the supervised
+    # counts differ (else it is the token mean).
+    live = [b for b in blocks if b.tokens]
+    real = sum(b.real for b in blocks)
+    if live and real and all(b.real for b in live) and len({round(b.real / b.tokens, 9) for b in live}) > 1:
+        found["weighted_by_real_tokens"] = [n * b.real / (b.tokens * real) if b.tokens else math.nan for b in blocks]
+    return found
 
 
 def scale_fit(q: Sequence[float], p: Sequence[float]) -> tuple[float, float]:
@@ -356,6 +364,15 @@ def _describe(name: str, blocks: Sequence[Block], q: Sequence[float], world_size
     for b, v in zip(blocks, q):
         if math.isfinite(v):
             per_rank.setdefault(b.rank, []).append(v)
+    if name == "weighted_by_real_tokens":
+        held = [b for b in blocks if b.tokens]
+        top = max(held, key=lambda b: b.real / b.tokens)
+        low = min(held, key=lambda b: b.real / b.tokens)
+        return ("each microbatch's tokens weigh (its real tokens / its supervised tokens) / R: each microbatch's mean "
+                "over its supervised tokens, weighted by its real (non-padding) tokens over the window's R, prompt "
+                f"tokens and each row's last position included; {top.label()} ({top.real} real, {top.tokens} "
+                f"supervised) weighs each token {(top.real / top.tokens) / (low.real / low.tokens):.3g}x "
+                f"{low.label()} ({low.real} real, {low.tokens} supervised)")
     if name == "mean_of_local_means":
         means = {r: sum(v) / len(v) for r, v in per_rank.items()}
         hi, lo = max(means, key=means.__getitem__), min(means, key=means.__getitem__)

@@ -16,7 +16,7 @@ from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import check_global_count, global_count, global_token_loss
-from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.recipes.catalog import Target, control
 from harness.recipes.correct import _sync_last, _world_size, accumulate, window_count
 
@@ -179,4 +179,26 @@ class Bfloat16Count:
     def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
         total = float(torch.tensor(float(window_count(window))).to(torch.bfloat16))
         accumulate(model, window, lambda s: global_token_loss(s, total, _world_size()))  # type: ignore[arg-type]
+        return None
+
+
+@control(Target("parity", "uneven"), "weighted_by_real_tokens")
+class WeightedByRealTokens:
+    """Each microbatch's mean over its supervised tokens, weighted by its real (non-padding) tokens over the window's,
+    all-reduced (composer #3677): the weight comes from the attention mask's count, which holds prompt tokens and each
+    row's last position, while the loss averages the supervised ones. Right only where every microbatch holds real
+    and supervised tokens in one proportion."""
+
+    name = "weighted_by_real_tokens"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        check_global_count(global_count(sum(supervised_tokens(mb) for mb in window)))
+        real = global_count(sum(int((mb.inputs != PAD).sum()) for mb in window))
+        world = _world_size()
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                n = supervised_tokens(mb)
+                s = F.cross_entropy(model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+                (s / max(n, 1) * int((mb.inputs != PAD).sum()) / real * world).backward()
         return None
