@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.audit_models import accumulate
 
 from harness.audit import watch
 from harness.core.microbatch import IGNORE_INDEX
@@ -42,13 +43,7 @@ def test_a_llama_accumulation_loop_is_judged_as_it_runs(right: bool) -> None:
     windows = [[batch([12, 5], 1), batch([20, 16, 4], 2)]]
     with watch(windows=1) as audit:
         for mbs in windows:
-            n = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs)
-            for b in mbs:
-                out = model(**b)
-                count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
-                (out.loss * count / n if right else out.loss / len(mbs)).backward()
-            opt.step()
-            opt.zero_grad()
+            accumulate(model, opt, mbs, right)
     verdict = audit.verdict()
     assert verdict.passed is right, str(verdict)
     if not right:

@@ -43,3 +43,18 @@ def batch(lengths: list[int], seed: int, left: bool = False) -> dict[str, torch.
         mask[i, where] = 1
     labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def accumulate(model: nn.Module, opt: torch.optim.Optimizer, mbs: list[dict[str, torch.Tensor]], right: bool,
+               step: bool = True) -> None:
+    """One window of the loops under audit, Hugging Face batches: ``right``, each microbatch's mean loss times its
+    count over the window's (the loss sum over the global count, in one process); else each mean over the
+    accumulation steps (a mean per microbatch). Then the optimizer steps (``step``) and the gradients are cleared."""
+    n = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs)
+    for b in mbs:
+        out = model(**b)
+        count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+        (out.loss * count / n if right else out.loss / len(mbs)).backward()
+    if step:
+        opt.step()
+    opt.zero_grad()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from support.audit_models import HFLike, batch
+from support.audit_models import HFLike, accumulate, batch
 from torch import nn
 
 from harness.audit import watch
@@ -28,15 +28,7 @@ def train(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], right:
     token count; else its mean loss over the accumulation steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for mbs in windows:
-        n = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs)
-        for b in mbs:
-            out = model(**b)
-            count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
-            loss = out.loss * count / n if right else out.loss / len(mbs)
-            loss.backward()
-        if step:
-            opt.step()
-        opt.zero_grad()
+        accumulate(model, opt, mbs, right, step)
 
 
 def test_the_right_loop_passes_every_window() -> None:
@@ -267,14 +259,7 @@ def loader_train(model: nn.Module, right: bool) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = iter(torch.utils.data.DataLoader(Rows(), batch_size=2, generator=torch.Generator().manual_seed(0)))
     for _ in range(2):
-        mbs = [next(batches), next(batches)]
-        n = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs)
-        for b in mbs:
-            out = model(**b)
-            count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
-            (out.loss * count / n if right else out.loss / len(mbs)).backward()
-        opt.step()
-        opt.zero_grad()
+        accumulate(model, opt, [next(batches), next(batches)], right)
 
 
 def test_unbalance_makes_a_mean_per_microbatch_visible_on_balanced_batches() -> None:
