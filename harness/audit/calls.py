@@ -19,10 +19,13 @@ from torch import nn
 
 from harness.audit.options import check_labels
 from harness.audit.record import Call, unreplayable
-from harness.core.formats import HARNESS, logits_of
+from harness.core.formats import logits_of
 from harness.core.loss import loss_sum
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.model import disable_dropout
+
+SCRIPT = "script"
+"""The batch format of a script's recorded calls (:attr:`ScriptModel.batch_format`)."""
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -69,7 +72,9 @@ class ScriptModel:
     buffers: tuple[torch.Tensor, ...] = ()
     """The script's model's buffers when the first window started (a template built on the meta device has none)."""
     path: str | None = None
-    batch_format: str = HARNESS
+    batch_format: str = SCRIPT
+    """Not one of the battery's formats: the script's own call, which only a recorded call replays (a reading that
+    builds batches of its own, the prompt family's, leaves such evidence alone)."""
 
     def build(self) -> nn.Module:
         model = copy.deepcopy(self.template)
@@ -180,4 +185,4 @@ def microbatch(call: Call, labels: str = "auto") -> CallBatch:
     return CallBatch(inputs, aligned, call=call)
 
 
-__all__ = ["CallBatch", "ScriptModel", "imported", "microbatch", "model_from", "read_labels"]
+__all__ = ["SCRIPT", "CallBatch", "ScriptModel", "imported", "microbatch", "model_from", "read_labels"]

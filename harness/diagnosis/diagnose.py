@@ -32,6 +32,7 @@ from harness.diagnosis.mesh import mesh_reading, per_shard_sequence_reading, sha
 from harness.diagnosis.packing import packing_gap
 from harness.diagnosis.parameter_view import ParameterRow, locate, parameter_table, residual_shares
 from harness.diagnosis.pipeline import pipeline_reading, pipeline_rows_reading
+from harness.diagnosis.prompts import prompt_reading
 from harness.diagnosis.result import Diagnosis
 from harness.diagnosis.signatures import Signature, classify, classify_sequences, extra_term_sentence
 
@@ -332,6 +333,10 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         across = pd.boundary_reading(ev, model, window, a, g, blocks, [mb for _, mb in held], rank, others)
         if across is not None:
             fit, sig = across
+    if sig.name == "unexplained" and aux_cols is None:  # the prompt positions' loss, fitted beside
+        prompted = prompt_reading(ev, model, a, g, blocks, [mb for _, mb in held], rank, others)
+        if prompted is not None:
+            fit, sig = prompted
     if (sig.name == "unexplained" and fit.residual > EXPLAINED_RESIDUAL and fit.condition <= MAX_CONDITION
             and aux_cols is None):
         split = _split_extra_term(a, g, fit, blocks, names, sizes, ev, rank, others)

@@ -39,6 +39,8 @@ FIXES: dict[str, str] = {
                                  "-100, at every sequence's first position) and never rebuild the labels over the "
                                  "whole packed row, so that no sequence's last token is trained to predict the next "
                                  "sequence's first",
+    "prompt_supervised": "keep the batch's labels (-100 on the prompt and the padding) instead of rebuilding them from "
+                         "input_ids, and count those labels: {right}",
     "dropped": "make every microbatch of every rank reach backward exactly once{found}: no early return or skipped "
                "backward on an empty microbatch or rank (backpropagate loss * 0 instead, so the synchronization still "
                "runs), no zero_grad after a backward",

@@ -19,6 +19,8 @@ SIGNATURES: dict[str, str] = {
     "shifted_across_boundaries": "the weights are right, and the gradient also holds the loss of the pairs across "
                                  "packed sequences' boundaries (each sequence's last token trained to predict the next "
                                  "sequence's first): labels rebuilt over the whole packed row, the separator dropped",
+    "prompt_supervised": "the blocks weigh alike, and the gradient also holds the loss of the prompt positions at the "
+                         "same weight: labels rebuilt from the input ids, every real position supervised",
     "dropped": "some blocks weigh nothing (a rank or microbatch that never reached backward), the rest alike",
     "double_counted": "some blocks weigh twice what the others do (a microbatch backpropagated twice)",
     "not_synchronized": "a rank's gradient holds only its own microbatches (W times the right weight when its loss was "

@@ -202,3 +202,29 @@ class WeightedByRealTokens:
                                     reduction="sum")
                 (s / max(n, 1) * int((mb.inputs != PAD).sum()) / real * world).backward()
         return None
+
+
+@control(Target("parity", "uneven"), "prompt_supervised")
+class PromptTokensSupervised:
+    """Labels rebuilt from the input ids (each real position's target the next input token), as a loop that builds
+    ``labels = input_ids.clone()`` does: the prompt, which the batch marks -100, is supervised too, and the count is
+    taken from the rebuilt labels. Right only where the windows hold no prompt."""
+
+    name = "prompt_tokens_supervised"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        rebuilt = []
+        for mb in window:
+            nxt = torch.full_like(mb.inputs, PAD)
+            nxt[:, :-1] = mb.inputs[:, 1:]
+            fill = (mb.labels == IGNORE_INDEX) & (mb.inputs != PAD) & (nxt != PAD)
+            rebuilt.append(torch.where(fill, nxt, mb.labels))
+        total = global_count(sum(int((labels != IGNORE_INDEX).sum()) for labels in rebuilt))
+        check_global_count(total)
+        world = _world_size()
+        for i, (mb, labels) in enumerate(zip(window, rebuilt)):
+            with _sync_last(model, i, len(window)):
+                s = F.cross_entropy(model(mb.inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+                (s * world / total).backward()
+        return None
