@@ -5,7 +5,7 @@ clip the loop applied and the gradient at ``optimizer.step()`` (:class:`Window`)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -80,7 +80,8 @@ class Record:
         """The record without its model, as plain data (tensors, numbers, strings, lists, dicts)."""
         return {"steps": self.steps, "problems": self.problems, "notes": self.notes, "refusal": self.refusal,
                 "skip": self.skip, "wanted": self.wanted,
-                "windows": [{**asdict(w), "calls": [{"args": list(c.args), "kwargs": c.kwargs} for c in w.calls]}
+                "windows": [{**{f.name: getattr(w, f.name) for f in fields(w)},  # no copy of the tensors
+                             "calls": [{"args": list(c.args), "kwargs": c.kwargs} for c in w.calls]}
                             for w in self.windows]}
 
     @classmethod
@@ -89,7 +90,8 @@ class Record:
         record.steps, record.refusal = data["steps"], data["refusal"]
         record.problems, record.notes = list(data["problems"]), list(data["notes"])
         record.windows = [Window(w["start"], [Call(tuple(c["args"]), dict(c["kwargs"])) for c in w["calls"]],
-                                 w["grad"], w["syncs"], [Clip(**c) for c in w["clips"]], dict(w["rng"]),
+                                 w["grad"], w["syncs"], [Clip(**vars(c)) if isinstance(c, Clip) else Clip(**c)
+                                                         for c in w["clips"]], dict(w["rng"]),
                                  w["autocast"], list(w["buffers"]))
                           for w in data["windows"]]
         return record

@@ -88,10 +88,13 @@ class Audit(Record):
         self._masked = 0
         self._masking = None if unbalance is None else torch.Generator().manual_seed(unbalance * 1009 + rank)
         self._judges = rank == 0  # only the judging rank keeps a copy of the model before fully_shard
+        self._mesh_refused = False
 
     @property
     def recording(self) -> bool:
-        return self.refusal is None and self.skip <= self.steps < self.skip + self.wanted
+        """Inside the audited windows. A capture over its bound still walks them (the gathers of a sharded model are
+        collectives every rank must enter), storing nothing; a refused mesh opens no window at all."""
+        return not self._mesh_refused and self.skip <= self.steps < self.skip + self.wanted
 
     @property
     def done(self) -> bool:
@@ -99,22 +102,22 @@ class Audit(Record):
 
     def _count(self, nbytes: int) -> None:
         self._bytes += nbytes
-        if self.max_capture_mb is not None and self._bytes > self.max_capture_mb * 2**20:
+        if self.refusal is None and self.max_capture_mb is not None and self._bytes > self.max_capture_mb * 2**20:
             self.refusal = (f"the capture reached {self._bytes / 2**20:.1f} MB, over --max-capture-mb="
                             f"{self.max_capture_mb:g}: audit fewer windows (--windows), smaller batches, or raise the "
                             "bound")
-            self._open = None
+            self.windows.clear()
+            if self._open is not None:
+                self._open.calls.clear()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if self._depth == 0 and self.recording:
+        if self._depth == 0 and self.recording and torch.is_grad_enabled():
             model = unwrap(module)
             if self.model is None:
                 self.model = model
-            if model is self.model:
-                if self._open is None and self.refusal is None and (mesh := mesh_refusal(model)):
-                    self.refusal = mesh
-                    self._depth += 1
-                    return
+            if model is self.model and self._open is None and (mesh := mesh_refusal(model)):
+                self.refusal, self._mesh_refused = mesh, True  # the same mesh on every rank: none gathers
+            elif model is self.model:
                 if self._open is None:
                     if self._restore is None:
                         self._restore = dropout_off(model)
@@ -131,20 +134,21 @@ class Audit(Record):
                 synced = synchronizes(module, model)
                 if self.strategy is None and synced is not None:
                     self.strategy = "ddp" if module is not model else "fsdp2"
-                if synced is not None and self._open is not None:
-                    self._open.syncs = (self._open.syncs or 0) + int(synced and torch.is_grad_enabled())
+                if synced is not None:
+                    self._open.syncs = (self._open.syncs or 0) + int(synced)
         self._depth += 1
 
     def _post(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         self._depth -= 1
-        if self._depth != 0 or self._open is None or unwrap(module) is not self.model:
-            return
-        call = Call(plain(tuple(args)), plain(dict(kwargs)))
+        if self._depth != 0 or self._open is None or unwrap(module) is not self.model or not torch.is_grad_enabled():
+            return  # a call with gradients off (an evaluation) trains nothing: it is not the window's
         if self._open.autocast is None:
             self._open.autocast = autocast_dtype()
-        self._count(call.nbytes)
-        if self._open is not None:
-            self._open.calls.append(call)
+        if self.refusal is None:
+            call = Call(plain(tuple(args)), plain(dict(kwargs)))
+            self._count(call.nbytes)
+            if self.refusal is None:
+                self._open.calls.append(call)
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.recording and self._open is not None and (dtype := autocast_dtype()) is not None:
@@ -152,8 +156,9 @@ class Audit(Record):
                                  "of the weights until the region exits, so the next forward in it reads the weights "
                                  "from before this step; wrap only the forward and the loss in torch.autocast")
         if self.recording and self._open is not None and self.model is not None:
-            self._open.grad = flat_grads(self.model)
-            self.windows.append(self._open)
+            self._open.grad = flat_grads(self.model)  # gathered on every rank, stored only within the bound
+            if self.refusal is None:
+                self.windows.append(self._open)
         self._open = None
         self.steps += 1
         if self.done:
@@ -221,8 +226,12 @@ class Audit(Record):
 
         def judged(plains: list[Any]) -> dict[str, Any]:
             nonlocal found
-            found = judge(self, [Record.from_plain(p) for p in plains[1:]], objective=objective, labels=labels,
-                          model=model)
+            try:  # rank 0 answers the others whatever happens here: none is left waiting in the broadcast
+                found = judge(self, [Record.from_plain(p) for p in plains[1:]], objective=objective, labels=labels,
+                              model=model)
+            except Exception as exc:
+                said = f"audit: not judged: judging the record failed: {type(exc).__name__}: {exc}"
+                return {"passed": False, "lines": [said], "problems": [said]}
             return {"passed": found.passed, "lines": list(found.lines), "problems": list(found.problems)}
 
         said = exchange(self, judged)
@@ -269,8 +278,7 @@ def patched(audit: Audit) -> Iterator[None]:
     is), restored after."""
     saved: list[tuple[Any, str, Any]] = []
     waiting: list[_AfterImport] = []
-    wrappers: dict[str, Callable[..., Any]] = {"clip_grad_norm_": audit._clip, "fully_shard": audit._shard,
-                                               "__next__": audit._next}
+    wrappers: dict[str, Callable[..., Any]] = {"clip_grad_norm_": audit._clip, "fully_shard": audit._shard}
 
     def wrap(owner: Any, name: str) -> None:
         original = getattr(owner, name)

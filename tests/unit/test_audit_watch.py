@@ -364,3 +364,25 @@ def test_a_model_factory_builds_the_reference_and_a_bad_one_is_named() -> None:
     assert audit.verdict(model=f"{__name__}:HFLike").passed
     assert "returned str, not a torch.nn.Module" in str(audit.verdict(model=f"{__name__}:not_a_model"))
     assert "--model nowhere:at_all: cannot import it" in str(audit.verdict(model="nowhere:at_all"))
+
+
+def test_an_evaluation_call_inside_a_window_is_not_one_of_its_microbatches() -> None:
+    """A forward under ``torch.no_grad()`` between the microbatches (a loop that logs a validation loss) trains
+    nothing, so the reference leaves it out and the right loop passes; its control is the same batch called with
+    gradients on and its loss dropped, which the audit does count, and which fails."""
+    def loop(graded: bool) -> Any:
+        model, held_out = HFLike(), batch([14, 9], 9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with watch(windows=1) as audit:
+            mbs = WINDOWS[0]
+            n = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in mbs)
+            for b in mbs:
+                with torch.set_grad_enabled(graded):
+                    model(**held_out)
+                count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+                (model(**b).loss * count / n).backward()
+            opt.step()
+        return audit.verdict()
+
+    assert loop(graded=False).passed, str(loop(graded=False))
+    assert not loop(graded=True).passed
