@@ -181,7 +181,7 @@ def judge(audit: Record, others: Sequence[Record] = (), *, objective: str = "tok
     objective_of(objective)  # bad arguments raise (ValueError naming the choices); a record that cannot be read is
     check_labels(labels)     # a verdict that says so
     ranks = (audit, *others)
-    problems = tuple(p for r in ranks for p in r.problems)
+    problems = tuple(dict.fromkeys(p for r in ranks for p in r.problems))
     notes = list(dict.fromkeys(n for r in ranks for n in r.notes))
     refusal = next((r.refusal for r in ranks if r.refusal), None)
     template = template if template is not None else getattr(audit, "template", None)

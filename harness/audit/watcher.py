@@ -201,9 +201,9 @@ class Audit(Record):
             self.notes.append(f"--unbalance: each row of the {self._masked} batches this rank's DataLoader yielded "
                               "until the audited windows ended kept a drawn number of its supervised labels, the rest "
                               f"set to -100 (seed {self.unbalance}); the reference reads the same masked labels")
-        else:
-            self.problems.append("--unbalance found no batch to mask: it masks the labels of the dict batches a "
-                                 "torch DataLoader yields (a 'labels' tensor [B, T])")
+        else:  # not the script's fault: its windows are judged with their own counts, and the note says so
+            self.notes.append("--unbalance found no batch to mask (it masks the labels of the dict batches a torch "
+                              "DataLoader yields, a 'labels' tensor [B, T]): the windows hold the script's own counts")
 
     def verdict(self, objective: str = "token_mean", labels: str = "auto", model: str | None = None) -> Any:
         """The audit's verdict (:class:`harness.audit.evidence.AuditVerdict`): ``objective`` and ``labels`` as the

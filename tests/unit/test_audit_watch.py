@@ -278,6 +278,9 @@ def test_unbalance_makes_a_mean_per_microbatch_visible_on_balanced_batches() -> 
     with watch(windows=2, unbalance=3) as audit:
         loader_train(HFLike(), right=True)
     assert audit.verdict().passed, str(audit.verdict())
+    with watch(windows=2, unbalance=3) as audit:  # no DataLoader to mask: judged on its own counts, and told so
+        gpt_train(GPTLike(), gpt_windows())
+    assert audit.verdict().passed and "--unbalance found no batch to mask" in str(audit.verdict())
 
 
 def test_a_capture_over_its_bound_is_refused_and_not_judged() -> None:
