@@ -329,6 +329,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
     token_world, token_rank = mesh.token_ranks, mesh.token_rank(rank)
     sig = classify(blocks, read, token_world, ev.precision, rank=token_rank, other_counts=others)
     sig = pipeline_reading(ev, window, blocks, read, mesh_reading(sig, blocks, read, mesh))
+    sig = pd.count_reading(ev, window, read, sig) or sig  # packed: a count that takes the boundaries for targets
     if sig.name == "unexplained" and aux_cols is None:  # packed: the pairs across sequences, fitted beside
         across = pd.boundary_reading(ev, model, window, a, g, blocks, [mb for _, mb in held], rank, others)
         if across is not None:

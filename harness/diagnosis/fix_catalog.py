@@ -39,6 +39,14 @@ FIXES: dict[str, str] = {
                                  "-100, at every sequence's first position) and never rebuild the labels over the "
                                  "whole packed row, so that no sequence's last token is trained to predict the next "
                                  "sequence's first",
+    "counted_across_boundaries": "count only the labels that are not -100 after the shift ((labels[:, 1:] != "
+                                 "-100).sum() of the batch's own labels, the separator kept), never the packed rows' "
+                                 "positions, which take each sequence's first position for a target; {right}",
+    "shifted_and_counted_across_boundaries": "keep the batch's labels (-100 at every sequence's first position, "
+                                             "the separator, and on the prompt) instead of rebuilding them over the "
+                                             "whole packed row, so that no sequence's last token is trained to "
+                                             "predict the next sequence's first, and count those labels that are "
+                                             "not -100 after the shift: {right}",
     "prompt_supervised": "keep the batch's labels (-100 on the prompt and the padding) instead of rebuilding them from "
                          "input_ids, and count those labels: {right}",
     "dropped": "make every microbatch of every rank reach backward exactly once{found}: no early return or skipped "

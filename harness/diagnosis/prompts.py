@@ -7,6 +7,12 @@ next input token. Each microbatch's gradient of its prompt positions' loss is fi
 at that same weight explain is the loss over every real position, divided by whatever count the sentence names
 (``N + P``, the rebuilt labels' own count, where the recipe counted them too). Read on the harness's batch format under
 the token mean, where the positions' targets are the next input ids.
+
+On a packed run (``--batch-format=packed``) labels rebuilt from the packed rows' ``input_ids`` (``labels =
+input_ids``) supervise the prompt and the pairs across the sequences' boundaries alike: the prompt columns and the
+boundary columns (:func:`harness.diagnosis.packed.boundary_columns`) are fitted beside the blocks together, and a
+gradient they explain at one common weight ``1/(N + P + B)``, the rebuilt labels' count, reads
+``shifted_and_counted_across_boundaries`` (:func:`packed_prompt_reading`).
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from harness.core.compare import flat_grad
-from harness.core.formats import HARNESS
+from harness.core.formats import HARNESS, PACKED
 from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.fit import MAX_CONDITION, Block, Fit, explained_residual, match_tolerance
-from harness.diagnosis.packed import fit_beside
-from harness.diagnosis.signatures import Signature, classify
+from harness.diagnosis.packed import boundary_columns, count_facts, fit_beside, named_count
+from harness.diagnosis.signatures import Signature, classify, scale_tolerance
 
 
 def prompt_labels(mb: Microbatch) -> torch.Tensor:
@@ -56,6 +62,8 @@ def prompt_reading(ev: Evidence, model: torch.nn.Module, a: torch.Tensor, g: tor
                    mbs: Sequence[Microbatch], rank: int, others: Mapping[str, int]) -> tuple[Fit, Signature] | None:
     """``(the blocks' fit, prompt_supervised)`` when ``g`` is the blocks and their prompt positions at one common
     weight (the harness's batch format, the token mean, one token rank per data rank); None otherwise."""
+    if ev.batch_format == PACKED:
+        return packed_prompt_reading(ev, model, a, g, blocks, mbs, rank, others)
     if ev.batch_format != HARNESS or not ev.objective.plain or ev.mesh.size("cp") > 1:
         return None
     found = prompt_columns(ev, model, mbs)
@@ -83,4 +91,43 @@ def prompt_reading(ev: Evidence, model: torch.nn.Module, a: torch.Tensor, g: tor
     return fit, Signature("prompt_supervised", words, c)
 
 
-__all__ = ["prompt_columns", "prompt_labels", "prompt_reading"]
+def packed_prompt_reading(ev: Evidence, model: torch.nn.Module, a: torch.Tensor, g: torch.Tensor,
+                          blocks: Sequence[Block], mbs: Sequence[Microbatch], rank: int,
+                          others: Mapping[str, int]) -> tuple[Fit, Signature] | None:
+    """``(the blocks' fit, shifted_and_counted_across_boundaries)`` when ``g`` is the blocks, their prompt positions
+    and their boundary pairs all at the weight ``1/(N + P + B)``: labels rebuilt from a packed row's ``input_ids``
+    and divided by their own count (a packed run under the token mean, one token rank per data rank); None
+    otherwise."""
+    if ev.batch_format != PACKED or not ev.objective.plain or ev.mesh.size("cp") > 1:
+        return None
+    found, pairs = prompt_columns(ev, model, mbs), boundary_columns(ev, model, mbs)
+    if found is None or pairs is None:
+        return None
+    prompted, prompts = found
+    extra = torch.cat([prompted, pairs], dim=1)
+    fit, u, joint = fit_beside(a, g, extra)
+    if joint.residual > explained_residual() or not joint.condition <= MAX_CONDITION:
+        return None
+    sig = classify(blocks, fit, ev.mesh.token_ranks, ev.precision, rank=ev.mesh.token_rank(rank),
+                   other_counts=others)
+    if sig.name != "global_scale" or sig.factor is None:
+        return None
+    c, facts = sig.factor, count_facts(mbs)
+    n = facts.n
+    live = [float(w) * n for w, col in zip(u, extra.T) if bool(col.any()) and math.isfinite(float(w))]
+    if not live or max(abs(r / c - 1) for r in live) > match_tolerance():
+        return None
+    tol = scale_tolerance([float(w) * n for w in fit.weights], c, fit, ev.precision)
+    named = named_count(facts, c, tol)
+    if named is None or named[1] != "N + P + B" or facts.prompts != prompts:
+        return None
+    words = (f"the gradient holds the loss of the P={prompts} prompt positions and the B={facts.boundaries} pairs "
+             f"across the packed sequences' boundaries beside the {n} supervised tokens, and every one of them weighs "
+             f"1/(N + P + B) = 1/{named[0]} where 1/N is right (N={n}): labels rebuilt from the packed rows' input ids "
+             "(labels = input_ids) supervise the prompt, which the batch's labels mark -100, and train every "
+             "sequence's last token to predict the first token of the next sequence in its row (the separator "
+             "dropped), and the loss was divided by their own count, N + P + B")
+    return fit, Signature("shifted_and_counted_across_boundaries", words, c)
+
+
+__all__ = ["packed_prompt_reading", "prompt_columns", "prompt_labels", "prompt_reading"]

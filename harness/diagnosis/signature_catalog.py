@@ -19,6 +19,13 @@ SIGNATURES: dict[str, str] = {
     "shifted_across_boundaries": "the weights are right, and the gradient also holds the loss of the pairs across "
                                  "packed sequences' boundaries (each sequence's last token trained to predict the next "
                                  "sequence's first): labels rebuilt over the whole packed row, the separator dropped",
+    "counted_across_boundaries": "every token weighs 1/(N + B) (or 1/(N + P + B)): the batch's loss divided by a "
+                                 "count of the packed rows' positions that takes each of the B sequence boundaries "
+                                 "inside a row (a separator, -100 in the batch's labels; and the P prompt positions "
+                                 "where named) for a target",
+    "shifted_and_counted_across_boundaries": "the supervised tokens and the B pairs across packed sequences' "
+                                             "boundaries all weigh 1/(N + B): labels rebuilt over the whole packed "
+                                             "row, the separator dropped, and the loss divided by their own count",
     "prompt_supervised": "the blocks weigh alike, and the gradient also holds the loss of the prompt positions at the "
                          "same weight: labels rebuilt from the input ids, every real position supervised",
     "dropped": "some blocks weigh nothing (a rank or microbatch that never reached backward), the rest alike",

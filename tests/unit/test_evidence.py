@@ -18,6 +18,8 @@ from harness.diagnosis.count_groups import counts_over
 from harness.diagnosis.diagnose import diagnose
 from harness.diagnosis.evidence import Evidence, RankWindow
 from harness.diagnosis.mesh import token_blocks
+from harness.diagnosis.packed import boundary_columns, count_facts
+from harness.diagnosis.prompts import prompt_columns
 from harness.distributed.pipeline import ScheduleStep
 
 
@@ -157,6 +159,83 @@ def test_the_packed_family_reads_a_mean_over_packed_rows() -> None:
         recs = [[RankWindow(grad=grad, params_before=start, syncs=1)] for _ in window]
         ev = dataclasses.replace(base, records=recs, references=[reference])
         assert want == reading(ev)
+
+
+PACKED_WINDOW = [[microbatch([5, 3, 4, 2], seed=8, prompt=1)], [microbatch([9, 7, 6], seed=9, prompt=1)]]
+"""Two ranks of one microbatch each, every row with a one-token prompt: packed into rows that hold boundaries."""
+
+
+def _packed_reading(column_weights: dict[str, float]) -> tuple[str, str]:
+    """``(signature, sentence)`` of a packed run whose gradient is each microbatch's loss sum (``"blocks"``), its
+    boundary pairs' loss (``"pairs"``) and its prompt positions' loss (``"prompts"``) at the weights given; the
+    reference is the blocks at 1/N."""
+    conv = PackedConvention(dtype=torch.float64)
+    base = dataclasses.replace(hand_evidence(PACKED_WINDOW), model=conv)
+    start = base.reference_starts[0]
+    mbs = [mb for rank in PACKED_WINDOW for mb in rank]
+    model = base.model_at(start, torch.float64)
+    pairs = boundary_columns(base, model, mbs)
+    prompts = prompt_columns(base, model, mbs)
+    assert pairs is not None and prompts is not None
+    columns = {"blocks": torch.stack(block_gradients(conv, start, mbs), dim=1), "pairs": pairs, "prompts": prompts[0]}
+    grad = sum(w * columns[name].sum(dim=1) for name, w in column_weights.items())
+    right = columns["blocks"].sum(dim=1) / sum(mb.supervised for mb in mbs)
+    assert isinstance(grad, torch.Tensor)
+    reference = dataclasses.replace(base.references[0], gradient=right)  # type: ignore[type-var]
+    recs = [[RankWindow(grad=grad, params_before=start, syncs=1)] for _ in PACKED_WINDOW]
+    found = diagnose(dataclasses.replace(base, records=recs, references=[reference]), 0, 0)
+    assert found is not None and found.fix, found
+    return found.signature.name, found.signature.sentence + " | fix: " + found.fix
+
+
+def _packed_counts() -> tuple[int, int, int, int]:
+    """``(N, P, B, S)`` of :data:`PACKED_WINDOW`: supervised tokens, prompt positions, boundaries inside the packed
+    rows, sequences."""
+    facts = count_facts([mb for rank in PACKED_WINDOW for mb in rank])
+    sequences = sum(mb.inputs.shape[0] for rank in PACKED_WINDOW for mb in rank)
+    return facts.n, facts.prompts, facts.boundaries, sequences
+
+
+@pytest.mark.parametrize("formula", ["N + B", "N + P + B"])
+def test_a_count_that_takes_the_packed_boundaries_for_targets_reads_counted_across_boundaries(formula: str) -> None:
+    """The batch's loss over N + B (labels rebuilt over the row, counted) or over N + P + B (the rows' positions
+    after the shift) reads counted_across_boundaries, naming the count and the fix that counts the labels."""
+    n, p, b, _ = _packed_counts()
+    assert p > 0 and b > 0  # the window tells the two counts apart
+    x = n + b if formula == "N + B" else n + p + b
+    name, words = _packed_reading({"blocks": 1 / x})
+    assert "counted_across_boundaries" == name, words
+    assert f"1/({formula}) = 1/{x} where 1/N is right (N={n})" in words
+    assert "count only the labels that are not -100 after the shift" in words
+
+
+def test_the_packed_rows_real_tokens_stay_a_global_scale_and_the_right_count_reads_correct() -> None:
+    """The negative controls: N + P + S (the real tokens, each sequence's first position counted) is the count
+    global_scale names; 1/N is correct."""
+    n, p, _, s = _packed_counts()
+    assert "global_scale" == _packed_reading({"blocks": 1 / (n + p + s)})[0]
+    assert "correct" == _packed_reading({"blocks": 1 / n})[0]
+
+
+def test_labels_rebuilt_across_the_boundaries_and_counted_read_shifted_and_counted_across_boundaries() -> None:
+    """The blocks and the boundary pairs at 1/(N + B) read shifted_and_counted_across_boundaries; the same pairs at
+    1/N, the batch's count, read shifted_across_boundaries (its negative control)."""
+    n, _, b, _ = _packed_counts()
+    name, words = _packed_reading({"blocks": 1 / (n + b), "pairs": 1 / (n + b)})
+    assert "shifted_and_counted_across_boundaries" == name, words
+    assert f"the B={b} pairs across the packed sequences' boundaries" in words and f"1/(N + B) = 1/{n + b}" in words
+    assert "keep the batch's labels" in words
+    assert "shifted_across_boundaries" == _packed_reading({"blocks": 1 / n, "pairs": 1 / n})[0]
+
+
+def test_labels_rebuilt_from_the_packed_input_ids_read_their_prompt_and_boundaries_supervised_and_counted() -> None:
+    """labels = input_ids over the packed row: the blocks, the prompt positions and the boundary pairs at
+    1/(N + P + B)."""
+    n, p, b, _ = _packed_counts()
+    x = n + p + b
+    name, words = _packed_reading({"blocks": 1 / x, "pairs": 1 / x, "prompts": 1 / x})
+    assert "shifted_and_counted_across_boundaries" == name, words
+    assert f"P={p} prompt positions and the B={b} pairs" in words and f"1/(N + P + B) = 1/{x}" in words
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp64"])

@@ -13,7 +13,8 @@ from torch import nn
 from harness.core.formats import packed_layout, to_hf, to_packed
 from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.diagnosis.fit import Block
-from harness.diagnosis.packed import boundary_pairs, boundary_sentence
+from harness.diagnosis.packed import CountFacts, boundary_pairs, boundary_sentence, count_facts, named_count
+from harness.diagnosis.prompts import prompt_labels
 from harness.diagnosis.row_weights import pack_mean_weights, read_packs
 from harness.recipes.controls.packed import PackedSequenceMeanOverRows, _across_boundaries
 from harness.recipes.objectives import SequenceMean, forward, sequence_ids, supervised_sequences
@@ -54,6 +55,31 @@ def test_the_boundary_pairs_are_exactly_the_pairs_labels_rebuilt_across_the_row_
     want = sorted((int(ids[b, at]), token) for b, at, token in boundary_pairs(mb))
     assert 3 == len(want)  # two boundaries in the first packed row, one in the second
     assert want == got
+
+
+def test_the_count_facts_are_the_counts_the_rebuilt_labels_and_the_rows_positions_give() -> None:
+    """N + B is the count of the labels rebuilt over the whole row (the controls' count), N + P + B the packed rows'
+    positions after the shift that are not padding; B is the boundary pairs, P the prompt positions."""
+    plain = _microbatch()
+    labels = plain.labels.clone()
+    labels[3, 0] = I  # row 3 gets a one-token prompt
+    mb = Microbatch(plain.inputs, labels)
+    packed = to_packed(mb)
+    facts = count_facts([mb])
+    assert (mb.supervised, 3) == (facts.n, facts.boundaries)
+    assert int((_across_boundaries(packed)[:, 1:] != IGNORE_INDEX).sum()) == facts.n + facts.boundaries
+    assert int((packed["input_ids"][:, 1:] != PAD).sum()) == facts.positions
+    assert int((prompt_labels(mb) != IGNORE_INDEX).sum()) == facts.prompts == 1
+    assert ["N + B", "N + P + B"] == [formula for _, formula, _ in facts.counts()]
+
+
+def test_a_common_scale_is_named_as_a_boundary_count_only_where_one_token_would_show() -> None:
+    """c = N / (N + B) is named; the same c read at a tolerance wider than one token of the count is not, nor a
+    window without a boundary."""
+    facts = CountFacts(n=100, boundaries=4, positions=110)
+    assert named_count(facts, 100 / 104, 1e-6) is not None
+    assert named_count(facts, 100 / 104, 1e-2) is None
+    assert named_count(CountFacts(n=100, boundaries=0, positions=100), 1.0, 1e-6) is None
 
 
 def test_a_microbatch_of_one_sequence_has_no_boundary_pair() -> None:

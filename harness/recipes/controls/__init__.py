@@ -2,7 +2,8 @@
 
 One module per family (:data:`FAMILIES`): how the loss is normalized, how microbatches are accumulated, when gradients
 synchronize, windows without tokens, what a step must leave alone (hygiene), the hf batch format, packed rows
-(packed: a count from the rows' tokens, labels shifted across boundaries, a sequence mean over rows), and mistakes that
+(packed: a count from the rows' tokens, labels shifted across boundaries, for the loss, the count or both, a
+sequence mean over rows), and mistakes that
 depend on the world size (world: right at the W their author tested, declared where they show), recipes right
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
 normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:

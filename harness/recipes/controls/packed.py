@@ -1,6 +1,7 @@
 """Negative controls, packed family. The packed batch format (``--batch-format=packed``: several sequences per row,
 as transformers' ``DataCollatorWithFlattening`` builds them, :func:`harness.core.formats.to_packed`): a count taken
-from the rows' tokens, labels rebuilt across the sequences' boundaries, a sequence mean over the rows.
+from the rows' tokens, labels rebuilt across the sequences' boundaries (for the loss, the count, or both), a
+sequence mean over the rows.
 
 Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
 :mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it."""
@@ -76,6 +77,48 @@ class PackedLabelsShiftedAcrossBoundaries:
 
     def backward_window(self, model: nn.Module, window: Sequence[Mapping[str, Any]]) -> float | None:
         total = window_count(window)
+        return _packed_window(model, window, total, _across_boundaries)
+
+
+def _rebuilt_count(window: Sequence[Mapping[str, Any]]) -> int:
+    """The all-reduced count of the labels rebuilt over the whole packed row (:func:`_across_boundaries`), after the
+    shift: the window's supervised tokens and, in every packed row, each sequence's first position past the row's
+    first (a separator the batch's labels mark -100)."""
+    return global_count(sum(int((_across_boundaries(batch)[:, 1:] != IGNORE_INDEX).sum()) for batch in window))
+
+
+@control(Target("parity", "uneven", batch_format=PACKED), "counted_across_boundaries")
+class PackedCountAcrossBoundaries:
+    """The correct packed loss (the batch's labels, the separator kept) over the count of the labels rebuilt over
+    the whole packed row as if it were one sequence (``labels = input_ids``, prompts masked, only the row's first
+    position no target): a count taken by a data step that builds its own labels before the packing collator places
+    its separators, as a ``num_items_in_batch`` from those labels is. Each boundary inside a packed row is counted
+    as a target the loss never sees, so every weight is ``N / (N + B)``, B the sequences that start past their
+    row's first position."""
+
+    name = "packed_count_across_boundaries"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Mapping[str, Any]]) -> float | None:
+        window_count(window)  # every rank refuses a window without a supervised token, together
+        total = _rebuilt_count(window)  # the mistake: the boundaries counted
+        check_global_count(total)
+        return _packed_window(model, window, total)
+
+
+@control(Target("parity", "uneven", batch_format=PACKED), "shifted_and_counted_across_boundaries")
+class PackedLabelsRebuiltAndCounted:
+    """The labels rebuilt over the whole packed row (:func:`_across_boundaries`: the separator dropped, prompts kept
+    masked), as ``packed_labels_shifted_across_boundaries`` does, and the loss divided by the count of those rebuilt
+    labels, as a loop that builds its labels and its count in one place (``shift_labels = labels[:, 1:]``;
+    ``(shift_labels != -100).sum()``) does: the boundary pairs are supervised *and* counted, so every supervised
+    token and every boundary pair weighs ``1/(N + B)``."""
+
+    name = "packed_labels_rebuilt_and_counted"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Mapping[str, Any]]) -> float | None:
+        window_count(window)
+        total = _rebuilt_count(window)  # the mistake: the rebuilt labels' own count
+        check_global_count(total)
         return _packed_window(model, window, total, _across_boundaries)
 
 
