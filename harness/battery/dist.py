@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from harness.battery import mesh_scenarios, scenarios
-from harness.battery.dist_store import STORE_SLACK, connect, get, histories, put, reporting
+from harness.battery.dist_store import STORE_SLACK, connect, get, histories, put, reporting, working
 from harness.battery.judge import registry
 from harness.battery.judge.crash_report import every_rank_raised, grouped
 from harness.battery.judge.verdict import FAIL, Verdict
@@ -75,7 +75,7 @@ from harness.battery.plan.skips import check_skips, skip_all
 from harness.battery.prepare.objective import windows_for
 from harness.battery.prepare.steps import Prepared, prepare
 from harness.battery.rank.rank_program import rank_body
-from harness.distributed.divergence import first_divergence
+from harness.distributed.divergence import COLLECTIVE_FAILURES, first_divergence
 from harness.distributed.errors import LaunchError
 from harness.distributed.worker import default_backend, exit_worker
 
@@ -196,11 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _on_cpu(records: list[WindowRecord]) -> list[WindowRecord]:
     return [replace(r, grad=None if r.grad is None else r.grad.cpu(), params_before=r.params_before.cpu(),
                     params_after=r.params_after.cpu()) for r in records]
-
-
-COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe",
-                       "gloo", "nccl")
-"""How a collective's failure reads: a rank that failed this way was let down by a peer, not by its own code."""
 
 
 def _let_down(text: str) -> bool:
@@ -351,7 +346,10 @@ def _collect(store: dist.Store, i: int, ready: Prepared, world: int, deadline: f
         failure = _desync(ahead, errors, world)
     else:
         failure = _failure(errors, world)
-    found = first_divergence(histories(store, i, world), world)  # the ranks' records first, whatever ended the run
+    # The ranks' records first, whatever ended the run: finished windows, then what each rank did inside its last.
+    # A worker that gave no result by the deadline may only be slow: then only steps some rank finished are read.
+    settled = not any(text.startswith("no result from rank") for _, text, _ in errors.values())
+    found = first_divergence(histories(store, i, world), world, working(store, i, world), settled)
     if found is not None:
         failure.name_cause(*found)
     s = ready.spec

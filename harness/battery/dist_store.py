@@ -44,10 +44,13 @@ class StoreChannel:
     (:mod:`harness.distributed.divergence`)."""
 
     def __init__(self, store: dist.Store, run: int, rank: int) -> None:
-        self.store, self.key = store, f"{run}/steps{rank}"
+        self.store, self.key, self.within = store, f"{run}/steps{rank}", f"{run}/within{rank}"
         self.history: dict[int, tuple[str, int | None]] = {}
 
-    def notice(self, step: int, note: str, collectives: int | None = None) -> None:
+    def notice(self, step: int, note: str, collectives: int | None = None, *, finished: bool = True) -> None:
+        if not finished:  # still in the step: only the last such report counts
+            put(self.store, self.within, (step, note, collectives))
+            return
         self.history[step] = (note, collectives)
         put(self.store, self.key, self.history)
 
@@ -74,4 +77,16 @@ def histories(store: dist.Store, run: int, world: int) -> dict[int, dict[int, St
     return out
 
 
-__all__ = ["STORE_SLACK", "StoreChannel", "connect", "get", "histories", "put", "reporting"]
+def working(store: dist.Store, run: int, world: int) -> dict[int, tuple[int, StepReport]]:
+    """Every rank's last report from inside a step of run ``run``, ``(step, report)`` (none for a rank that sent
+    none)."""
+    out: dict[int, tuple[int, StepReport]] = {}
+    for r in range(world):
+        key = f"{run}/within{r}"
+        if store.check([key]):
+            step, note, count = pickle.loads(store.get(key))
+            out[r] = (step, StepReport(note, count, finished=False))
+    return out
+
+
+__all__ = ["STORE_SLACK", "StoreChannel", "connect", "get", "histories", "put", "reporting", "working"]

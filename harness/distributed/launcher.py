@@ -90,7 +90,7 @@ def launches() -> int:
     return _LAUNCHES[0]
 
 
-def progress(step: int, note: str = "", *, collectives: int | None = None) -> None:
+def progress(step: int, note: str = "", *, collectives: int | None = None, finished: bool = True) -> None:
     """Tell the launcher that this rank has finished step ``step`` (0, 1, 2, ...; e.g. a training window).
 
     Called inside a function run by :func:`launch`; elsewhere it does nothing. It never waits for the parent: the
@@ -105,6 +105,12 @@ def progress(step: int, note: str = "", *, collectives: int | None = None) -> No
     by step: a rank that finished a step with another count than its peers, or with none while its peers never
     finished it, is named as the cause, with its ``note`` (then written as a phrase: ``"skipped the backward of
     window 3"``; :mod:`harness.distributed.divergence`).
+
+    ``finished=False``: the rank is still in step ``step``, and ``note`` and ``collectives`` say what it has done so far
+    (the collectives it has begun). Not a step reached (the lockstep grace ignores it); read only when the run fails
+    before the step's end, where no finished record tells the ranks apart (a rank that skipped a collective and died
+    in gloo's mismatch, or NCCL's watchdog, inside the step). Send ``collectives=None`` when the step ends in an
+    exception of the rank's own code: then nobody is named, and that exception is the cause.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         msg = f"step={step!r} must be a non-negative integer: the index of the step this rank has just finished"
@@ -118,7 +124,7 @@ def progress(step: int, note: str = "", *, collectives: int | None = None) -> No
         raise ValueError(msg)
     channel = rank.CHANNEL
     if channel is not None:
-        channel.notice(step, note, collectives)
+        channel.notice(step, note, collectives, finished=finished)
 
 
 def launch(

@@ -90,20 +90,24 @@ class _Channel:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self._pending: tuple[int, bytes] | None = None
+        self._pending: dict[str, tuple[int, bytes]] = {}
+        """The newest notice of each kind not yet written (``"step"``: a step finished; ``"within"``: a rank still in
+        one), written finished steps first."""
         self._pid = os.getpid()
 
-    def notice(self, step: int, note: str, collectives: int | None = None) -> None:
+    def notice(self, step: int, note: str, collectives: int | None = None, *, finished: bool = True) -> None:
         if os.getpid() != self._pid:
             return  # a process forked by the rank's function: the pipe is the rank's
-        frame = _frame(("step", step, note, collectives))
+        kind = "step" if finished else "within"
+        frame = _frame((kind, step, note, collectives))
         limit = getattr(select, "PIPE_BUF", 512)
         while len(frame) > limit:
             note = note.encode()[: max(0, len(note.encode()) - (len(frame) - limit) - 8)].decode(errors="ignore")
-            frame = _frame(("step", step, note + " ...", collectives))
+            frame = _frame((kind, step, note + " ...", collectives))
         with self._lock:
-            if self._pending is None or step >= self._pending[0]:
-                self._pending = (step, frame)
+            held = self._pending.get(kind)
+            if held is None or step >= held[0]:
+                self._pending[kind] = (step, frame)
             with contextlib.suppress(OSError):
                 self._flush(block=False)
 
@@ -115,22 +119,23 @@ class _Channel:
             self._conn.send_bytes(payload)
 
     def _flush(self, block: bool) -> None:
-        if self._pending is None:
-            return
-        frame = self._pending[1]
-        fd = self._conn.fileno()
-        if not block:
-            os.set_blocking(fd, False)
-            try:
-                written = os.write(fd, frame)
-            except BlockingIOError:
-                return  # the pipe is full: the parent is busy; try again with the next notice
-            finally:
-                os.set_blocking(fd, True)
-            frame = frame[written:]  # empty: a write of at most PIPE_BUF bytes is all or nothing
-        while frame:
-            frame = frame[os.write(fd, frame):]
-        self._pending = None
+        for kind in ("step", "within"):
+            if kind not in self._pending:
+                continue
+            frame = self._pending[kind][1]
+            fd = self._conn.fileno()
+            if not block:
+                os.set_blocking(fd, False)
+                try:
+                    written = os.write(fd, frame)
+                except BlockingIOError:
+                    return  # the pipe is full: the parent is busy; try again with the next notice
+                finally:
+                    os.set_blocking(fd, True)
+                frame = frame[written:]  # empty: a write of at most PIPE_BUF bytes is all or nothing
+            while frame:
+                frame = frame[os.write(fd, frame):]
+            del self._pending[kind]
 
 
 def _frame(message: tuple[Any, ...]) -> bytes:

@@ -43,6 +43,8 @@ class Watch:
         """Per rank, the highest step it reported (a function's end is no step)."""
         self.history: dict[int, dict[int, StepReport]] = {}
         """Per rank and step, what it said when it finished the step (the divergence of a failed run is read here)."""
+        self.working: dict[int, tuple[int, StepReport]] = {}
+        """Per rank, its last report from inside a step: ``(step, what it had done so far)``."""
 
     def steps(self) -> dict[int, int | None]:
         """Per rank, the highest step it reported through ``progress`` (None: none)."""
@@ -63,7 +65,9 @@ class Watch:
             final = self._take(conn)
             if final is not None and final[0] != "error":
                 self.results.setdefault(rank, final[1])
-        found = first_divergence(self.history, len(self.procs))
+        # A rank killed from outside (SIGKILL: the out-of-memory killer) says nothing about where it was going.
+        working = {r: w for r, w in self.working.items() if self.procs[r].exitcode != -signal.SIGKILL}
+        found = first_divergence(self.history, len(self.procs), working, settled=exc.kind != "deadline")
         if found is not None:
             exc.name_cause(*found)
 
@@ -117,6 +121,8 @@ class Watch:
                 self._record(rank, float(message[1]), message[2])
                 collectives = message[3] if len(message) > 3 else None
                 self.history.setdefault(rank, {})[int(message[1])] = StepReport(message[2], collectives)
+            elif message[0] == "within":
+                self.working[rank] = (int(message[1]), StepReport(message[2], message[3], finished=False))
             elif message[0] == "done":
                 self._record(rank, math.inf, message[1])
             elif message[0] == "started":

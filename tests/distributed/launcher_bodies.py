@@ -129,3 +129,19 @@ def mismatched_all_reduce() -> int:
     t = torch.ones(3 if dist.get_rank() == 0 else 5)
     dist.all_reduce(t)
     return int(t.sum())
+
+
+def report_inside_then_mismatch(skipper: int, counted: bool) -> int:
+    """Every rank reports from inside step 0, then the all-reduce of ``mismatched_all_reduce`` (gloo aborts a rank).
+    ``skipper`` says it skipped the backward that begins the gradient all-reduce (``counted``), or that its step ended
+    in its own exception (no count); its peers that they began the all-reduce."""
+    if dist.get_rank() == skipper:
+        note = ("skipped the backward of window 0 (microbatch 1): its DDP all-reduce never ran" if counted else
+                "raised KeyError in window 0")
+        progress(0, note, collectives=0 if counted else None, finished=False)
+    else:
+        progress(0, "ran the backward of window 0 (microbatch 1), which began the DDP all-reduce", collectives=1,
+                 finished=False)
+    t = torch.ones(3 if dist.get_rank() == skipper else 5)
+    dist.all_reduce(t)
+    return int(t.sum())

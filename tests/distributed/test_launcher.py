@@ -507,3 +507,24 @@ def test_a_rank_aborted_by_gloo_is_reported_with_its_last_output(bodies: ModuleT
     dead = err.ranks[0]
     assert "(its last output:)" in err.details[dead]
     assert "collective mismatch" in err.details[dead]
+
+
+def test_a_rank_that_skipped_a_collective_inside_a_step_is_named_before_the_abort(bodies: ModuleType) -> None:
+    """No rank finishes step 0: gloo aborts the run in the all-reduce, and the ranks' reports from inside the step
+    name rank 1, which began no synchronization where rank 0 began one; gloo's words follow the cause."""
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.report_inside_then_mismatch, 2, 1, True, deadline=30)
+    err = info.value
+    assert "desync" == err.kind and 1 == err.ranks[0]
+    assert err.cause is not None
+    assert err.cause.startswith("rank 1 skipped the backward of window 0 (microbatch 1): its DDP all-reduce never "
+                                "ran, so the collective rank 0 was in met another one or none"), err.cause
+    assert str(err).startswith(err.cause) and "collective mismatch" in str(err)
+
+
+def test_a_rank_whose_step_ended_in_its_own_exception_is_not_named_as_having_skipped(bodies: ModuleType) -> None:
+    """The control: the same abort, rank 1's report from inside the step carrying no count (its own exception): no
+    rank is named, and the run stays the death gloo caused."""
+    with pytest.raises(LaunchError) as info:
+        launch(bodies.report_inside_then_mismatch, 2, 1, False, deadline=30)
+    assert "died" == info.value.kind and info.value.cause is None

@@ -1,7 +1,9 @@
 """A rank that skips a collective its peers run is named, with its window, as the cause of the failed run, whatever
 symptom ended it: at W=3 the rank that skipped its backward goes on to its next window's count all-reduce, which
 pairs with its peers' DDP bucket and aborts in gloo ("Received data size doesn't match expected size"): a lost rank
-with a stack, unless the ranks' own per-window reports (:mod:`harness.distributed.divergence`) name it."""
+with a stack, unless the ranks' own per-window reports (:mod:`harness.distributed.divergence`) name it. A rank that
+skips only its last microbatch's backward dies inside the window, before any report of a finished window: its reports
+from inside the window name it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from harness.battery.judge import checks
 from harness.battery.launch import runner
 
 SKIP = "harness.recipes:skip_backward_when_empty"
+SKIP_LAST = "harness.recipes:skip_backward_of_empty_microbatch"
 
 
 def _empty_on(rank: int, window: int, world: int) -> scenarios.Windows:
@@ -31,6 +34,21 @@ def test_a_rank_that_skips_its_backward_on_an_empty_window_is_named_with_the_win
     first = verdict.message.splitlines()[0]
     assert (f"rank {rank} skipped the forward and backward of window {window} (no gradient synchronization): every "
             "rank must run the same collectives") in first, verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+def test_a_rank_that_skips_its_last_microbatchs_backward_is_named_before_gloos_abort(world: int) -> None:
+    """Rank 1's last microbatch of ``sparse`` has no token; it skips that backward (DDP's all-reduce) and all-reduces
+    its logged loss, which meets its peers' gradient bucket: gloo aborts inside the window, before any rank finished
+    it. The ranks' reports from inside the window name rank 1 and the microbatch first; gloo's words follow."""
+    verdict = checks.parity(runner.run(SKIP_LAST, "sparse", world, deadline=30))
+    assert "desync" == verdict.cause
+    first, rest = verdict.message.split("\n", 1)
+    assert ("rank 1 skipped the backward of window 0 (microbatch 3): its DDP all-reduce never ran, so the collective "
+            f"{'rank 0 was' if world == 2 else 'ranks 0 and 2 were'} in met another one or none: every rank must run "
+            "the same collectives") in first, verdict.message
+    assert "collective mismatch" in rest, verdict.message
 
 
 @pytest.mark.slow

@@ -39,6 +39,9 @@ SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hs
                  "packed")
 """Families whose controls past the first run in the slow tier only."""
 
+SLOW_CONTROLS = ("skip_backward_of_empty_microbatch",)
+"""Controls that run in the slow tier only (a gloo abort inside the window: seconds per run)."""
+
 
 def control_cases() -> list[object]:
     """``(control, world size)`` for every control: the world sizes its target declares (a mistake right at the W its
@@ -50,7 +53,7 @@ def control_cases() -> list[object]:
         family = control_class(n).__module__.rsplit(".", 1)[-1]
         # The families' controls in SLOW_FAMILIES past the first of each run in the slow
         # tier (the test command's budget); every other control at W=2 in the default one.
-        representative = family not in SLOW_FAMILIES or family not in seen
+        representative = (family not in SLOW_FAMILIES or family not in seen) and n not in SLOW_CONTROLS
         seen.add(family)
         for w in t.world_sizes or (2, 3):
             marks = [pytest.mark.xdist_group(control_group(n, w))]

@@ -54,3 +54,65 @@ def test_ranks_that_agree_or_did_not_count_name_nobody() -> None:
 def test_ranks_are_phrased_as_a_reader_writes_them() -> None:
     assert ("rank 1", "ranks 0 and 2", "ranks 0, 2 and 3") == (
         ranks_phrase([1]), ranks_phrase([2, 0]), ranks_phrase([0, 2, 3]))
+
+
+def _within(note: str, begun: int | None) -> StepReport:
+    return StepReport(note, begun, finished=False)
+
+
+SKIPPED = "skipped the backward of window 0 (microbatch 1): its DDP all-reduce never ran"
+RAN = "ran the backward of window 0 (microbatch 1), which began the DDP all-reduce"
+
+
+def test_a_rank_that_died_inside_a_step_after_skipping_its_synchronization_is_named_from_its_report_there() -> None:
+    """No rank finished window 0 (gloo aborted the run inside it): rank 1 began no synchronization where ranks 0
+    and 2 began one, and is named from what it reported inside the window."""
+    working = {0: (0, _within(RAN, 1)), 1: (0, _within(SKIPPED, 0)), 2: (0, _within(RAN, 1))}
+    found = first_divergence({0: {}, 1: {}, 2: {}}, 3, working)
+    assert found is not None and [1] == found[0]
+    assert found[1].startswith(f"rank 1 {SKIPPED}, so the collective ranks 0 and 2 were in met another one or none: "
+                               "every rank must run the same collectives (ranks 0 and 2 ran the backward"), found[1]
+
+
+def test_a_report_from_inside_a_step_is_compared_with_the_peers_that_finished_it() -> None:
+    """Rank 0 finished window 1 with its synchronization; rank 1 was still in it having begun none: rank 1."""
+    history = {0: {0: _done(0), 1: _done(1)}, 1: {0: _done(0)}}
+    found = first_divergence(history, 2, {0: (2, _within(RAN, 0)), 1: (1, _within(SKIPPED, 0))})
+    assert found is not None and [1] == found[0]
+
+
+def test_a_rank_that_raised_in_its_own_code_inside_a_step_names_nobody() -> None:
+    """The control: rank 1's window ended in its own exception (reported without a count), rank 0 began its
+    synchronization: the exception is the cause, and no rank is named as having skipped anything."""
+    working = {0: (0, _within(RAN, 1)), 1: (0, _within("raised KeyError in window 0", None))}
+    assert first_divergence({0: {}, 1: {}}, 2, working) is None
+
+
+def test_reports_from_inside_a_step_that_agree_or_miss_a_rank_name_nobody() -> None:
+    """Equal counts (every rank in the same all-reduce), or a rank that reported nothing in the step: no one."""
+    assert first_divergence({0: {}, 1: {}}, 2, {0: (0, _within(RAN, 1)), 1: (0, _within(RAN, 1))}) is None
+    assert first_divergence({0: {}, 1: {}}, 2, {0: (0, _within(RAN, 1))}) is None
+
+
+def test_a_collective_failure_is_told_from_an_exception_of_the_recipes_own() -> None:
+    """gloo's and NCCL's errors (and torch's distributed errors) keep a rank's count; a KeyError or a shape error in
+    the recipe's code does not."""
+    import torch.distributed as dist
+
+    from harness.distributed.divergence import collective_failure
+
+    assert collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert collective_failure(dist.DistBackendError("NCCL error: unhandled system error"))
+    assert not collective_failure(KeyError("labels"))
+    assert not collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"))
+
+
+def test_at_a_deadline_only_a_step_some_rank_finished_is_read_from_inside() -> None:
+    """At a deadline a rank that began fewer synchronizations inside a step nobody finished may only be slower: no
+    one is named. Where a peer finished the step, its all-reduce completed, so the rank that began none went on to
+    another collective, and is named."""
+    working = {0: (0, _within(RAN, 1)), 1: (0, _within(SKIPPED, 0))}
+    assert first_divergence({0: {}, 1: {}}, 2, working, settled=False) is None
+    history = {0: {0: _done(0)}, 1: {}}
+    found = first_divergence(history, 2, {0: (1, _within(RAN, 0)), 1: (0, _within(SKIPPED, 0))}, settled=False)
+    assert found is not None and [1] == found[0]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from harness.battery import scenarios
 from harness.battery.launch.run import WindowRecord
@@ -27,6 +29,7 @@ from harness.battery.spec import ModelSpec
 from harness.data.context_parallel import shard_chunk, supervise_chunk
 from harness.distributed import launcher, pipeline, strategies
 from harness.distributed.device_mesh import RankMesh
+from harness.distributed.divergence import collective_failure
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.strategies.fsdp2 import local, local_slices, sgd_step
 from harness.distributed.tensor_parallel import apply_plan
@@ -103,8 +106,13 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
     ddp = wrapped.module
     autocast = watch.AutocastSeen(dev.type)
     model.register_forward_pre_hook(autocast)
-    passes = Passes()  # what the window's note reports: a rank that skipped its backward is named by it
+    # What the window's note reports: a rank that skipped its backward is named by it. Under DDP each forward and
+    # backward is also reported from inside the window, with the synchronizations begun: a rank that dies in the
+    # window (gloo's size check, NCCL's watchdog) is named from these.
+    passes = Passes(lambda k, note, begun: launcher.progress(k, note, collectives=begun, finished=False))
     passes.attach(model)
+    if isinstance(ddp, DistributedDataParallel):
+        passes.count_syncs(partial(_prepares_sync, ddp), "DDP all-reduce")
     ddp.train()
     # The recipe's keywords: what a clipping recipe clips to, and the ranks' DeviceMesh for one that takes it.
     keywords: dict[str, object] = {}
@@ -142,7 +150,7 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         before = wrapped.full_params() if after is None else after.clone()
         tensors = [local(p.detach()).clone() for p in model.parameters()]
         autocast.seen = None
-        passes.reset()
+        passes.reset(k, len(mine))
         threads, env = torch.get_num_threads(), dict(os.environ)
         wrapped.reset_syncs()
         error = None
@@ -152,20 +160,27 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         if isinstance(wrapped, pipeline.PipelineWrapped):
             wrapped.pipeline.watch(mine)  # the window's schedule steps, recorded by pipeline.step
         try:
-            with generators, \
-                    torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
-                out = recipe.backward_window(ddp, mine, **keywords)  # type: ignore[arg-type]
-                if isinstance(out, tuple) and len(out) == 2:
-                    out, norm = out[0], None if out[1] is None else watch.as_float(out[1])
-            logged = None if out is None else float(out)
-            logged_dtype = str(out.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
-        except ValueError as exc:
-            error = f"ValueError: {exc}"
-        except AttributeError as exc:
-            mismatch = strategy_mismatch(str(exc), run.strategy)
-            if mismatch is None:
-                raise
-            raise ContractViolation(mismatch) from exc
+            try:
+                with generators, \
+                        torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext():
+                    out = recipe.backward_window(ddp, mine, **keywords)  # type: ignore[arg-type]
+                    if isinstance(out, tuple) and len(out) == 2:
+                        out, norm = out[0], None if out[1] is None else watch.as_float(out[1])
+                logged = None if out is None else float(out)
+                logged_dtype = str(out.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+            except ValueError as exc:
+                error = f"ValueError: {exc}"
+            except AttributeError as exc:
+                mismatch = strategy_mismatch(str(exc), run.strategy)
+                if mismatch is None:
+                    raise
+                raise ContractViolation(mismatch) from exc
+        except BaseException as exc:
+            # A collective's failure (a peer's abort, a timeout) keeps what this rank reported from inside the
+            # window; an exception of the recipe's own is the cause, and counts nothing that could blame a peer.
+            if not collective_failure(exc):
+                launcher.progress(k, f"raised {type(exc).__name__} in window {k}", finished=False)
+            raise
         left = watch.grads_left(model)
         launcher.progress(k, window_note(k, wrapped.syncs, passes, left, error), collectives=wrapped.syncs)
         notes = watch.settings_notes(threads, env)
@@ -190,8 +205,14 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         )
         if error is not None:
             break  # the window was refused; DDP may hold a half-prepared reduction, so stop here
+    passes.armed = None
     del ddp, wrapped  # before the process group goes away (a DDP module alive then can keep the rank from exiting)
     return records
+
+
+def _prepares_sync(ddp: DistributedDataParallel) -> bool:
+    """Whether a forward of ``ddp`` run now prepares the all-reduce of its backward (outside ``no_sync()``)."""
+    return bool(ddp.require_backward_grad_sync) and torch.is_grad_enabled()
 
 
 def mesh_of_reduction(mesh: RankMesh | None, strategy: str = "ddp") -> object:

@@ -1,6 +1,6 @@
 """Negative controls, empty family. Windows, ranks and microbatches without any supervised token: a rank that skips
-its backward (a desync), a guard on the local count, NaN from 0/0 on a rank, a microbatch or the whole window, a raise
-on some ranks only.
+its backward (a desync), or only its empty last microbatch's (a desync that gloo aborts inside the window), a guard on
+the local count, NaN from 0/0 on a rank, a microbatch or the whole window, a raise on some ranks only.
 
 Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
 :mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it."""
@@ -16,7 +16,7 @@ from torch import nn
 from harness.core.loss import check_global_count, count_device, global_count, global_token_loss
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.recipes.catalog import Target, control
-from harness.recipes.correct import _sync_last, _world_size, accumulate, window_count
+from harness.recipes.correct import _sync_last, _world_size, accumulate, forward_loss_sum, global_sum, window_count
 
 
 @control(Target("parity", "one_empty", shows_as="desync"), None)
@@ -48,6 +48,29 @@ class LocalCountGuard:
         total, world = window_count(window), _world_size()
         accumulate(model, window, lambda s: global_token_loss(s, total, world))
         return None
+
+
+@control(Target("parity", "sparse", shows_as="desync"), None)
+class SkipBackwardOfEmptyMicrobatch:
+    """Runs every microbatch's forward and skips the backward of one without a supervised token, a per-rank
+    ``continue`` (DFlash's trainer in NeMo Automodel, fixed by NVIDIA-NeMo/Automodel#2468). Harmless under
+    ``no_sync()``; on the last microbatch, the one that synchronizes, the rank skips DDP's all-reduce, and its next
+    collective (the logged loss's one-float all-reduce) meets its peers' gradient all-reduce: gloo aborts on the size
+    mismatch (NCCL's watchdog, or a timeout, elsewhere) inside the window, before any rank has finished it."""
+
+    name = "skip_backward_of_empty_microbatch"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        total, world = window_count(window), _world_size()
+        local = 0.0
+        for i, mb in enumerate(window):
+            with _sync_last(model, i, len(window)):
+                s = forward_loss_sum(model, mb)
+                if mb.supervised == 0:
+                    continue  # the mistake: this rank's decision alone, and the last backward carries the all-reduce
+                global_token_loss(s, total, world).backward()
+            local += float(s.detach())
+        return global_sum(local) / total
 
 
 def _masked_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
