@@ -33,6 +33,7 @@ from harness.diagnosis.packing import packing_gap
 from harness.diagnosis.parameter_view import ParameterRow, locate, parameter_table, residual_shares
 from harness.diagnosis.pipeline import pipeline_reading, pipeline_rows_reading
 from harness.diagnosis.prompts import prompt_reading
+from harness.diagnosis.recipe_level import pattern_fits
 from harness.diagnosis.result import Diagnosis
 from harness.diagnosis.signatures import Signature, classify, classify_sequences, extra_term_sentence
 
@@ -388,9 +389,10 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         if crossing.crosses:
             sig = Signature("packing_crosses_boundaries", str(crossing.note()))
     aux_weights = () if aux_fit is None else tuple(float(u) for u in aux_fit)
+    fits = pattern_fits(blocks, read, token_world) if ev.objective.plain and aux_fit is None else ()
     return Diagnosis(signature=sig, weights=tuple(float(w) for w in fit.weights), residual=fit.residual,
                      condition=fit.condition, sequence_signature=seq_sig, sequence_residual=seq_resid,
-                     auxiliary_weights=aux_weights, **common)  # type: ignore[arg-type]
+                     auxiliary_weights=aux_weights, fits=fits, **common)  # type: ignore[arg-type]
 
 
 def reading_fix(reading: object, ev: Evidence) -> str:

@@ -39,6 +39,9 @@ class Diagnosis:
     """Its ``Z`` over the window: every block's right weight is ``1/Z`` (None: the token mean's N)."""
     auxiliary_weights: tuple[float, ...] = ()
     """The auxiliary term's fitted weight per block, where the recipe declares one."""
+    fits: tuple[tuple[str, float, float], ...] = ()
+    """Each catalog pattern's ``(name, scale c, deviation)`` against the fitted weights, under the token mean: what
+    the recipe-level reading weighs this case's weights against (:mod:`harness.diagnosis.recipe_level`)."""
     fix: str | None = None
     """What to change in the recipe, in the words of its strategy, objective and mesh
     (:func:`harness.diagnosis.fixes.fix_for`; :func:`harness.diagnosis.diagnose.diagnose` sets it)."""
@@ -134,6 +137,7 @@ class Diagnosis:
             "objective_computed": self.signature.objective,
             "normalizer": self.z,
             "auxiliary_weights": list(self.auxiliary_weights),
+            "fits": [list(f) for f in self.fits],
             "fix": self.fix,
         }
 

@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--outputs", default="outputs/explain", metavar="DIR",
                    help="where the figure and JSON go (default: outputs/explain/)")
     p.add_argument("--deadline", type=float, default=30.0, help="seconds the run may take before it is called hung")
+    p.add_argument("--no-recipe-level", dest="recipe_level", action="store_false",
+                   help="skip the recipe-level diagnosis (the battery's quick scenarios at this world size, read "
+                   "together as the battery's last screen reads them)")
     p.set_defaults(fn=cmd_explain)
 
 
@@ -192,6 +195,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         bad = [f"{s}/{p}" for (s, p), status in zip(lanes, statuses) if status]
         wrong = f"; wrong in {', '.join(bad)}" if bad else ""
         print(f"\n{len(lanes) - len(bad)} of {len(lanes)} lanes right{wrong}")
+    if args.recipe_level and max(statuses):  # the battery's one cause, read the same way
+        from harness.workflow.explain_recipe import recipe_level
+
+        said = recipe_level(args, model, lanes)
+        if said:
+            print("\n" + "\n".join(said))
+            print(f"FAILED: explain: {args.recipe}: {said[1].split(': ', 1)[0]}")
     return max(statuses)
 
 

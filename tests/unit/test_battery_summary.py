@@ -243,12 +243,12 @@ def test_a_pass_without_a_finding_adds_no_note() -> None:
 
 
 def test_a_fix_the_group_before_gave_is_not_repeated() -> None:
-    """Two readings of one mistake with one fix: the second group says the fix is the same as above; a group with
-    another fix says its own (the negative control)."""
+    """Two readings of one mistake with one fix: the recipe-level reading says it, and each group says the fix is the
+    same as above; a group with another fix says its own (the negative control)."""
     verdicts = [_v("parity", "uneven", 2, "fp32", diagnosis=PMM, fix="divide by N"),
                 _v("parity", "single", 2, "fp32", diagnosis=MOLM, fix="divide by N"),
                 _v("one_sync", "uneven", 2, "fp32", fix="use no_sync")]
     screen = summary.format_summary(verdicts)
     assert 1 == screen.count("fix: divide by N")
-    assert 1 == screen.count("fix: the same as above")
+    assert 2 == screen.count("fix: the same as above")
     assert "fix: use no_sync" in screen

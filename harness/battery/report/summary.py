@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from harness.battery.judge.verdict import FAIL, NOT_APPLICABLE, PASS, SKIPPED, Verdict
+from harness.battery.report.recipe_cause import recipe_json, recipe_lines
 from harness.battery.report.table import format_table, recipe_names, row_label, write_report, write_text_atomic
 
 WIDTH = 118
@@ -200,18 +201,23 @@ def format_notes(verdicts: Sequence[Verdict], titles: Mapping[str, str] | None =
 
 def format_summary(verdicts: Sequence[Verdict], report: str | Path | None = None,
                    text: str | Path | None = None) -> str:
-    """The last screen before the status line: the failing groups, then what was skipped, then where the full
+    """The last screen before the status line: each failing recipe's one cause (the recipe-level diagnosis,
+    :mod:`harness.battery.report.recipe_cause`), the failing groups, then what was skipped, then where the full
     report is (``report``, ``text``: the JSON and the messages; None: not written)."""
     recipes = list(dict.fromkeys(v.recipe for v in verdicts))
     titles = recipe_names(recipes) if len(recipes) > 1 else {}
     out: list[str] = []
+    for line in recipe_lines(verdicts, titles):  # each failing recipe's one cause first
+        body = line.lstrip(" ")
+        out += _wrapped(body, line[: len(line) - len(body)])
+    said = {line.strip()[len("fix: "):] for line in recipe_lines(verdicts, titles) if line.strip().startswith("fix: ")}
     groups = failing_groups(verdicts)
     if groups:
         failing = sum(len(g.verdicts) for g in groups)
         out.append(f"failing checks, grouped by cause ({failing} case(s) in {len(groups)} group(s)):")
         previous: str | None = None
-        for g in groups:
-            out += format_group(g, titles.get(g.recipe), "  ", same_fix_as=previous)
+        for g in groups:  # a fix said above (by the recipe-level reading or the group before) is not said again
+            out += format_group(g, titles.get(g.recipe), "  ", same_fix_as=g.fix if g.fix in said else previous)
             previous = g.fix
     noted = format_notes(verdicts, titles)
     if noted:
@@ -277,10 +283,11 @@ def text_path(report: str | Path) -> Path:
 
 def write_full_report(report: str | Path | None, payload: Mapping[str, object], verdicts: Sequence[Verdict],
                       extra: Sequence[str] = ()) -> tuple[Path, Path]:
-    """Write the JSON report (``--battery-report``'s format) to ``report``, or to ``report.json`` in a fresh
-    temporary folder when None, and every verdict's whole message beside it (:func:`text_path`); returns both."""
+    """Write the JSON report (``--battery-report``'s format, with each failing recipe's ``recipe_level`` reading) to
+    ``report``, or to ``report.json`` in a fresh temporary folder when None, and every verdict's whole message beside
+    it (:func:`text_path`); returns both."""
     path = Path(report) if report is not None else Path(tempfile.mkdtemp(prefix="harness-battery-")) / "report.json"
-    write_report(path, payload)
+    write_report(path, {**payload, "recipe_level": recipe_json(verdicts)})
     text = write_text_atomic(text_path(path), full_text(verdicts, extra))
     return path, text
 

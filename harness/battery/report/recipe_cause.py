@@ -1,0 +1,110 @@
+"""The battery's verdicts as the recipe-level diagnosis reads them (:mod:`harness.diagnosis.recipe_level`): each
+failing verdict is a :class:`~harness.diagnosis.recipe_level.Case` (its own reading, its diagnosis's alternatives and
+pattern fits), and each recipe's failing cases give one reading, which the last screen leads with."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from harness.battery.judge.verdict import FAIL, Verdict
+from harness.battery.report.table import row_label
+from harness.diagnosis.recipe_level import DRAWN, NUMBERS, Case, RecipeReading, consistent_set, recipe_reading
+
+LINKED = (frozenset({"parity", "clipping"}),)
+"""Checks that see one mistake from two sides in the same case: a clip taken by the wrong norm is the clipping check's
+finding and, through the factor it applied, the parity reading of the same gradient."""
+
+CLIP = "clipping"
+"""The hypothesis two linked clipping cases share whatever each reads: the clip's norm or factor is wrong (the
+clipping check fails in the same case as parity). Its finding, where the check names one, says which."""
+
+RUN_FAILURES = frozenset({"desync", "crash", "died", "deadline", "refused"})
+"""How a run itself failed: every check of that run fails the same way, and counts once."""
+
+
+def own_reading(v: Verdict) -> str:
+    """A failing verdict's own reading: its diagnosis's signature, else its finding, else how the run failed, else
+    the check's own comparison (``"<check> numbers"``)."""
+    if v.diagnosis and v.diagnosis.get("signature"):
+        return str(v.diagnosis["signature"])
+    if v.finding:
+        return v.finding
+    if v.cause not in (None, "numbers"):
+        return str(v.cause)
+    return f"{v.check}{NUMBERS}"
+
+
+def _key(v: Verdict) -> tuple[object, ...]:
+    """The case a verdict judges, whatever its check."""
+    return (v.label, v.scenario, v.world_size, v.precision, v.strategy, v.mesh)
+
+
+def case_of(v: Verdict, companions: tuple[str, ...] = ()) -> Case:
+    reading = own_reading(v)
+    consistent, deviations = consistent_set(reading, v.diagnosis)
+    diagnosis = v.diagnosis or {}
+    sentence = str(diagnosis.get("sentence") or "") or _first_detail(v)
+    fix = v.fix or (str(diagnosis["fix"]) if diagnosis.get("fix") else None)
+    return Case(row_label(v), v.check, reading, consistent, deviations, sentence, fix, drawn=v.scenario == DRAWN,
+                companions=companions)
+
+
+def cases_of(verdicts: Iterable[Verdict]) -> list[Case]:
+    """One recipe's failing verdicts as cases: a failed run's checks once (its first), and each linked check's reading
+    a companion of the other's in the same case."""
+    failing = [v for v in verdicts if v.status == FAIL]
+    seen: set[tuple[object, ...]] = set()
+    kept = []
+    for v in failing:
+        if v.cause in RUN_FAILURES:
+            if (_key(v), v.cause) in seen:
+                continue
+            seen.add((_key(v), v.cause))
+        kept.append(v)
+    by_case: dict[tuple[object, ...], list[Verdict]] = {}
+    for v in kept:
+        by_case.setdefault(_key(v), []).append(v)
+    out = []
+    for v in kept:
+        linked = [w for w in by_case[_key(v)] if w is not v and any({v.check, w.check} == pair for pair in LINKED)]
+        named = [own_reading(w) for w in linked if not own_reading(w).endswith(NUMBERS)]
+        out.append(case_of(v, tuple([*named, CLIP] if linked else named)))
+    return out
+
+
+def _first_detail(v: Verdict) -> str:
+    lines = v.message.strip().splitlines()
+    first = lines[0] if lines else ""
+    parts = first.split(": ", 2)
+    return parts[-1] if len(parts) == 3 else first
+
+
+def readings(verdicts: Iterable[Verdict]) -> dict[str, RecipeReading]:
+    """Each recipe with a failing verdict, and its recipe-level reading (in the verdicts' order)."""
+    by: dict[str, list[Verdict]] = {}
+    for v in verdicts:
+        if v.status == FAIL:
+            by.setdefault(v.recipe, []).append(v)
+    return {recipe: recipe_reading(cases_of(vs)) for recipe, vs in by.items()}
+
+
+def recipe_json(verdicts: Iterable[Verdict]) -> dict[str, dict[str, object]]:
+    """Each failing recipe's reading for the battery report: its cause (None: no one cause), lead, the readings its
+    cases cannot tell from the cause, its lines, and every case with its own reading and what it is consistent with."""
+    return {recipe: {"cause": read.cause, "lead": read.lead, "also": list(read.also), "lines": read.lines(),
+                     "cases": [{"case": c.label, "check": c.check, "reading": c.reading, "drawn": c.drawn,
+                                "consistent": sorted(c.consistent), "companions": list(c.companions)}
+                               for c in read.cases]}
+            for recipe, read in readings(verdicts).items()}
+
+
+def recipe_lines(verdicts: Sequence[Verdict], titles: Mapping[str, str] | None = None) -> list[str]:
+    """Each failing recipe's reading in words (titled by recipe where several ran)."""
+    out: list[str] = []
+    for recipe, read in readings(verdicts).items():
+        out += read.lines((titles or {}).get(recipe))
+    return out
+
+
+__all__ = ["LINKED", "RUN_FAILURES", "case_of", "cases_of", "own_reading", "readings", "recipe_json",
+           "recipe_lines"]

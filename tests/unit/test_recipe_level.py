@@ -1,0 +1,135 @@
+"""The recipe-level diagnosis (harness.diagnosis.recipe_level, read from the battery's verdicts by
+harness.battery.report.recipe_cause): one cause for every failing case, or the cases that disagree and why.
+
+The cases are built from real weights: the blocks' counts of a window, the weights a mistake gives them, and the
+patterns' fits computed on them (:func:`pattern_fits`), as the diagnosis computes them on a run."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.battery.judge.verdict import FAIL, Verdict
+from harness.battery.report.recipe_cause import CLIP, readings
+from harness.battery.report.summary import format_summary
+from harness.diagnosis.fit import Block, Fit
+from harness.diagnosis.recipe_level import pattern_fits
+
+UNEVEN = [Block(0, 0, 30), Block(0, 1, 10), Block(1, 0, 5), Block(1, 1, 3)]
+SINGLE = [Block(0, 0, 40), Block(0, 1, 0), Block(1, 0, 0), Block(1, 1, 0)]
+
+
+def _local_means(blocks: list[Block], world: int = 2) -> Fit:
+    per_rank: dict[int, int] = {}
+    for b in blocks:
+        per_rank[b.rank] = per_rank.get(b.rank, 0) + b.tokens
+    w = [1 / (world * per_rank[b.rank]) if b.tokens else math.nan for b in blocks]
+    return Fit(torch.tensor(w, dtype=torch.float64), 1e-9, 1.0)
+
+
+def _scaled(blocks: list[Block], c: float) -> Fit:
+    n = sum(b.tokens for b in blocks)
+    return Fit(torch.tensor([c / n if b.tokens else math.nan for b in blocks], dtype=torch.float64), 1e-9, 1.0)
+
+
+def _verdict(check: str, scenario: str, signature: str | None = None, fit: Fit | None = None,
+             blocks: list[Block] | None = None, world: int = 2, cause: str = "numbers", finding: str | None = None,
+             alternatives: tuple[str, ...] = (), recipe: str = "pkg:recipe") -> Verdict:
+    diagnosis = None
+    if signature is not None:
+        fits = pattern_fits(blocks or [], fit, world) if fit is not None else ()
+        diagnosis = {"signature": signature, "sentence": f"the {signature} sentence", "fix": f"the {signature} fix",
+                     "alternatives": list(alternatives), "fits": [list(f) for f in fits]}
+    return Verdict(check, recipe, scenario, world, "fp32", FAIL, f"check {check} FAILED: recipe r, {scenario}: x",
+                   cause=cause, finding=finding, diagnosis=diagnosis)
+
+
+def test_a_case_whose_counts_show_the_mistake_as_a_scale_is_read_with_the_others_as_one_cause() -> None:
+    """On ``single`` one rank holds every token: a mean of local means IS a common scale there (1/W), and the case
+    reads global_scale; its weights fit the mean of local means' prediction at scale 1, so the recipe has one cause."""
+    cases = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
+             _verdict("parity", "single", "global_scale", _local_means(SINGLE), SINGLE)]
+    read = readings(cases)["pkg:recipe"]
+    assert read.cause == "mean_of_local_means"
+    assert "one cause explains all 2 failing cases" in read.lines()[0]
+    assert read.lines()[-1] == "  fix: the mean_of_local_means fix"
+
+
+def test_a_case_whose_weights_miss_the_prediction_disagrees_and_says_by_how_much() -> None:
+    """The negative control: the same single case at a scale 1/W does not fit, but at 3/4 it fits no mean of local
+    means: no one cause, and the disagreeing case is named with its measured miss."""
+    cases = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
+             _verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN, world=3),
+             _verdict("parity", "single", "global_scale", _scaled(SINGLE, 0.75), SINGLE)]
+    read = readings(cases)["pkg:recipe"]
+    assert read.cause is None and read.lead == "mean_of_local_means"
+    lines = read.lines()
+    assert "no one cause explains every failing case; mean_of_local_means explains 2 of 3" in lines[0]
+    assert "1 disagrees, reading global_scale" in lines[2] and "prediction by" in lines[2], lines
+
+
+def test_a_weighting_that_misses_the_pattern_is_measured() -> None:
+    uneven = _local_means(UNEVEN)
+    off = Fit(uneven.weights * torch.tensor([1.0, 1.3, 1.0, 1.0], dtype=torch.float64), 1e-9, 1.0)
+    cases = [_verdict("parity", "uneven", "mean_of_local_means", uneven, UNEVEN),
+             _verdict("parity", "varying", "unexplained", off, UNEVEN)]
+    lines = readings(cases)["pkg:recipe"].lines()
+    assert "their weights miss mean_of_local_means's prediction by" in lines[2], lines
+
+
+def test_a_check_without_a_reading_of_its_own_is_a_consequence_that_never_decides() -> None:
+    cases = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
+             _verdict("logged_loss", "uneven"), _verdict("logged_loss", "single")]
+    read = readings(cases)["pkg:recipe"]
+    assert read.cause == "mean_of_local_means"
+    assert any("also failing, as its consequence (logged_loss in 2)" in line for line in read.lines())
+
+
+def test_a_recipe_failing_only_a_comparison_is_read_by_that_check() -> None:
+    read = readings([_verdict("one_sync", "uneven"), _verdict("one_sync", "single")])["pkg:recipe"]
+    assert read.cause == "one_sync numbers"
+
+
+def test_a_failed_run_counts_once_whatever_checks_it_fails() -> None:
+    """A desync fails every check of its run the same way: one case, which disagrees with a weighting elsewhere."""
+    desync = [_verdict(check, "one_empty", cause="desync") for check in ("parity", "one_sync", "ranks_agree")]
+    read = readings([_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN), *desync])
+    lines = read["pkg:recipe"].lines()
+    assert "1 disagrees, reading desync" in lines[2] and "another kind than a weighting" in lines[2], lines
+
+
+def test_a_drawn_layout_narrows_and_never_contradicts() -> None:
+    base = [_verdict("parity", "single", "global_scale", _local_means(SINGLE), SINGLE, alternatives=("dropped",))]
+    both = readings(base)["pkg:recipe"]
+    assert both.cause == "mean_of_local_means" or "mean_of_local_means" in both.also
+    narrowed = readings([*base, _verdict("parity", "drawn", "mean_of_local_means", _local_means(UNEVEN), UNEVEN)])
+    assert narrowed["pkg:recipe"].cause == "mean_of_local_means"
+    other = readings([*base, _verdict("parity", "drawn", "other_objective")])["pkg:recipe"]
+    assert other.cause == both.cause
+    assert any("the drawn layouts read other_objective" in line for line in other.lines())
+
+
+def test_a_clip_and_the_parity_it_moved_are_one_mistake_seen_by_two_checks() -> None:
+    """Parity reads unexplained where the clipping check names the norm, and clipping_not_applied where the clip
+    check only fails its comparison: the clip is the shared cause; without the link they would disagree."""
+    cases = [_verdict("parity", "uneven", "unexplained"), _verdict("clipping", "uneven", finding="pre_sync_norm"),
+             _verdict("parity", "single", "clipping_not_applied"), _verdict("clipping", "single")]
+    read = readings(cases)["pkg:recipe"]
+    assert read.cause == CLIP
+    assert readings(cases[:1] + cases[2:3])["pkg:recipe"].cause is None
+
+
+def test_the_last_screen_leads_with_the_recipe_level_reading() -> None:
+    cases = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
+             _verdict("parity", "single", "global_scale", _local_means(SINGLE), SINGLE)]
+    screen = format_summary(cases).splitlines()
+    assert screen[0].startswith("recipe-level diagnosis (mean_of_local_means): one cause explains all 2")
+    assert screen.index("failing checks, grouped by cause (2 case(s) in 2 group(s)):") > 0
+
+
+def test_pattern_fits_name_the_scale_of_a_right_shape_as_global_scale() -> None:
+    fits = {name: (c, dev) for name, c, dev in pattern_fits(UNEVEN, _scaled(UNEVEN, 0.5), 2)}
+    assert fits["global_scale"][1] < 1 and fits["correct"][0] == 0.5 and fits["correct"][1] > 1
+    assert fits["mean_of_local_means"][1] > 1  # its shape does not fit a uniform scale on uneven counts
+    assert pattern_fits(UNEVEN, Fit(_scaled(UNEVEN, 1).weights, 0.5, 1.0), 2) == ()  # a fit that explains too little
