@@ -99,6 +99,14 @@ class Forms:
     def right(self) -> str:
         term, count = TERMS.get(self.objective, "loss sum"), COUNTS.get(self.objective, "the objective's normalizer")
         text = f"divide each microbatch's {term} by {count}{self.reduced} before the first backward, times {self.size}"
+        if self.objective == ob.SEQUENCE_MEAN and self.mesh is not None and self.mesh.size("cp") > 1:
+            # A cp rank holds a chunk of every sequence: a sequence's count is its chunks' sum, and the sequences
+            # are counted once, over the data-parallel group (counted over dp x cp, one shows once per chunk).
+            text = ("divide each chunk's tokens of a sequence by the sequence's supervised count all-reduced over "
+                    "the cp group (mesh[\"cp\"]), and each microbatch's sum of those means by the window's count of "
+                    "sequences with a supervised token, all-reduced over the data-parallel group "
+                    "(harness.recipes.data_group(mesh)) so that each sequence counts once, before the first "
+                    f"backward, times {self.size}")
         if self.pipelined:
             text += ", with scale_grads=False on the pipeline schedule (one normalization, the loss's own)"
         return text

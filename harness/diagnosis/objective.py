@@ -18,11 +18,11 @@ import torch
 
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad
-from harness.core.microbatch import Microbatch
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.diagnosis.count_groups import dims_words
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.fit import MATCH_TOLERANCE, Block, Fit, explained_residual
-from harness.diagnosis.row_weights import read_rows
+from harness.diagnosis.row_weights import merge_chunks, read_rows
 from harness.diagnosis.signatures import Signature
 
 AUX_TOLERANCE = 1e-3
@@ -212,16 +212,48 @@ def per_rank_normalizer(ev: Evidence, window: int, blocks: Sequence[Block], q: S
 
 def row_reading(ev: Evidence, window: int, rows: Sequence[Block], fit: Fit) -> Signature | None:
     """What the per-sequence view's fitted weights compute, under the declared objective: each row's weight turned
-    into its tokens' weight (times ``1/n_s`` where the objective's term of a row is its sequence's mean), read as a
-    mean over a group of tokens (:func:`harness.diagnosis.row_weights.read_rows`). None where that view leaves a
-    residual."""
+    into its tokens' weight (times ``1/n_s`` where the objective's term of a row is its sequence's mean, ``n_s`` the
+    whole sequence's count: a cp chunk's column divides by it, :func:`harness.diagnosis.mesh.token_blocks`), read as
+    a mean over a group of tokens (:func:`harness.diagnosis.row_weights.read_rows`). Under cp a count local to a data
+    rank is read first, over whole rows (:func:`harness.diagnosis.row_weights.merge_chunks`), then one local to a
+    token rank, over chunks. None where that view leaves a residual."""
     if fit.residual > explained_residual():
         return None
-    per_token = [float(u) / (b.tokens if ev.objective.name == ob.SEQUENCE_MEAN and b.tokens else 1)
-                 for b, u in zip(rows, fit.weights)]
-    ks = {len(rank) for rank in ev.windows[window]}
+    whole = _whole_counts(ev, window, rows)
+    seq = ev.objective.name == ob.SEQUENCE_MEAN
+    per_token = [float(u) / (n if seq and n else 1) for n, u in zip(whole, fit.weights)]
+    k = max(len(rank) for rank in ev.windows[window])
     declared = f"{ev.objective.name} is {ev.objective.describe()}"
-    return read_rows(rows, per_token, ev.world_size, max(ks), fit.residual, declared)
+    mesh, cp = ev.mesh, ev.mesh.size("cp")
+    if cp < 2:
+        return read_rows(rows, per_token, ev.world_size, k, fit.residual, declared)
+    merged = merge_chunks(rows, per_token, whole, cp)
+    found = None if merged is None else read_rows(*merged, mesh.data_ranks, k, fit.residual, declared)
+    if found is not None:
+        where = (f"a rank is a data rank (W={mesh.data_ranks}: its cp ranks hold the same rows) and a row's length "
+                 "its count over every chunk")
+    else:
+        found = read_rows(rows, per_token, mesh.token_ranks, k, fit.residual, declared)
+        where = (f"a rank is a token rank (W={mesh.token_ranks}, dp x cp: each counted the sequences of its own "
+                 "chunk) and a row's length its chunk's count (each cp rank divided its chunk of a sequence by the "
+                 "chunk's own count, as per_shard_sequence_mean does)")
+    if found is None:
+        return None
+    return dataclasses.replace(found, sentence=f"{found.sentence}; on this cp mesh {where}")
+
+
+def _whole_counts(ev: Evidence, window: int, rows: Sequence[Block]) -> list[int]:
+    """Each row's supervised count over every chunk of it (its own count without cp): a row block's ``rank`` is its
+    token rank, data rank x cp + cp rank (:func:`harness.diagnosis.mesh.token_blocks`)."""
+    cp = ev.mesh.size("cp")
+    if cp < 2:
+        return [b.tokens for b in rows]
+    out = []
+    for b in rows:
+        mb = ev.windows[window][b.rank // cp][b.microbatch]
+        counts = mb.counts if mb.counts is not None else (mb.labels != IGNORE_INDEX).sum(dim=1)
+        out.append(int(counts[b.row or 0]))
+    return out
 
 
 def auxiliary_reading(ev: Evidence, window: int, u: torch.Tensor) -> Signature | None:

@@ -11,6 +11,7 @@ whichever objective was declared.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -74,6 +75,29 @@ def read_rows(rows: Sequence[Block], token_weight: Sequence[float], world_size: 
     return None
 
 
+def merge_chunks(rows: Sequence[Block], token_weight: Sequence[float], whole: Sequence[int], cp: int
+                 ) -> tuple[list[Block], list[float]] | None:
+    """Under cp: the rows of each data rank, each chunk of a row merged into the whole row (``rank`` its data rank,
+    ``tokens`` its count over the chunks, ``whole``), where every chunk of a row gives its tokens one weight: a count
+    local to a data rank (its sequences, every cp rank of a data coordinate holding its rows) weighs the chunks of a
+    row alike. ``rows``' ranks are token ranks (data rank x cp + cp rank). None where the chunks of a row weigh
+    apart (a count local to a token rank, or a mean per chunk)."""
+    merged: dict[tuple[int, int, int | None], tuple[Block, list[float]]] = {}
+    for b, t, n in zip(rows, token_weight, whole):
+        if b.tokens > 0 and math.isfinite(t):
+            key = (b.rank // cp, b.microbatch, b.row)
+            held = merged.setdefault(key, (dataclasses.replace(b, rank=key[0], tokens=n, holder=None), []))
+            held[1].append(t)
+    out_rows, out_weights = [], []
+    for b, ts in merged.values():
+        mean = sum(ts) / len(ts)
+        if mean == 0 or max(abs(t / mean - 1) for t in ts) > ROW_TOLERANCE:
+            return None
+        out_rows.append(b)
+        out_weights.append(mean)
+    return out_rows, out_weights
+
+
 def pack_mean_weights(rows: Sequence[Block], packs: Sequence[int]) -> list[float]:
     """Each row's token weight under a mean over packed rows: ``1/(n_r * P)`` for a row in pack ``r`` (``packs``: each
     row's pack, numbered over the window; ``n_r`` the pack's supervised tokens, ``P`` the packs that hold one); nan for
@@ -108,4 +132,4 @@ def read_packs(rows: Sequence[Block], token_weight: Sequence[float], packs: Sequ
                      f"rows); the per-sequence view fits it (residual {residual:.1e}), where {declared}", c)
 
 
-__all__ = ["ROW_TOLERANCE", "pack_mean_weights", "read_packs", "read_rows"]
+__all__ = ["ROW_TOLERANCE", "merge_chunks", "pack_mean_weights", "read_packs", "read_rows"]

@@ -11,6 +11,7 @@ from harness.battery.judge import checks
 from harness.battery.launch import runner
 from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
+from harness.recipes import CONTROLS, DIAGNOSES
 from harness.workflow.cli import main
 
 CORRECT = "harness.recipes:global_token_mean"
@@ -137,15 +138,27 @@ def test_the_mesh_sequence_mean_passes_over_dp_and_cp(shape: str) -> None:
         assert verdict.passed, verdict.message
 
 
+def _sequence_mean_controls() -> list[object]:
+    """Every control declared under ``--objective sequence_mean`` (``harness.recipes.CONTROLS``), with its declared
+    reading; one whose batches are packed rows is skipped, saying why (packed rows are built for dp only)."""
+    out: list[object] = []
+    for name, target in CONTROLS.items():
+        if target.objective != "sequence_mean":
+            continue
+        marks = [pytest.mark.skip(reason="packed rows are built for data-parallel ranks only, not for a cp chunk")
+                 ] if target.batch_format == "packed" else []
+        out.append(pytest.param(name, DIAGNOSES[name], marks=marks, id=name))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "reading"), [
-    ("harness.recipes:token_mean_under_sequence_mean", "other_objective"),
-    ("harness.recipes:per_shard_sequence_mean", "per_shard_sequence_mean"),
-])
-def test_a_sequence_mean_mistake_over_cp_reads_its_own_cause(recipe: str, reading: str) -> None:
-    """Under ``--objective sequence_mean`` on dp=2,cp=2 the diagnosis's chunk blocks divide by their rows' whole
-    counts, so a token mean reads ``other_objective`` and a per-chunk mean ``per_shard_sequence_mean`` (both read
-    ``model_not_fixed`` when a chunk's block divided by the chunk's own count)."""
-    verdict = checks.parity(mesh_run(recipe, objective="sequence_mean"))
+@pytest.mark.parametrize(("name", "reading"), _sequence_mean_controls())
+def test_every_sequence_mean_control_reads_its_own_cause_over_cp(name: str, reading: str) -> None:
+    """Under ``--objective sequence_mean`` on dp=2,cp=2 (uneven) every sequence-mean control fails parity and reads its
+    declared signature: the chunk blocks divide by their rows' whole counts (a token mean reads ``other_objective``,
+    a per-chunk mean ``per_shard_sequence_mean``), and the per-row weights are read against each hypothesis's over
+    whole rows by data rank, then over chunks by token rank (a count local to each cp rank's chunk reads
+    ``mean_of_local_means``, one per microbatch ``per_microbatch_mean``)."""
+    verdict = checks.parity(mesh_run(f"harness.recipes:{name}", objective="sequence_mean"))
     assert not verdict.passed
     assert verdict.diagnosis is not None and reading == verdict.diagnosis["signature"], verdict.message
