@@ -8,19 +8,19 @@ import argparse
 from collections.abc import Sequence
 
 from harness.battery.judge.verdict import Verdict
+from harness.core.mesh import Mesh
 
 
-def scenarios_for(args: argparse.Namespace) -> list[str]:
-    """The scenarios read: the battery's quick ones that run at this world size and mesh, with the one explained."""
+def scenarios_for(scenario: str, world_size: int, layout: Mesh | None = None) -> list[str]:
+    """The scenarios read: ``scenario``, then the battery's quick ones that run at this world size and mesh."""
     from harness.battery import mesh_scenarios, scenarios
     from harness.battery.plan.selection import QUICK_SCENARIOS
 
-    layout = getattr(args, "layout", None)
-    out = [args.scenario]
+    out = [scenario]
     for name in QUICK_SCENARIOS:
         if name in out:
             continue
-        if name in scenarios.MULTI_RANK_ONLY and (layout.data_ranks if layout else args.world_size) == 1:
+        if name in scenarios.MULTI_RANK_ONLY and (layout.data_ranks if layout else world_size) == 1:
             continue
         if layout is not None and name in mesh_scenarios.MESH_SCENARIOS and name not in mesh_scenarios.for_mesh(layout):
             continue
@@ -38,7 +38,7 @@ def verdicts(args: argparse.Namespace, model: str | None, lanes: Sequence[tuple[
 
     out = []
     for strategy, precision in lanes:
-        for scenario in scenarios_for(args):
+        for scenario in scenarios_for(args.scenario, args.world_size, getattr(args, "layout", None)):
             spec = RunSpec(args.recipe, scenario, args.world_size, precision, model=model,
                            batch_format=args.batch_format, strategy=strategy, deadline=args.deadline,
                            objective=args.objective, layout=getattr(args, "layout", None),
@@ -57,7 +57,7 @@ def recipe_level(args: argparse.Namespace, model: str | None, lanes: Sequence[tu
     said = recipe_lines(verdicts(args, model, lanes))
     if not said:
         return []
-    where = ", ".join(scenarios_for(args))
+    where = ", ".join(scenarios_for(args.scenario, args.world_size, getattr(args, "layout", None)))
     return [f"over the battery's quick scenarios ({where}) at W={args.world_size}, in "
             f"{', '.join(f'{s}/{p}' for s, p in lanes)}:", *said]
 
