@@ -25,6 +25,7 @@ microbatches, so its scenarios hold :data:`PP_WINDOW` microbatches per data rank
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 import torch
 
@@ -151,5 +152,18 @@ def build(name: str, mesh: Mesh, chunking: str = "contiguous") -> Windows:
     return fn(mesh, chunking)
 
 
-__all__ = ["MESH_SCENARIOS", "PP_WINDOW", "build", "cp_balanced", "empty_shard", "for_mesh", "one_token",
-           "pp_balanced", "pp_empty_step", "pp_uneven"]
+@lru_cache(maxsize=16)
+def microbatch_counts(mesh: Mesh, chunking: str = "contiguous") -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each scenario a run over ``mesh`` goes through (the battery's, then the mesh's own), with its windows'
+    microbatch counts per data rank: where the microbatch count k of one window equals a size of the mesh, the
+    diagnosis names the scenario whose k differs (:class:`harness.diagnosis.axes.Axes`)."""
+    names = [n for n in scenarios.BATTERY_SCENARIOS if mesh.data_ranks > 1 or n not in scenarios.MULTI_RANK_ONLY]
+    out = []
+    for name in (*names, *for_mesh(mesh)):
+        windows = build(name, mesh, chunking)
+        out.append((name, tuple(len(window[0]) for window in windows)))
+    return tuple(out)
+
+
+__all__ = ["MESH_SCENARIOS", "PP_WINDOW", "build", "cp_balanced", "empty_shard", "for_mesh", "microbatch_counts",
+           "one_token", "pp_balanced", "pp_empty_step", "pp_uneven"]

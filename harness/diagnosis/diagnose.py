@@ -25,6 +25,7 @@ from harness.diagnosis import clipping
 from harness.diagnosis import objective as od
 from harness.diagnosis import packed as pd
 from harness.diagnosis import ranks as rr
+from harness.diagnosis.axes import axes_of
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
 from harness.diagnosis.fixes import fix_for
@@ -328,7 +329,8 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
                "sequence's first position and its prompt"] = real
     mesh = ev.mesh
     token_world, token_rank = mesh.token_ranks, mesh.token_rank(rank)
-    sig = classify(blocks, read, token_world, ev.precision, rank=token_rank, other_counts=others)
+    sig = classify(blocks, read, token_world, ev.precision, rank=token_rank, other_counts=others,
+                   layout=axes_of(ev, window, rank))
     sig = pipeline_reading(ev, window, blocks, read, mesh_reading(sig, blocks, read, mesh))
     sig = pd.count_reading(ev, window, read, sig) or sig  # packed: a count that takes the boundaries for targets
     if sig.name == "unexplained" and aux_cols is None:  # packed: the pairs across sequences, fitted beside

@@ -110,6 +110,11 @@ class Evidence:
     """The clipping bound (None: the loop does not clip)."""
     chunking: str = "contiguous"
     """How a cp rank's chunk of the positions was cut (:mod:`harness.data.context_parallel`)."""
+    stages_per_rank: int = 1
+    """On a pipeline: the stages each pp rank holds (the schedule's chunks: 2 under the interleaved ones)."""
+    other_scenarios: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """The scenarios run at this mesh, each with its windows' microbatch counts per data rank: where a fact of this
+    window equals another, the diagnosis names the one that tells them apart (:mod:`harness.diagnosis.axes`)."""
     computes_in: str | None = None
     """``"torch.float32"`` where the model computes below the run's precision."""
     noise_bound: float | None = None

@@ -34,11 +34,14 @@ def close(c: float, value: float, tolerance: float | None = None) -> bool:
 
 
 def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
-                    other_counts: Mapping[str, int] | None = None, tolerance: float | None = None) -> list[str]:
+                    other_counts: Mapping[str, int] | None = None, tolerance: float | None = None,
+                    layout: wf.Layout | None = None) -> list[str]:
     """Every named cause of a common scale ``c`` on every weight, the commoner in real code first (empty: none):
     the catalog's factors, then every expression in the window's facts (:func:`harness.diagnosis.window_facts.search`)
     within ``tolerance`` (default :func:`harness.diagnosis.fit.match_tolerance`;
-    :func:`harness.diagnosis.signatures.scale_tolerance` derives it from a fit)."""
+    :func:`harness.diagnosis.signatures.scale_tolerance` derives it from a fit). With the run's ``layout``
+    (:class:`harness.diagnosis.axes.Axes`) its sizes are facts too, and a catalog factor that one of them equals here
+    (k and cp both 2) names both and the window that tells them apart."""
     tol = match_tolerance() if tolerance is None else tolerance
     ks = set(microbatches_per_rank(blocks).values())
     n = sum(b.tokens for b in blocks)
@@ -83,16 +86,27 @@ def factor_readings(c: float, blocks: Sequence[Block], world_size: int,
     for value, words in named:
         if value != 1 and close(c, value, tol) and words not in out:
             out.append(words)
+    if out and layout is not None:
+        # The catalog names W and k; a size of the layout equal to the factor here is as good a reading of it.
+        pure = [e for e in wf.search(c, blocks, w, tol, None, layout) if e.fact is None and e.a == 0]
+        same = [e for e in pure if e.cost == pure[0].cost]
+        if same and same[0].size is not None:  # no product of W and k: a size of the layout is a reading of its own
+            out += wf.describe(same, n, layout)
+        elif same:
+            told = wf.told_apart(same, layout)
+            out[0] += f"; {told}" if told else ""
     # Else the window's facts: a count in place of N, an unnormalized sum, a product of W and k the catalog lacks.
-    return out or wf.describe(wf.search(c, blocks, w, tol, other_counts), n)
+    return out or wf.describe(wf.search(c, blocks, w, tol, other_counts, layout), n, layout)
 
 
 def name_factor(c: float, blocks: Sequence[Block], world_size: int,
-                other_counts: Mapping[str, int] | None = None, tolerance: float | None = None) -> str:
+                other_counts: Mapping[str, int] | None = None, tolerance: float | None = None,
+                layout: wf.Layout | None = None) -> str:
     """What a common scale ``c`` on every weight means, in words, from the window's counts; ``other_counts`` names
     token counts the recipe may have divided by instead (``{"window 0's global count": 800}``). Where the counts
-    cannot tell causes apart, the commoner one leads and the others follow as a list."""
-    matches = factor_readings(c, blocks, world_size, other_counts, tolerance)
+    cannot tell causes apart, the commoner one leads and the others follow as a list; ``layout`` as in
+    :func:`factor_readings`."""
+    matches = factor_readings(c, blocks, world_size, other_counts, tolerance, layout)
     if len(matches) == 1:
         return matches[0]
     if matches:

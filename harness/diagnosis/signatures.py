@@ -129,12 +129,13 @@ def _block_groups(blocks: Sequence[Block], q: Sequence[float]) -> tuple[float, d
 
 
 def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str, rank: int | None = None,
-             other_counts: Mapping[str, int] | None = None) -> Signature:
+             other_counts: Mapping[str, int] | None = None, layout: wf.Layout | None = None) -> Signature:
     """The catalog signature that the fitted weights of a microbatch-level fit match.
 
     ``blocks`` must hold every microbatch of every rank (empty ones with ``tokens=0``) so that microbatch counts
     ``k`` are the window's; ``rank`` is the rank whose gradient was fitted (to recognize a gradient that holds only
-    that rank's own blocks); ``other_counts`` as in :func:`harness.diagnosis.factor_names.name_factor`.
+    that rank's own blocks); ``other_counts`` and ``layout`` (the run's mesh and pipeline facts) as in
+    :func:`harness.diagnosis.factor_names.name_factor`.
     """
     n = sum(b.tokens for b in blocks)
     q = [float(w) * n for w in fit.weights]
@@ -180,7 +181,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
                 return Signature("extra_term", extra_term_sentence(fit.residual, precision, worst), 1.0)
             tol = scale_tolerance(q, c, fit, precision)
             readings = factor_readings(c, blocks, world_size, other_counts, tol)
-            named = name_factor(c, blocks, world_size, other_counts, tol)
+            named = name_factor(c, blocks, world_size, other_counts, tol, layout)
             constant = bool(readings) and "fixed accumulation constant" in readings[0]
             return Signature("fixed_accumulation_constant" if constant else "global_scale", named, c,
                              alternatives=others)
@@ -191,7 +192,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
                 return Signature("fixed_accumulation_constant", "each microbatch's tokens weigh 1/(W * K * its own "
                                  f"count): each microbatch's mean divided by a fixed accumulation constant K={big_k} "
                                  f"where the window has k={k} microbatches", c, alternatives=others)
-        named = name_factor(c, blocks, world_size, other_counts)
+        named = name_factor(c, blocks, world_size, other_counts, layout=layout)
         scale = "" if abs(c - 1) <= match_tolerance() else f", and then {named}"
         return Signature(name, _describe(name, blocks, q, world_size) + scale, c, alternatives=others)
     subgroup = _subgroup_count(blocks, q, world_size, other_counts)
@@ -208,7 +209,7 @@ def classify(blocks: Sequence[Block], fit: Fit, world_size: int, precision: str,
         if doubled:
             parts.append(f"{_join(doubled)} counted twice")
         if abs(c - 1) > match_tolerance():
-            parts.append(f"the others: {name_factor(c, blocks, world_size, other_counts)}")
+            parts.append(f"the others: {name_factor(c, blocks, world_size, other_counts, layout=layout)}")
         name = "dropped" if dropped else "double_counted"
         return Signature(name, "; ".join(parts), c, blocks=dropped or doubled)
     scaled = _blocks_scaled(blocks, q, world_size, other_counts)

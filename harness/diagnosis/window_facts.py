@@ -14,7 +14,10 @@ silently. The rule for which leads: fewer factors, then the vocabulary's order (
 microbatch's, a block's counts, then counts from elsewhere).
 
 This module knows blocks and counts only: :mod:`harness.diagnosis.factor_names` calls it for a common scale, and the
-battery's diagnosis adds the facts it alone knows (the objective's quantities, another window's count).
+battery's diagnosis adds the facts it alone knows (the objective's quantities, another window's count) and the run's
+layout (a :class:`Layout`, :class:`harness.diagnosis.axes.Axes`): each mesh dimension's size, the pipeline's M, A and
+chunks, each a factor ``Y`` of a scale ``c = W^b * k^d * Y^f``; where two of those are equal here, the reading names
+both and the window that tells them apart.
 """
 
 from __future__ import annotations
@@ -63,9 +66,25 @@ class Fact:
     """Factors it stands for (``k`` times one microbatch's count: 2)."""
 
 
+class Layout(Protocol):
+    """A run's layout facts (:class:`harness.diagnosis.axes.Axes`)."""
+
+    def facts(self) -> list[Fact]:
+        """Sizes a scale may be a product of, beyond ``W`` and ``k`` (a mesh dimension's, ``M``, ``A``)."""
+        ...
+
+    def units(self) -> list[Fact]:
+        """Counts of the objective's units a recipe may divide by in place of N, beyond the window's own."""
+        ...
+
+    def apart(self, a: str, b: str) -> str | None:
+        """A window where facts ``a`` and ``b``, equal here, differ (None: none known)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Expression:
-    """``c = N^a * W^b * k^d * X^e``: a scale written in the window's facts."""
+    """``c = N^a * W^b * k^d * X^e * Y^f``: a scale written in the window's facts (``Y`` a size of the layout)."""
 
     value: float
     a: int
@@ -76,20 +95,36 @@ class Expression:
     world_size: int
     k: int | None
     n: int = 0
+    size: Fact | None = None
+    f: int = 0
 
     @property
     def cost(self) -> int:
-        return abs(self.a) + abs(self.b) + abs(self.d) + (self.fact.cost * abs(self.e) if self.fact else 0)
+        return (abs(self.a) + abs(self.b) + abs(self.d) + (self.fact.cost * abs(self.e) if self.fact else 0)
+                + (self.size.cost * abs(self.f) if self.size else 0))
 
-    def weight(self, values: bool = False) -> str:
-        """The weight every token got, ``c / N``, as a formula (``1/(W*round_bf16(N))``), or with the values."""
-        n_sym = "N"
-        powers = [(n_sym, self.a - 1), ("W", self.b), ("k", self.d)]
-        if self.fact is not None:
-            powers.append((self.fact.symbol, self.e))
+    def symbols(self) -> dict[str, float]:
+        """Each fact the expression uses, but N, with its value in this window."""
+        out: dict[str, float] = {}
+        for sym, power, value in (("W", self.b, self.world_size), ("k", self.d, self.k)):
+            if power and value is not None:
+                out[sym] = float(value)
+        for fact, power in ((self.fact, self.e), (self.size, self.f)):
+            if fact is not None and power:
+                out[fact.symbol] = fact.value
+        return out
+
+    def weight(self, values: bool = False, per_token: bool = True) -> str:
+        """The weight every token got, ``c / N``, as a formula (``1/(W*round_bf16(N))``), or with the values; not
+        ``per_token``: the scale ``c`` itself (``1/cp``)."""
+        powers = [("N", self.a - 1 if per_token else self.a), ("W", self.b), ("k", self.d)]
+        for fact, power in ((self.fact, self.e), (self.size, self.f)):
+            if fact is not None:
+                powers.append((fact.symbol, power))
         shown: dict[str, int | None] = {"N": self.n, "W": self.world_size, "k": self.k}
-        if self.fact is not None:
-            shown[self.fact.symbol] = int(self.fact.value) if float(self.fact.value).is_integer() else None
+        for fact in (self.fact, self.size):
+            if fact is not None:
+                shown[fact.symbol] = int(fact.value) if float(fact.value).is_integer() else None
         up: list[str] = []
         down: list[str] = []
         for sym, p in powers:
@@ -107,6 +142,10 @@ class Expression:
     def meaning(self, n: int) -> str:
         """The expression in words: the divisor the recipe used in place of N, and the factors beside it."""
         fact, k = self.fact, self.k
+        if fact is None and self.size is not None:
+            return (f"every weight is {self.weight(per_token=False)} = {self.value:.4g} times the right one, "
+                    f"{self.size.symbol} being {self.size.words}: the loss scaled by a size of the layout where "
+                    "another belongs")
         if fact is None:
             if self.a == 1:
                 rest = {(-1, 0): "each rank's loss sum backpropagated as it is, then averaged over the W ranks by DDP",
@@ -220,17 +259,20 @@ def _k(blocks: Sequence[Counted]) -> int | None:
 
 
 def search(c: float, blocks: Sequence[Counted], world_size: int, tolerance: float,
-           other_counts: Mapping[str, float] | None = None) -> list[Expression]:
+           other_counts: Mapping[str, float] | None = None, layout: Layout | None = None) -> list[Expression]:
     """Every expression ``N^a * W^b * k^d * X^e`` of at most :data:`MAX_COST` factors within ``tolerance``
-    (relative) of ``c``, the simplest first (then the vocabulary's order); none when ``tolerance`` is looser than
-    :data:`SEARCH_TOLERANCE` or ``c`` is not a positive number."""
+    (relative) of ``c``, and with ``layout`` every factor ``W^b * k^d * Y^f`` (``Y`` one of its sizes, the units
+    among the counts ``X``), the simplest first (then the vocabulary's order, a size of the layout after ``W`` and
+    ``k``); none when ``tolerance`` is looser than :data:`SEARCH_TOLERANCE` or ``c`` is not a positive number."""
     if not (math.isfinite(c) and c > 0) or tolerance > SEARCH_TOLERANCE:
         return []
     n = sum(b.tokens for b in blocks)
     if n <= 0:
         return []
     k = _k(blocks)
-    facts: list[Fact | None] = [None, *window_facts(blocks, world_size, other_counts)]
+    facts: list[Fact | None] = [None, *window_facts(blocks, world_size, other_counts),
+                                *(layout.units() if layout is not None else [])]
+    sizes: list[Fact | None] = [None, *(layout.facts() if layout is not None else [])]
     w_powers = range(-2, 3) if world_size > 1 else range(1)
     k_powers = range(-1, 2) if k is not None and k > 1 else range(1)
     found: list[tuple[int, int, float, Expression]] = []
@@ -238,26 +280,61 @@ def search(c: float, blocks: Sequence[Counted], world_size: int, tolerance: floa
         # Shapes a recipe writes: no count (an unnormalized sum N/..., a factor, N divided twice), or one count X in
         # place of N (N/X) or beside it (1/X: the mean divided again); X in a numerator names no mistake.
         shapes = ((1, -1), (0, -1)) if fact else ((1, 0), (0, 0), (-1, 0))
-        for (a, e), b, d in itertools.product(shapes, w_powers, k_powers):
+        for (a, e), b, d, size in itertools.product(shapes, w_powers, k_powers, sizes):
             if a == 0 and fact is not None and (b or d):
                 continue  # a mean divided again by a count, times W or k: no shape a recipe writes
-            expr = Expression(0.0, a, b, d, fact, e, world_size, k, n)
-            if expr.cost == 0 or expr.cost > MAX_COST:
-                continue
-            value = float(n) ** a * float(world_size) ** b * float(k or 1) ** d * (fact.value ** e if fact else 1.0)
-            if value != 1 and abs(c / value - 1) <= tolerance:
-                found.append((expr.cost, order, abs(c / value - 1), Expression(value, a, b, d, fact, e,
-                                                                              world_size, k, n)))
-    # The simplest first; among equals, the vocabulary's order, then a factor of W before one of k (commoner).
-    found.sort(key=lambda t: (t[0], t[1], abs(t[3].d), t[2]))
+            if size is not None and (fact is not None or a != 0):
+                continue  # a size of the layout is a factor on the right loss, not a count
+            for f in (-2, -1, 1, 2) if size is not None else (0,):
+                expr = Expression(0.0, a, b, d, fact, e, world_size, k, n, size, f)
+                if expr.cost == 0 or expr.cost > MAX_COST:
+                    continue
+                value = (float(n) ** a * float(world_size) ** b * float(k or 1) ** d
+                         * (fact.value ** e if fact else 1.0) * (size.value ** f if size else 1.0))
+                if value != 1 and abs(c / value - 1) <= tolerance:
+                    found.append((expr.cost, order, abs(c / value - 1), Expression(value, a, b, d, fact, e,
+                                                                                  world_size, k, n, size, f)))
+    # The simplest first; among equals, the vocabulary's order, a layout's size after W and k, then a factor of W
+    # before one of k (commoner).
+    found.sort(key=lambda t: (t[0], t[1], t[3].size is not None, abs(t[3].d), t[2]))
     return [t[3] for t in found]
 
 
-def describe(found: Sequence[Expression], n: int) -> list[str]:
+def told_apart(same: Sequence[Expression], layout: Layout | None) -> str:
+    """For expressions of one value: each fact one of them uses where another uses a fact of the same value, named
+    with the window where the two differ (``"k=2, dp=2 and cp=2 are equal in this window, so the factor reads as any
+    of them; a window where they differ tells them apart: scenario long at mesh dp=2,cp=2, where k=5 (k from dp, k
+    from cp); mesh dp=3,cp=2 (dp from cp)"``); empty where there are none or no layout says where."""
+    if layout is None or len(same) < 2:
+        return ""
+    used = [e.symbols() for e in same[:5]]
+    equal: dict[float, list[str]] = {}
+    where: dict[str, list[str]] = {}
+    for i, x in enumerate(used):
+        for y in used[i + 1:]:
+            for a, b in ((a, b) for a in x if a not in y for b in y if b not in x and y[b] == x[a]):
+                at = layout.apart(a, b)
+                if at is None or f"{a} from {b}" in where.get(at, []):
+                    continue
+                where.setdefault(at, []).append(f"{a} from {b}")
+                for sym in (a, b):
+                    if sym not in equal.setdefault(x[a], []):
+                        equal[x[a]].append(sym)
+    if not where:
+        return ""
+    sets = "; ".join(", ".join(f"{s}={v:g}" for s in syms[:-1]) + f" and {syms[-1]}={v:g}"
+                     for v, syms in equal.items())
+    told = "; ".join(f"{at} ({', '.join(what)})" for at, what in where.items())
+    return (f"{sets} are equal in this window, so the factor reads as any of them; a window where they differ tells "
+            f"them apart: {told}")
+
+
+def describe(found: Sequence[Expression], n: int, layout: Layout | None = None) -> list[str]:
     """One reading per value among the expressions found (the simplest first), each with its formula in symbols and
     in numbers. Expressions of the same value are one reading: the first leads, and the others with as few factors are
     named as what the same number also means in this window, since its counts alone cannot tell them apart (one with
-    more factors is left out: the simpler cause is the likelier)."""
+    more factors is left out: the simpler cause is the likelier); with ``layout``, each pair of equal facts is named
+    with the window that tells them apart (:func:`told_apart`)."""
     groups: dict[float, list[Expression]] = {}
     for expr in found:
         same = groups.setdefault(expr.value, [])
@@ -274,8 +351,11 @@ def describe(found: Sequence[Expression], n: int) -> list[str]:
             more = f" and {len(same) - 5} more" if len(same) > 5 else ""
             text += (f"; in this window the same number is also {also}{more}: these counts are equal here, so they "
                      "cannot tell those causes apart (the reading with the fewest factors leads)")
+            told = told_apart(same, layout)
+            text += f"; {told}" if told else ""
         out.append(text)
     return out
 
 
-__all__ = ["MAX_COST", "SEARCH_TOLERANCE", "Expression", "Fact", "describe", "search", "window_facts"]
+__all__ = ["MAX_COST", "SEARCH_TOLERANCE", "Expression", "Fact", "Layout", "describe", "search", "told_apart",
+           "window_facts"]

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 from harness.battery.launch.run import Run, WindowRecord
+from harness.battery.mesh_scenarios import microbatch_counts
 from harness.battery.prepare.objective import auxiliary_of
 from harness.battery.prepare.probe.facts import THREADS
+from harness.core.mesh import MULTI_STAGE_SCHEDULES
 from harness.diagnosis import diagnose as reading
 from harness.diagnosis.evidence import Evidence, RankWindow
 from harness.diagnosis.result import Diagnosis
@@ -28,6 +30,9 @@ def evidence_of(run: Run) -> Evidence:
         auxiliary=auxiliary_of(run.objective), strategy=run.run_spec.strategy if run.run_spec is not None else "ddp",
         precision=run.precision, max_norm=run.max_norm,
         chunking=run.run_spec.chunking if run.run_spec is not None else "contiguous", computes_in=run.computes_in,
+        stages_per_rank=2 if run.run_spec is not None and run.run_spec.pp_schedule in MULTI_STAGE_SCHEDULES else 1,
+        other_scenarios=microbatch_counts(run.mesh, run.run_spec.chunking if run.run_spec is not None else
+                                          "contiguous"),
         noise_bound=None if run.bf16 is None else float(run.bf16.bound), threads=THREADS, recipe=run.recipe,
         scenario=run.scenario, notes=run.notes)
 
