@@ -29,7 +29,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from harness.diagnosis import positions
 from harness.diagnosis.fit import Block, Fit, explained_residual, match_tolerance
+from harness.diagnosis.positions import POSITION
 from harness.diagnosis.signature_catalog import SIGNATURES
 from harness.diagnosis.signatures import patterns, scale_fit
 
@@ -53,6 +55,8 @@ class Case:
     sentence: str = ""
     fix: str | None = None
     drawn: bool = False
+    profile: Mapping[str, float] | None = None
+    """Its weights per position class (:mod:`harness.diagnosis.positions`), where they are one per class."""
     companions: tuple[str, ...] = ()
     """Readings of a linked check in the same case (the clipping check's finding beside a clipping run's parity):
     the same mistake seen by two checks, each consistent with the other's reading."""
@@ -121,6 +125,8 @@ class RecipeReading:
     """The hypothesis that explains the most deciding cases (the cause where there is one)."""
     also: tuple[str, ...] = ()
     """Other hypotheses every deciding case is consistent with: these cases cannot tell them from the cause."""
+    detail: str | None = None
+    """The cause's sentence where no case states it (a hypothesis of the recipe level alone: the positions)."""
 
     @property
     def deciding(self) -> list[Case]:
@@ -148,9 +154,12 @@ class RecipeReading:
             head = (f"{who}recipe-level diagnosis ({self.cause}): one cause explains "
                     f"{'the' if n == 1 else f'all {n}'} failing case{'' if n == 1 else 's'} with a reading "
                     f"({_where(held)})")
+            own = _own_counts(held)
+            if set(own) != {self.cause}:  # the cases' own readings, where some read it otherwise on their windows
+                head += "; read on their own windows as " + ", ".join(f"{r} in {n}" for r, n in own.items())
             if self.also:
                 head += f"; these cases cannot tell it from {', '.join(self.also)}"
-            out = [head, f"  {rep.sentence or SIGNATURES.get(self.cause, self.cause)}"]
+            out = [head, f"  {self.detail or rep.sentence or SIGNATURES.get(self.cause, self.cause)}"]
         else:
             out = [f"{who}recipe-level diagnosis: no one cause explains every failing case; {self.lead} explains "
                    f"{len(held)} of {len(self.deciding)} ({_where(held)})",
@@ -172,8 +181,9 @@ class RecipeReading:
         if aside:
             out.append(f"  the drawn layouts read {_readings(aside)} on their few tokens: a shrunk layout's counts "
                        "coincide more often, so they may narrow this reading and never contradict it")
-        if rep.fix:
-            out.append(f"  fix: {rep.fix}")
+        fix = positions.FIX if self.lead == POSITION else rep.fix
+        if fix:
+            out.append(f"  fix: {fix}")
         return out
 
 
@@ -187,19 +197,34 @@ def recipe_reading(cases: Iterable[Case]) -> RecipeReading:
     if not cases:
         return RecipeReading((), None, None)
     deciding = RecipeReading(cases, None, None).deciding
-    common = frozenset.intersection(*(_hypotheses(c) for c in deciding))
+    base = frozenset.intersection(*(_hypotheses(c) for c in deciding))
+    narrowed, narrowing = base, []
     for c in cases:
-        if c.drawn and c.read and common & _hypotheses(c):
-            common = common & _hypotheses(c)  # a drawn layout only narrows
+        if c.drawn and c.read and narrowed & _hypotheses(c):
+            narrowed = narrowed & _hypotheses(c)  # a drawn layout only narrows
+            narrowing.append(c)
     own = _own_counts(deciding)
+    common, merged = _settle(narrowed, [*deciding, *narrowing])
+    if not common:  # what the drawn layouts narrowed to does not hold: they never contradict the scenario cases
+        common, merged = _settle(base, deciding)
     if common:
         ranked = sorted(common, key=lambda h: _rank(h, own))
         linked = {r for c in deciding for r in c.companions}
         also = tuple(h for h in ranked[1:] if h not in linked)
-        return RecipeReading(cases, ranked[0], ranked[0], also)
-    every = sorted({h for c in deciding for h in _hypotheses(c)}, key=lambda h: _rank(h, own))
+        detail = positions.describe(merged) if ranked[0] == POSITION and merged else None
+        return RecipeReading(cases, ranked[0], ranked[0], also, detail)
+    every = sorted({h for c in deciding for h in _hypotheses(c)} - {POSITION}, key=lambda h: _rank(h, own))
     lead = max(every, key=lambda h: sum(h in _hypotheses(c) for c in deciding))
     return RecipeReading(cases, None, lead)
+
+
+def _settle(common: frozenset[str], cases: Sequence[Case]) -> tuple[frozenset[str], dict[str, float] | None]:
+    """``common`` without the positions' hypothesis where the cases' profiles do not merge into one that weighs
+    positions differently (one weight on every position is a common scale, read as such), and the merged profile."""
+    merged = positions.merge(c.profile for c in cases if c.read) if POSITION in common else None
+    if not positions.names_a_position(merged):
+        return common - {POSITION}, None
+    return common, merged
 
 
 def _own_counts(cases: Sequence[Case]) -> dict[str, int]:
@@ -215,7 +240,7 @@ _ORDER = {name: i for i, name in enumerate(SIGNATURES)}
 def _rank(h: str, own: Mapping[str, int]) -> tuple[int, int, int, str]:
     """The lead among hypotheses every case fits: the one most cases read as their own, then a catalog signature
     before another reading, a specific one before ``global_scale`` and ``unexplained``, then the catalog's order."""
-    vague = h in ("global_scale", "unexplained", "extra_term")
+    vague = h in ("global_scale", "unexplained", "extra_term", POSITION)
     return (-own.get(h, 0), int(vague), _ORDER.get(h, len(_ORDER)), h)
 
 

@@ -21,14 +21,12 @@ from harness.battery.launch import runner
 from harness.battery.plan.options import BatteryOptions
 from harness.battery.report.recipe_cause import readings
 from harness.core.mesh import Mesh
+from harness.diagnosis.positions import POSITION
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.recipes.catalog import IN_PROCESS
 from harness.workflow.explain_recipe import scenarios_for
 
 KNOWN = {
-    "two_microbatch_loop": "uneven and long read dropped (microbatches past the second), single reads global_scale: "
-                           "a dropped block is no weight pattern the recipe-level reading can test on another window",
-    "last_microbatch_twice": "uneven reads double_counted (the last microbatch), single global_scale (x2): as above",
     "local_max_length": "uneven reads per_rank_normalizer, one_empty global_scale: one rank's normalizer is the only "
                         "one left there, and a per-rank normalizer is no pattern the reading can test",
     "local_sequence_count": "uneven reads mean_of_local_means, one_empty ends in a desync (the empty rank's count of "
@@ -73,7 +71,9 @@ def test_each_control_reads_its_own_cause_at_the_recipe_level(name: str) -> None
     if not any(c.reading == declared for c in read.cases):  # its gradient is right here: its target check tells
         assert read.cause in (f"{t.check} numbers", t.shows_as), said
         return
-    # The declared reading, one its cases cannot tell from it, or the linked check's reading of the same cases (a
-    # clip's norm beside the parity it moved).
+    # The declared reading, one its cases cannot tell from it, the linked check's reading of the same cases (a clip's
+    # norm beside the parity it moved), or the recipe level's own hypothesis that the declared reading's cases share
+    # with the others (the positions of a loop written for one window shape).
     linked = {h for c in read.cases if c.reading == declared for h in c.companions}
-    assert read.cause == declared or declared in read.also or read.cause in linked, said
+    unifies = read.cause == POSITION and all(POSITION in c.consistent for c in read.explained())
+    assert read.cause == declared or declared in read.also or read.cause in linked or unifies, said

@@ -14,6 +14,7 @@ from harness.battery.judge.verdict import FAIL, Verdict
 from harness.battery.report.recipe_cause import CLIP, readings
 from harness.battery.report.summary import format_summary
 from harness.diagnosis.fit import Block, Fit
+from harness.diagnosis.positions import FIX, POSITION, position_profile
 from harness.diagnosis.recipe_level import pattern_fits
 
 UNEVEN = [Block(0, 0, 30), Block(0, 1, 10), Block(1, 0, 5), Block(1, 1, 3)]
@@ -133,3 +134,44 @@ def test_pattern_fits_name_the_scale_of_a_right_shape_as_global_scale() -> None:
     assert fits["global_scale"][1] < 1 and fits["correct"][0] == 0.5 and fits["correct"][1] > 1
     assert fits["mean_of_local_means"][1] > 1  # its shape does not fit a uniform scale on uneven counts
     assert pattern_fits(UNEVEN, Fit(_scaled(UNEVEN, 1).weights, 0.5, 1.0), 2) == ()  # a fit that explains too little
+
+
+def _weights(ratios: dict[tuple[int, int], float | None]) -> list[dict[str, object]]:
+    return [{"rank": r, "microbatch": m, "tokens": 0 if q is None else 10, "ratio": q} for (r, m), q in ratios.items()]
+
+
+def _positional(scenario: str, signature: str, ratios: dict[tuple[int, int], float | None]) -> Verdict:
+    v = _verdict("parity", scenario, signature)
+    assert v.diagnosis is not None
+    v.diagnosis["weights"] = _weights(ratios)
+    return v
+
+
+LONG = {(0, 0): 1.0, (0, 1): 0.0, (0, 2): 0.0, (0, 3): 1.0, (1, 0): 1.0, (1, 1): 0.0, (1, 2): 1.0}
+"""A loop over a window's first and last microbatch: each rank's middle ones dropped (rank 1 has three)."""
+
+
+def test_a_loop_written_for_one_window_shape_is_one_cause_by_position() -> None:
+    """Dropped middles on a long window, the only microbatch counted twice on a one-microbatch window: neither case's
+    reading is the other's, and the position of each microbatch in its rank's window explains both."""
+    cases = [_positional("long", "dropped", LONG), _positional("single", "global_scale", {(0, 0): 2.0, (1, 0): 2.0})]
+    read = readings(cases)["pkg:recipe"]
+    assert read.cause == POSITION
+    lines = read.lines()
+    assert "read on their own windows as dropped in 1, global_scale in 1" in lines[0]
+    said = "the window's first microbatch 1x, each middle one 0x, its last 1x, a window's only microbatch 2x"
+    assert said in lines[1]
+    assert lines[-1] == f"  fix: {FIX}"
+
+
+def test_positions_that_disagree_or_one_scale_on_every_position_name_no_position() -> None:
+    """The negative controls: a middle microbatch kept in one case and dropped in another disagrees; and a common scale
+    on every position (every weight 0.5) is a global scale, not a position."""
+    kept = {**LONG, (0, 1): 1.0, (0, 2): 1.0, (1, 1): 1.0}
+    assert readings([_positional("long", "dropped", LONG), _positional("uneven", "block_scaled", kept)]
+                    )["pkg:recipe"].cause is None
+    halves = [_positional("uneven", "global_scale", {(0, 0): 0.5, (0, 1): 0.5, (1, 0): 0.5}),
+              _positional("single", "global_scale", {(0, 0): 0.5, (1, 0): 0.5})]
+    assert readings(halves)["pkg:recipe"].cause == "global_scale"
+    weighted = [_positional("uneven", "mean_of_local_means", {(0, 0): 0.7, (0, 1): 0.7, (1, 0): 1.6, (1, 1): 1.6})]
+    assert position_profile(weighted[0].diagnosis["weights"]) is None  # type: ignore[index,arg-type]

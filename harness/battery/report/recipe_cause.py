@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from harness.battery.judge.verdict import FAIL, Verdict
 from harness.battery.report.table import row_label
+from harness.diagnosis.positions import POSITION, position_profile
 from harness.diagnosis.recipe_level import DRAWN, NUMBERS, Case, RecipeReading, consistent_set, recipe_reading
 
 LINKED = (frozenset({"parity", "clipping"}),)
@@ -43,10 +44,13 @@ def case_of(v: Verdict, companions: tuple[str, ...] = ()) -> Case:
     reading = own_reading(v)
     consistent, deviations = consistent_set(reading, v.diagnosis)
     diagnosis = v.diagnosis or {}
+    profile = position_profile(diagnosis.get("weights") or ())  # type: ignore[arg-type]
+    if profile is not None:
+        consistent = consistent | {POSITION}
     sentence = str(diagnosis.get("sentence") or "") or _first_detail(v)
     fix = v.fix or (str(diagnosis["fix"]) if diagnosis.get("fix") else None)
     return Case(row_label(v), v.check, reading, consistent, deviations, sentence, fix, drawn=v.scenario == DRAWN,
-                companions=companions)
+                profile=profile, companions=companions)
 
 
 def cases_of(verdicts: Iterable[Verdict]) -> list[Case]:
