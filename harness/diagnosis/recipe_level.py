@@ -105,6 +105,7 @@ def consistent_set(reading: str, diagnosis: Mapping[str, object] | None) -> tupl
     deviations: dict[str, float] = {}
     if diagnosis:
         found.update(str(a) for a in diagnosis.get("alternatives") or ())  # type: ignore[attr-defined]
+        found.update(_same_here(reading, diagnosis.get("weights") or ()))  # type: ignore[arg-type]
         for name, _, dev in diagnosis.get("fits") or ():  # type: ignore[attr-defined]
             if dev is None:
                 continue
@@ -112,6 +113,32 @@ def consistent_set(reading: str, diagnosis: Mapping[str, object] | None) -> tupl
             if float(dev) <= 1:
                 found.add(str(name))
     return frozenset(found), deviations
+
+
+PER_RANK = ("mean_of_local_means", "per_microbatch_mean")
+"""Readings that are one where every rank has one microbatch: a mean per microbatch is then a mean per rank."""
+
+FREE_PER_RANK = ("per_rank_normalizer", "subgroup_count")
+"""Readings that give each rank (or group of ranks) a factor of its own, free of the window's counts: where one rank
+holds every token, any of them is a common scale."""
+
+
+def _same_here(reading: str, weights: Sequence[Mapping[str, object]]) -> set[str]:
+    """The readings this window's shape makes one with ``reading``: where every rank has one microbatch, a mean per
+    microbatch and a mean per rank; where one rank holds every token, a scale and a factor per rank."""
+    ranks: dict[int, set[int]] = {}
+    holding = set()
+    for w in weights:
+        rank = int(w["rank"])  # type: ignore[call-overload]
+        ranks.setdefault(rank, set()).add(int(w["microbatch"]))  # type: ignore[call-overload]
+        if w.get("tokens"):
+            holding.add(rank)
+    out: set[str] = set()
+    if reading in PER_RANK and ranks and all(len(m) == 1 for m in ranks.values()):
+        out.update(PER_RANK)
+    if reading == "global_scale" and len(holding) == 1 and len(ranks) > 1:
+        out.update(FREE_PER_RANK)
+    return out
 
 
 @dataclass(frozen=True)
@@ -210,7 +237,8 @@ def recipe_reading(cases: Iterable[Case]) -> RecipeReading:
     if common:
         ranked = sorted(common, key=lambda h: _rank(h, own))
         linked = {r for c in deciding for r in c.companions}
-        also = tuple(h for h in ranked[1:] if h not in linked)
+        # The positions' hypothesis stands in only where nothing more specific holds: never named beside a cause.
+        also = tuple(h for h in ranked[1:] if h not in linked and h != POSITION)
         detail = positions.describe(merged) if ranked[0] == POSITION and merged else None
         return RecipeReading(cases, ranked[0], ranked[0], also, detail)
     every = sorted({h for c in deciding for h in _hypotheses(c)} - {POSITION}, key=lambda h: _rank(h, own))

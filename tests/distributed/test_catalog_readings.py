@@ -27,12 +27,8 @@ from harness.recipes.catalog import IN_PROCESS
 from harness.workflow.explain_recipe import scenarios_for
 
 KNOWN = {
-    "local_max_length": "uneven reads per_rank_normalizer, one_empty global_scale: one rank's normalizer is the only "
-                        "one left there, and a per-rank normalizer is no pattern the reading can test",
     "local_sequence_count": "uneven reads mean_of_local_means, one_empty ends in a desync (the empty rank's count of "
                             "sequences is 0): two behaviours of one recipe",
-    "per_microbatch_sequence_mean": "uneven reads per_microbatch_mean (sequence-mean units), single reads "
-                                    "mean_of_local_means: the patterns are the token mean's, not the sequence mean's",
 }
 
 

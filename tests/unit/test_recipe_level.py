@@ -175,3 +175,20 @@ def test_positions_that_disagree_or_one_scale_on_every_position_name_no_position
     assert readings(halves)["pkg:recipe"].cause == "global_scale"
     weighted = [_positional("uneven", "mean_of_local_means", {(0, 0): 0.7, (0, 1): 0.7, (1, 0): 1.6, (1, 1): 1.6})]
     assert position_profile(weighted[0].diagnosis["weights"]) is None  # type: ignore[index,arg-type]
+
+
+def test_a_window_whose_shape_makes_two_readings_one_reads_as_either() -> None:
+    """Every rank with one microbatch: a mean per microbatch is a mean per rank; one rank holding every token: a factor
+    per rank is a common scale. The negative control: with two microbatches a rank, the two stay apart."""
+    one_each = {(0, 0): 0.7, (1, 0): 1.6}
+    pmm = [_positional("uneven", "per_microbatch_mean", {(0, 0): 0.5, (0, 1): 1.5, (1, 0): 1.2}),
+           _positional("single", "mean_of_local_means", one_each)]
+    assert readings(pmm)["pkg:recipe"].cause == "per_microbatch_mean"
+    two_each = {(0, 0): 0.7, (0, 1): 0.7, (1, 0): 1.6, (1, 1): 1.6}
+    apart = [pmm[0], _positional("uneven", "mean_of_local_means", two_each)]
+    assert readings(apart)["pkg:recipe"].cause is None
+    lone = [_positional("uneven", "per_rank_normalizer", {(0, 0): 0.7, (1, 0): 1.6}),
+            _positional("one_empty", "global_scale", {(0, 0): 0.5, (1, 0): None})]
+    assert readings(lone)["pkg:recipe"].cause == "per_rank_normalizer"
+    both = [lone[0], _positional("one_empty", "global_scale", {(0, 0): 0.5, (1, 0): 0.5})]
+    assert readings(both)["pkg:recipe"].cause is None
