@@ -198,7 +198,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.recipe_level and max(statuses):  # the battery's one cause, read the same way
         from harness.workflow.explain_recipe import recipe_level
 
-        said = recipe_level(args, model, lanes)
+        said = [in_strategy_form(line, lanes[0][0]) if len({s for s, _ in lanes}) == 1 else line
+                for line in recipe_level(args, model, lanes)]
         if said:
             print("\n" + "\n".join(said))
             print(f"FAILED: explain: {args.recipe}: {said[1].split(': ', 1)[0]}")

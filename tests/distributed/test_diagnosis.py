@@ -117,6 +117,12 @@ def test_explain_prints_the_weights_and_signature_and_writes_figure_and_json(
     assert after == f"fix: {data['fix']}"
     assert all(abs(w["ratio"] - 0.2) < 1e-5 for w in data["weights"])
     assert (tmp_path / f"{stem}.png").read_bytes().startswith(b"\x89PNG")
+    # Then the recipe-level diagnosis over the battery's quick scenarios, as the battery's last screen states it, and
+    # the status line naming it.
+    assert "over the battery's quick scenarios (long, uneven, single, one_empty) at W=2, in ddp/fp32:" in out
+    assert "\nrecipe-level diagnosis (" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("FAILED: explain: harness.recipes:extra_microbatch_division: "
+                                                    "recipe-level diagnosis ("), out
 
 
 def test_explain_exits_0_on_the_correct_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,7 +253,7 @@ def test_explain_under_fsdp2_never_reads_right_what_the_battery_rejects_and_spea
     and so does explain (exit 1), in FSDP2's words: set_requires_gradient_sync(False), never no_sync() (the same run
     the negative-control test judges)."""
     status, out, err = _explain(tmp_path, capsys, "--recipe", "harness.recipes:fsdp2_sync_every_microbatch",
-                                "--strategy", "fsdp2")
+                                "--strategy", "fsdp2", "--no-recipe-level")
     assert 1 == status, out + err
     assert "FAILED: explain: the weighting is right, but the battery rejects this case (fsdp2, fp32): one_sync" in out
     assert "set_requires_gradient_sync(False)" in out and "no_sync()" not in out

@@ -86,7 +86,8 @@ def test_explain_reads_a_run_over_a_mesh(capsys: pytest.CaptureFixture[str], tmp
     """``explain --mesh dp=2,cp=2`` on the count over dp only: the run is named with its mesh, the battery's checks
     reject it (exit 1), and the reading names the group: each cp chunk's tokens weigh N over its dp group's count
     (1.79x and 2.26x on uneven, whose chunks hold unequal counts)."""
-    assert 1 == main(["explain", "--recipe", DP_ONLY, "--mesh", "dp=2,cp=2", "--outputs", str(tmp_path)])
+    assert 1 == main(["explain", "--recipe", DP_ONLY, "--mesh", "dp=2,cp=2", "--outputs", str(tmp_path),
+                      "--no-recipe-level"])
     out = capsys.readouterr().out
     assert f"{DP_ONLY} on scenario uneven, W=4 dp=2,cp=2, fp32" in out
     assert ("diagnosis (count_group): the count was reduced over dp (2 ranks); this window's tokens are spread over "
