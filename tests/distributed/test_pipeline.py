@@ -232,3 +232,20 @@ def test_each_pipeline_control_is_named_by_its_formula_in_words(name: str, phras
     assert found is not None
     assert DIAGNOSES[name] == found.signature.name, found.line()
     assert phrase in found.line(), found.line()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["uneven", "one_empty", "pp_uneven", "single", "one_token"])
+@pytest.mark.parametrize(("schedule", "strategy"), [("gpipe", "ddp"), ("1f1b", "fsdp2")], ids=["gpipe", "1f1b-fsdp2"])
+def test_scale_grads_left_on_reads_its_formula_wherever_it_fails(schedule: str, strategy: str, scenario: str) -> None:
+    """torchtitan #1733 over dp=2,pp=2 (the plan's A=2 beside the control's own two steps): wherever parity fails,
+    the diagnosis names ``pp_scale_grads`` by its formula over the recorded steps (a window's microbatches are cut
+    into consecutive steps, so every microbatch lies in one step and weighs its step's ratio); where the first step
+    holds no microbatch (``single``, ``one_token``) there is no earlier gradient to rescale, and it passes."""
+    verdict = checks.parity(pp_run(SCALE_GRADS, "dp=2,pp=2", schedule, strategy=strategy, scenario=scenario, steps=2))
+    if scenario in ("single", "one_token"):
+        assert verdict.passed, verdict.message
+        return
+    assert not verdict.passed
+    assert "numbers" == verdict.cause
+    assert verdict.diagnosis is not None and "pp_scale_grads" == verdict.diagnosis["signature"], verdict.message
