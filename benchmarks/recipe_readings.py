@@ -7,8 +7,8 @@ battery --recipe harness.recipes:<name>`` per control, with its target's options
 
 Writes ``benchmarks/results/recipe_readings.json``: per control, the declared signature, the recipe-level cause (or
 the lead and the cases that disagree), each case's own reading, and whether the cause is the declared signature (or
-one its cases cannot tell from it). Prints one line per control and the count that hold. A control that declares no
-signature (a desync, a crash) is matched against its cases' own reading. Exit 0 always: this is a measurement; the
+one its cases cannot tell from it: :func:`harness.battery.report.recipe_cause.names_its_cause`). Prints one line per
+control and the count that hold. Exit 0 always: this is a measurement; the
 slow test ``tests/distributed/test_catalog_readings.py`` holds the claim.
 """
 
@@ -30,18 +30,9 @@ from readings_snapshot import PACKAGE, _env, battery_options, read_targets, skip
 TIMEOUT_S = 1800
 
 
-def expected_readings(target: dict[str, Any], got: Any) -> set[str]:
-    """What a control's recipe-level reading must be: the signature it declares where a case reads it; where none
-    does (its target is another check than parity, or it ends in a desync), its target check's own failure."""
-    declared = target.get("diagnosis")
-    if declared is not None and any(c.reading == declared for c in got.cases):
-        return {declared}
-    return {x for x in (declared, f"{target['check']} numbers", target.get("shows_as"), target.get("finding")) if x}
-
-
 def read(name: str, target: dict[str, Any], quick: bool) -> dict[str, Any]:
     """The battery's verdicts on one control and their recipe-level reading."""
-    from harness.battery.report.recipe_cause import readings
+    from harness.battery.report.recipe_cause import names_its_cause, readings
     from harness.battery.report.summary import verdict_from_dict
 
     options = battery_options(target) + (["--quick"] if quick else [])
@@ -64,8 +55,7 @@ def read(name: str, target: dict[str, Any], quick: bool) -> dict[str, Any]:
                            "options": options}
     if got is None:
         return {**out, "cause": None, "holds": False, "cases": []}
-    expected = expected_readings(target, got)
-    holds = got.cause in expected or bool(expected & set(got.also))
+    holds = names_its_cause(got, declared, target["check"], target.get("shows_as", "numbers"))
     return {**out, "cause": got.cause, "lead": got.lead, "also": list(got.also), "holds": holds,
             "lines": got.lines(), "cases": [{"case": c.label, "reading": c.reading,
                                              "consistent": sorted(c.consistent)} for c in got.cases]}

@@ -19,9 +19,8 @@ import harness.battery.judge.checks  # noqa: F401  (the checks register themselv
 from harness.battery.judge.registry import REGISTRY
 from harness.battery.launch import runner
 from harness.battery.plan.options import BatteryOptions
-from harness.battery.report.recipe_cause import readings
+from harness.battery.report.recipe_cause import names_its_cause, readings
 from harness.core.mesh import Mesh
-from harness.diagnosis.positions import POSITION
 from harness.recipes import CONTROLS, DIAGNOSES
 from harness.recipes.catalog import IN_PROCESS
 from harness.workflow.explain_recipe import scenarios_for
@@ -58,18 +57,4 @@ def test_each_control_reads_its_own_cause_at_the_recipe_level(name: str) -> None
         verdicts += [info.fn(run) for info in REGISTRY.values() if info.runs_on(scenario)]
     read = readings(verdicts).get(f"harness.recipes:{name}")
     assert read is not None, f"{name} fails no check on {scenarios_for(t.scenario, world, mesh)} at W={world}"
-    said = "\n".join(read.lines())
-    declared = DIAGNOSES[name]
-    if declared in (None, "correct"):  # its mistake is its target check's: that check fails, and one cause is read
-        assert any(c.check == t.check for c in read.cases), said
-        assert read.cause is not None, said
-        return
-    if not any(c.reading == declared for c in read.cases):  # its gradient is right here: its target check tells
-        assert read.cause in (f"{t.check} numbers", t.shows_as), said
-        return
-    # The declared reading, one its cases cannot tell from it, the linked check's reading of the same cases (a clip's
-    # norm beside the parity it moved), or the recipe level's own hypothesis that the declared reading's cases share
-    # with the others (the positions of a loop written for one window shape).
-    linked = {h for c in read.cases if c.reading == declared for h in c.companions}
-    unifies = read.cause == POSITION and all(POSITION in c.consistent for c in read.explained())
-    assert read.cause == declared or declared in read.also or read.cause in linked or unifies, said
+    assert names_its_cause(read, DIAGNOSES[name], t.check, t.shows_as), "\n".join(read.lines())

@@ -11,7 +11,7 @@ import math
 import torch
 
 from harness.battery.judge.verdict import FAIL, Verdict
-from harness.battery.report.recipe_cause import CLIP, readings
+from harness.battery.report.recipe_cause import CLIP, names_its_cause, readings
 from harness.battery.report.summary import format_summary
 from harness.diagnosis.fit import Block, Fit
 from harness.diagnosis.positions import FIX, POSITION, position_profile
@@ -192,3 +192,19 @@ def test_a_window_whose_shape_makes_two_readings_one_reads_as_either() -> None:
     assert readings(lone)["pkg:recipe"].cause == "per_rank_normalizer"
     both = [lone[0], _positional("one_empty", "global_scale", {(0, 0): 0.5, (1, 0): 0.5})]
     assert readings(both)["pkg:recipe"].cause is None
+
+
+def test_a_control_names_its_cause_only_when_the_recipe_level_reads_it() -> None:
+    """The catalog test's rule, with its negative controls: another cause, and no one cause, do not name it."""
+    molm = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
+            _verdict("parity", "single", "global_scale", _local_means(SINGLE), SINGLE)]
+    read = readings(molm)["pkg:recipe"]
+    assert names_its_cause(read, "mean_of_local_means", "parity")
+    assert not names_its_cause(read, "per_microbatch_mean", "parity")  # no case reads it: parity numbers expected
+    split = readings([molm[0], _verdict("parity", "single", "global_scale", _scaled(SINGLE, 0.75), SINGLE)])
+    assert not names_its_cause(split["pkg:recipe"], "mean_of_local_means", "parity")
+    sync = readings([_verdict("one_sync", "uneven"), _verdict("one_sync", "single")])["pkg:recipe"]
+    assert names_its_cause(sync, None, "one_sync") and not names_its_cause(sync, None, "empty_window")
+    # Two checks failing their comparisons, neither with a reading: nothing tells which is the cause.
+    two = readings([_verdict("one_sync", "uneven"), _verdict("logged_loss", "uneven")])["pkg:recipe"]
+    assert two.cause is None and not names_its_cause(two, None, "one_sync")

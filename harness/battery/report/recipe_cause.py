@@ -92,6 +92,21 @@ def readings(verdicts: Iterable[Verdict]) -> dict[str, RecipeReading]:
     return {recipe: recipe_reading(cases_of(vs)) for recipe, vs in by.items()}
 
 
+def names_its_cause(read: RecipeReading, declared: str | None, check: str, shows_as: str = "numbers") -> bool:
+    """Whether a negative control's recipe-level reading is its own cause: its ``declared`` signature, one its cases
+    cannot tell from it, the linked check's reading of the same cases (a clip's norm beside the parity it moved), or
+    the positions' hypothesis that the declared reading's cases share with the others. A control that declares none
+    (or ``correct``: its mistake is its target ``check``'s) needs that check to fail and one cause; one whose declared
+    reading no case gives (its gradient is right in these cases) is read by its target check's failure."""
+    if declared in (None, "correct"):
+        return any(c.check == check for c in read.cases) and read.cause is not None
+    if not any(c.reading == declared for c in read.cases):
+        return read.cause in (f"{check}{NUMBERS}", shows_as)
+    linked = {h for c in read.cases if c.reading == declared for h in c.companions}
+    unifies = read.cause == POSITION and all(POSITION in c.consistent for c in read.explained())
+    return read.cause == declared or declared in read.also or read.cause in linked or unifies
+
+
 def recipe_json(verdicts: Iterable[Verdict]) -> dict[str, dict[str, object]]:
     """Each failing recipe's reading for the battery report: its cause (None: no one cause), lead, the readings its
     cases cannot tell from the cause, its lines, and every case with its own reading and what it is consistent with."""
@@ -110,5 +125,5 @@ def recipe_lines(verdicts: Sequence[Verdict], titles: Mapping[str, str] | None =
     return out
 
 
-__all__ = ["LINKED", "RUN_FAILURES", "case_of", "cases_of", "own_reading", "readings", "recipe_json",
+__all__ = ["LINKED", "RUN_FAILURES", "case_of", "cases_of", "names_its_cause", "own_reading", "readings", "recipe_json",
            "recipe_lines"]
