@@ -55,6 +55,10 @@ class Case:
     sentence: str = ""
     fix: str | None = None
     drawn: bool = False
+    note: str | None = None
+    """Why a case that failed otherwise than by its weights is consistent with more than its own reading."""
+    implied: frozenset[str] = frozenset()
+    """The hypotheses ``note`` makes it consistent with: they may explain it, never lead beside its own reading."""
     profile: Mapping[str, float] | None = None
     """Its weights per position class (:mod:`harness.diagnosis.positions`), where they are one per class."""
     companions: tuple[str, ...] = ()
@@ -197,6 +201,8 @@ class RecipeReading:
             for reading, cases in by_reading.items():
                 out.append(f"  {len(cases)} disagree{'s' if len(cases) == 1 else ''}, reading {reading} "
                            f"({_where(cases)}): {_why(cases, self.lead)}")
+        notes = dict.fromkeys(c.note for c in held if c.note and c.reading != self.lead)
+        out += [f"  {n}" for n in notes if n]
         linked = sorted({r for c in held for r in c.companions if r != self.lead})
         if linked:
             out.append(f"  the same cases' other checks read {', '.join(linked)}: the same mistake seen by each")
@@ -238,7 +244,8 @@ def recipe_reading(cases: Iterable[Case]) -> RecipeReading:
         ranked = sorted(common, key=lambda h: _rank(h, own))
         linked = {r for c in deciding for r in c.companions}
         # The positions' hypothesis stands in only where nothing more specific holds: never named beside a cause.
-        also = tuple(h for h in ranked[1:] if h not in linked and h != POSITION)
+        also = tuple(h for h in ranked[1:] if h not in linked and h != POSITION
+                     and not all(h in c.implied for c in deciding))
         detail = positions.describe(merged) if ranked[0] == POSITION and merged else None
         return RecipeReading(cases, ranked[0], ranked[0], also, detail)
     every = sorted({h for c in deciding for h in _hypotheses(c)} - {POSITION}, key=lambda h: _rank(h, own))

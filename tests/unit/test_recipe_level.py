@@ -93,8 +93,9 @@ def test_a_recipe_failing_only_a_comparison_is_read_by_that_check() -> None:
 
 
 def test_a_failed_run_counts_once_whatever_checks_it_fails() -> None:
-    """A desync fails every check of its run the same way: one case, which disagrees with a weighting elsewhere."""
-    desync = [_verdict(check, "one_empty", cause="desync") for check in ("parity", "one_sync", "ranks_agree")]
+    """A desync fails every check of its run the same way: one case, which disagrees with a weighting elsewhere (on
+    long, where no count is zero)."""
+    desync = [_verdict(check, "long", cause="desync") for check in ("parity", "one_sync", "ranks_agree")]
     read = readings([_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN), *desync])
     lines = read["pkg:recipe"].lines()
     assert "1 disagrees, reading desync" in lines[2] and "another kind than a weighting" in lines[2], lines
@@ -208,3 +209,28 @@ def test_a_control_names_its_cause_only_when_the_recipe_level_reads_it() -> None
     # Two checks failing their comparisons, neither with a reading: nothing tells which is the cause.
     two = readings([_verdict("one_sync", "uneven"), _verdict("logged_loss", "uneven")])["pkg:recipe"]
     assert two.cause is None and not names_its_cause(two, None, "one_sync")
+
+
+def test_a_failed_run_where_a_local_count_is_zero_is_one_more_view_of_that_count() -> None:
+    """On one_empty a rank holds no token: a recipe dividing by its own count meets a zero there, and a desync there
+    is that count's; on uneven no count is zero, and the same desync disagrees (the negative control)."""
+    molm = _verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN)
+    read = readings([molm, _verdict("parity", "one_empty", cause="desync")])["pkg:recipe"]
+    assert read.cause == "mean_of_local_means"
+    assert any("the desync on one_empty: a rank, microbatch or shard holds no supervised token" in line
+               for line in read.lines())
+    assert readings([molm, _verdict("parity", "uneven", cause="desync", world=3)])["pkg:recipe"].cause is None
+    alone = readings([_verdict("parity", "one_empty", cause="desync")])["pkg:recipe"]
+    assert alone.cause == "desync" and alone.also == ()  # the local counts it allows are never named beside it
+
+
+def test_the_cases_where_a_local_count_is_zero_are_read_off_the_scenarios_windows() -> None:
+    from harness.battery.report.zero_counts import local_count_is_zero
+
+    zero = {"sparse", "one_empty", "all_empty"}
+    for scenario in ("uneven", "single", "long", "varying", *zero):
+        assert local_count_is_zero(scenario, 2) == (scenario in zero), scenario
+    assert local_count_is_zero("empty_shard", 4, "dp=2,cp=2")  # a cp chunk without a token
+    assert local_count_is_zero("one_token", 4, "dp=2,cp=2")
+    assert not local_count_is_zero("cp_balanced", 4, "dp=2,cp=2")
+    assert not local_count_is_zero("drawn", 2)  # not a scenario it can build

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from harness.battery.judge.verdict import FAIL, Verdict
 from harness.battery.report.table import row_label
+from harness.battery.report.zero_counts import LOCAL_COUNTS, local_count_is_zero
 from harness.diagnosis.positions import POSITION, position_profile
 from harness.diagnosis.recipe_level import DRAWN, NUMBERS, Case, RecipeReading, consistent_set, recipe_reading
 
@@ -47,10 +48,17 @@ def case_of(v: Verdict, companions: tuple[str, ...] = ()) -> Case:
     profile = position_profile(diagnosis.get("weights") or ())  # type: ignore[arg-type]
     if profile is not None:
         consistent = consistent | {POSITION}
+    note = None
+    if v.cause in RUN_FAILURES and local_count_is_zero(v.scenario, v.world_size, v.mesh):
+        consistent = consistent | set(LOCAL_COUNTS)
+        note = (f"the {v.cause} on {v.scenario}: a rank, microbatch or shard holds no supervised token there, so a "
+                "count of its own is zero, and the recipe's way out of that zero (a skipped backward, a raise) left "
+                "its peers in a collective")
     sentence = str(diagnosis.get("sentence") or "") or _first_detail(v)
     fix = v.fix or (str(diagnosis["fix"]) if diagnosis.get("fix") else None)
     return Case(row_label(v), v.check, reading, consistent, deviations, sentence, fix, drawn=v.scenario == DRAWN,
-                profile=profile, companions=companions)
+                profile=profile, companions=companions, note=note,
+                implied=frozenset(LOCAL_COUNTS) if note else frozenset())
 
 
 def cases_of(verdicts: Iterable[Verdict]) -> list[Case]:
