@@ -6,9 +6,10 @@ check than parity, or it ends in a desync) is read by its target check's own fai
 
 A control that declares no signature (or ``correct``: parity passes on its target) must fail its target check and get
 one cause; one whose declared reading no case gives (its gradient is right on these scenarios: a weight decay after
-backward) is read by its target check's failure. ``KNOWN`` names the controls whose cases do not all fit one
-hypothesis yet, each with what disagrees; they are strict expected failures, so a change that fixes one fails here
-until it is taken off the list. The whole catalog is measured with its lines by ``benchmarks/recipe_readings.py``.
+backward) is read by its target check's failure. ``KNOWN`` would name a control whose cases do not all fit one
+hypothesis, with what disagrees, as a strict expected failure (none does today: a new control that does not read its
+own cause fails here, or is listed with its reason). ``benchmarks/recipe_readings.py`` measures the whole catalog on
+the full battery, with its lines.
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from harness.recipes import CONTROLS, DIAGNOSES
 from harness.recipes.catalog import IN_PROCESS
 from harness.workflow.explain_recipe import scenarios_for
 
-KNOWN = {
-    "local_sequence_count": "uneven reads mean_of_local_means, one_empty ends in a desync (the empty rank's count of "
-                            "sequences is 0): two behaviours of one recipe",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _cases() -> list[object]:
