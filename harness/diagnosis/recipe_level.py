@@ -69,11 +69,15 @@ class Case:
     def read(self) -> bool:
         """Whether it has a reading of its own: a case that only failed its check's comparison (a logged loss off, ranks
         that disagree) is a consequence, consistent with any cause, and never decides it."""
-        return not self.reading.endswith(NUMBERS)
+        return not self.reading.endswith(NUMBERS) and self.reading not in ELSEWHERE
 
 
 NUMBERS = " numbers"
 """How a case with no reading of its own is named: ``"logged_loss numbers"``."""
+
+ELSEWHERE = frozenset({"started_elsewhere"})
+"""Readings that send the reader to another window (its weights were moved by an earlier window's wrong step): the
+case is that window's consequence, not a reading of its own."""
 
 
 def pattern_fits(blocks: Sequence[Block], fit: Fit, world_size: int) -> tuple[tuple[str, float, float], ...]:
@@ -207,9 +211,14 @@ class RecipeReading:
         if linked:
             out.append(f"  the same cases' other checks read {', '.join(linked)}: the same mistake seen by each")
         after = [c for c in self.cases if not c.read and not c.drawn and c not in self.deciding]
-        if after:
-            out.append(f"  also failing, as its consequence ({_where(after)}): their checks' comparisons, with no "
+        compared = [c for c in after if c.reading not in ELSEWHERE]
+        moved = [c for c in after if c.reading in ELSEWHERE]
+        if compared:
+            out.append(f"  also failing, as its consequence ({_where(compared)}): their checks' comparisons, with no "
                        "reading of their own")
+        if moved:
+            out.append(f"  also failing, as its consequence ({_where(moved)}): windows read at weights an earlier "
+                       "window's wrong step moved (started_elsewhere)")
         aside = [c for c in self.cases if c.drawn and c.read and self.lead not in _hypotheses(c)]
         if aside:
             out.append(f"  the drawn layouts read {_readings(aside)} on their few tokens: a shrunk layout's counts "

@@ -234,3 +234,11 @@ def test_the_cases_where_a_local_count_is_zero_are_read_off_the_scenarios_window
     assert local_count_is_zero("one_token", 4, "dp=2,cp=2")
     assert not local_count_is_zero("cp_balanced", 4, "dp=2,cp=2")
     assert not local_count_is_zero("drawn", 2)  # not a scenario it can build
+
+
+def test_a_window_started_elsewhere_is_an_earlier_windows_consequence() -> None:
+    cases = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
+             _verdict("parity", "varying", "started_elsewhere")]
+    read = readings(cases)["pkg:recipe"]
+    assert read.cause == "mean_of_local_means"
+    assert any("windows read at weights an earlier window's wrong step moved" in line for line in read.lines())
