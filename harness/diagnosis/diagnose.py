@@ -83,7 +83,28 @@ def diagnose(ev: Evidence, window: int | None = None, rank: int | None = None,
         return None
     with ev.computing():  # a clipping run: what the clip did is read first (harness.diagnosis.clipping)
         found = clipping.reread(ev, _diagnose(ev, window, rank, per_sequence))
+        found = _where_ranks_agreed(ev, window, per_sequence, found) or found
     return None if found is None else dataclasses.replace(found, fix=reading_fix(found, ev))
+
+
+def _where_ranks_agreed(ev: Evidence, window: int, per_sequence: bool, found: Diagnosis | None) -> Diagnosis | None:
+    """A window the ranks started from different weights (an earlier step differed between them: a clip on one rank)
+    is no weighting at any one set of weights: the cause is read on the last earlier window they started together,
+    on its first rank whose gradient reads wrong, and said so (None: no such window, or the reading stands)."""
+    if found is None or found.signature.name not in ("unexplained", "extra_term") or not rr.ranks_apart(ev, window):
+        return None
+    for j in reversed(range(window)):
+        if rr.ranks_apart(ev, j):
+            continue
+        for r in range(ev.world_size):
+            earlier = clipping.reread(ev, _diagnose(ev, j, r, per_sequence))
+            if earlier is None or earlier.signature.name in ("correct", "float32_computation"):
+                continue
+            said = (f"{earlier.signature.sentence} (read on window {j}, rank {r}: the ranks started window {window} "
+                    f"from different weights, since window {j}'s steps differed between them)")
+            return dataclasses.replace(earlier, signature=dataclasses.replace(earlier.signature, sentence=said))
+        return None
+    return None
 
 
 def _weights_edited(ev: Evidence, window: int, rank: int) -> Signature | None:

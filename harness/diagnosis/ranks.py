@@ -97,4 +97,13 @@ def ranks_disagree(ev: Evidence, window: int, rank: int, names: Sequence[str], s
     return None
 
 
-__all__ = ["BF16_UNIT", "ranks_disagree", "rounding_only", "zero_gradient"]
+def ranks_apart(ev: Evidence, window: int) -> bool:
+    """Whether the ranks started ``window`` from different weights (an earlier step differed between them)."""
+    if ev.records is None:
+        return False
+    starts = [recs[window].params_before for recs in ev.records
+              if window < len(recs) and recs[window].params_before is not None]
+    return len(starts) > 1 and any(not torch.equal(starts[0], s) for s in starts[1:])
+
+
+__all__ = ["BF16_UNIT", "ranks_apart", "ranks_disagree", "rounding_only", "zero_gradient"]
