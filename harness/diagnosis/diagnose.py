@@ -84,7 +84,9 @@ def diagnose(ev: Evidence, window: int | None = None, rank: int | None = None,
     with ev.computing():  # a clipping run: what the clip did is read first (harness.diagnosis.clipping)
         found = clipping.reread(ev, _diagnose(ev, window, rank, per_sequence))
         found = _where_ranks_agreed(ev, window, per_sequence, found) or found
-    return None if found is None else dataclasses.replace(found, fix=reading_fix(found, ev))
+    if found is None:
+        return None
+    return dataclasses.replace(found, fix=reading_fix(found, ev), clipped=clipping.clip_factor(ev, found.window) < 1)
 
 
 def _where_ranks_agreed(ev: Evidence, window: int, per_sequence: bool, found: Diagnosis | None) -> Diagnosis | None:

@@ -42,6 +42,8 @@ class Diagnosis:
     fits: tuple[tuple[str, float, float], ...] = ()
     """Each catalog pattern's ``(name, scale c, deviation)`` against the fitted weights, under the token mean: what
     the recipe-level reading weighs this case's weights against (:mod:`harness.diagnosis.recipe_level`)."""
+    clipped: bool = False
+    """Whether the reference's clip engaged on this window (its gradient was scaled by max_norm over its norm)."""
     fix: str | None = None
     """What to change in the recipe, in the words of its strategy, objective and mesh
     (:func:`harness.diagnosis.fixes.fix_for`; :func:`harness.diagnosis.diagnose.diagnose` sets it)."""
@@ -138,6 +140,7 @@ class Diagnosis:
             "normalizer": self.z,
             "auxiliary_weights": list(self.auxiliary_weights),
             "fits": [list(f) for f in self.fits],
+            "clipped": self.clipped,
             "fix": self.fix,
         }
 

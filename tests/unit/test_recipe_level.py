@@ -242,3 +242,15 @@ def test_a_window_started_elsewhere_is_an_earlier_windows_consequence() -> None:
     read = readings(cases)["pkg:recipe"]
     assert read.cause == "mean_of_local_means"
     assert any("windows read at weights an earlier window's wrong step moved" in line for line in read.lines())
+
+
+def test_a_gradient_through_an_engaged_clip_that_no_weighting_explains_is_a_view_of_the_clip() -> None:
+    """Unexplained where the reference's clip engaged, clipping_not_applied elsewhere: one wrong clip. The negative
+    control: the same unexplained case where no clip engaged stays apart."""
+    through = _verdict("parity", "uneven", "unexplained")
+    assert through.diagnosis is not None
+    through.diagnosis["clipped"] = True
+    apart = _verdict("parity", "uneven", "unexplained", world=3)
+    single = _verdict("parity", "single", "clipping_not_applied")
+    assert readings([through, single])["pkg:recipe"].cause == CLIP
+    assert readings([apart, single])["pkg:recipe"].cause is None

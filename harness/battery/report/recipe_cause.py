@@ -20,6 +20,10 @@ CLIP = "clipping"
 """The hypothesis two linked clipping cases share whatever each reads: the clip's norm or factor is wrong (the
 clipping check fails in the same case as parity). Its finding, where the check names one, says which."""
 
+CLIPPED = frozenset({"clipping_not_applied", "clipped_by_wrong_norm"})
+"""Parity readings that name the clip: each is one view of a wrong clip, whatever the clipping check said there. A
+gradient through an engaged clip that no weighting explains (``unexplained``, an extra term, a scale) is one too."""
+
 RUN_FAILURES = frozenset({"desync", "crash", "died", "deadline", "refused"})
 """How a run itself failed: every check of that run fails the same way, and counts once."""
 
@@ -48,9 +52,13 @@ def case_of(v: Verdict, companions: tuple[str, ...] = ()) -> Case:
     profile = position_profile(diagnosis.get("weights") or ())  # type: ignore[arg-type]
     if profile is not None:
         consistent = consistent | {POSITION}
+    implied: set[str] = set()
+    through = bool(diagnosis.get("clipped")) and reading in ("unexplained", "extra_term", "global_scale")
+    if reading in CLIPPED or through or (v.check == CLIP and not reading.endswith(NUMBERS)):
+        consistent, implied = consistent | {CLIP}, implied | {CLIP}  # a view of the clip, named by its own reading
     note = None
     if v.cause in RUN_FAILURES and local_count_is_zero(v.scenario, v.world_size, v.mesh):
-        consistent = consistent | set(LOCAL_COUNTS)
+        consistent, implied = consistent | set(LOCAL_COUNTS), implied | set(LOCAL_COUNTS)
         note = (f"the {v.cause} on {v.scenario}: a rank, microbatch or shard holds no supervised token there, so a "
                 "count of its own is zero, and the recipe's way out of that zero (a skipped backward, a raise) left "
                 "its peers in a collective")
@@ -58,7 +66,7 @@ def case_of(v: Verdict, companions: tuple[str, ...] = ()) -> Case:
     fix = v.fix or (str(diagnosis["fix"]) if diagnosis.get("fix") else None)
     return Case(row_label(v), v.check, reading, consistent, deviations, sentence, fix, drawn=v.scenario == DRAWN,
                 profile=profile, companions=companions, note=note,
-                implied=frozenset(LOCAL_COUNTS) if note else frozenset())
+                implied=frozenset(implied))
 
 
 def cases_of(verdicts: Iterable[Verdict]) -> list[Case]:
