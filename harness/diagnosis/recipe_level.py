@@ -126,7 +126,7 @@ def consistent_set(reading: str, diagnosis: Mapping[str, object] | None) -> tupl
 PER_RANK = ("mean_of_local_means", "per_microbatch_mean")
 """Readings that are one where every rank has one microbatch: a mean per microbatch is then a mean per rank."""
 
-FREE_PER_RANK = ("per_rank_normalizer", "subgroup_count")
+FREE_PER_RANK = ("per_rank_normalizer", "subgroup_count", "count_group")
 """Readings that give each rank (or group of ranks) a factor of its own, free of the window's counts: where one rank
 holds every token, any of them is a common scale."""
 
