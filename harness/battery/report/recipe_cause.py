@@ -29,10 +29,12 @@ RUN_FAILURES = frozenset({"desync", "crash", "died", "deadline", "refused"})
 
 
 def own_reading(v: Verdict) -> str:
-    """A failing verdict's own reading: its diagnosis's signature, else its finding, else how the run failed, else
+    """A failing verdict's own reading: its diagnosis's signature (its finding where the weighting reads right: a
+    float32 computation in the float64 lane), else its finding, else how the run failed, else
     the check's own comparison (``"<check> numbers"``)."""
-    if v.diagnosis and v.diagnosis.get("signature"):
-        return str(v.diagnosis["signature"])
+    signature = str((v.diagnosis or {}).get("signature") or "")
+    if signature and not (v.finding and signature == "correct"):  # a right weighting the check failed: its finding
+        return signature
     if v.finding:
         return v.finding
     if v.cause not in (None, "numbers"):
