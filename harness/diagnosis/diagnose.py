@@ -27,7 +27,15 @@ from harness.diagnosis import packed as pd
 from harness.diagnosis import ranks as rr
 from harness.diagnosis.axes import axes_of
 from harness.diagnosis.evidence import Evidence
-from harness.diagnosis.fit import EXPLAINED_RESIDUAL, MAX_CONDITION, Block, Fit, explained_residual, fit_weights
+from harness.diagnosis.fit import (
+    EXPLAINED_RESIDUAL,
+    MAX_CONDITION,
+    Block,
+    Fit,
+    explained_residual,
+    fit_weights,
+    match_tolerance,
+)
 from harness.diagnosis.fixes import fix_for
 from harness.diagnosis.mesh import mesh_reading, per_shard_sequence_reading, sharded_sequence_note, token_blocks
 from harness.diagnosis.packing import packing_gap
@@ -403,7 +411,10 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         # Per-rank readings need weights the microbatch fit explains (a reading of the rows' fit keeps its own).
         q = [float(w) * z if fit.residual <= explained_residual() else math.nan for w in fit.weights]
         sig = od.objective_reading(ev, window, model, sig, blocks, q, g, atol, rtol)
-        if aux_fit is not None and sig.name in ("correct", "extra_term", "float32_computation", "unexplained"):
+        # (a scale of 1 within a match is the main loss right, its weights read less exactly beside the term's)
+        unit = sig.name == "global_scale" and sig.factor is not None and abs(sig.factor - 1) <= match_tolerance()
+        if aux_fit is not None and (unit or sig.name in ("correct", "extra_term", "float32_computation",
+                                                         "unexplained")):
             sig = od.auxiliary_reading(ev, window, aux_fit) or sig
     if sig.name == "unexplained":
         sig = sharded_sequence_note(ev, sig)

@@ -296,3 +296,12 @@ def test_explain_reads_the_bf16_lane_to_its_bound(tmp_path: Path, capsys: pytest
                                 "bf16")
     assert 1 == status, out + err
     assert "diagnosis (mean_of_local_means)" in out and "read from a bf16 gradient" in out
+
+
+@pytest.mark.slow
+def test_an_auxiliary_term_beside_right_weights_read_less_exactly_is_still_read() -> None:
+    """On varying at W=4 the joint fit of the blocks and the auxiliary term reads the main weights to 1e-5 only (its
+    condition is high), where it read 'every weight is 1 times the right one' (global_scale); the term is read."""
+    verdict = checks.parity(runner.run("harness.recipes:auxiliary_summed_over_ranks", "varying", 4))
+    assert verdict.diagnosis is not None, verdict.message
+    assert "auxiliary_summed_over_ranks" == verdict.diagnosis["signature"], verdict.message
