@@ -59,6 +59,9 @@ class Case:
     """Why a case that failed otherwise than by its weights is consistent with more than its own reading."""
     implied: frozenset[str] = frozenset()
     """The hypotheses ``note`` makes it consistent with: they may explain it, never lead beside its own reading."""
+    coarse: bool = False
+    """Read to a coarse lane's bound (the bf16 lane) where it names nothing (``unexplained``): a cause below that bound
+    leaves it so, and it does not decide."""
     profile: Mapping[str, float] | None = None
     """Its weights per position class (:mod:`harness.diagnosis.positions`), where they are one per class."""
     companions: tuple[str, ...] = ()
@@ -69,7 +72,7 @@ class Case:
     def read(self) -> bool:
         """Whether it has a reading of its own: a case that only failed its check's comparison (a logged loss off, ranks
         that disagree) is a consequence, consistent with any cause, and never decides it."""
-        return not self.reading.endswith(NUMBERS) and self.reading not in ELSEWHERE
+        return not self.reading.endswith(NUMBERS) and self.reading not in ELSEWHERE and not self.coarse
 
 
 NUMBERS = " numbers"
@@ -144,7 +147,7 @@ def _same_here(reading: str, weights: Sequence[Mapping[str, object]]) -> set[str
     out: set[str] = set()
     if reading in PER_RANK and ranks and all(len(m) == 1 for m in ranks.values()):
         out.update(PER_RANK)
-    if reading == "global_scale" and len(holding) == 1 and len(ranks) > 1:
+    if reading == "global_scale" and len(holding) == 1:
         out.update(FREE_PER_RANK)
     return out
 
@@ -211,8 +214,12 @@ class RecipeReading:
         if linked:
             out.append(f"  the same cases' other checks read {', '.join(linked)}: the same mistake seen by each")
         after = [c for c in self.cases if not c.read and not c.drawn and c not in self.deciding]
-        compared = [c for c in after if c.reading not in ELSEWHERE]
+        compared = [c for c in after if c.reading not in ELSEWHERE and not c.coarse]
         moved = [c for c in after if c.reading in ELSEWHERE]
+        coarse = [c for c in after if c.coarse]
+        if coarse:
+            out.append(f"  also failing ({_where(coarse)}): read to the bf16 lane's bound, where they name nothing: "
+                       "the cause is finer than that bound there")
         if compared:
             out.append(f"  also failing, as its consequence ({_where(compared)}): their checks' comparisons, with no "
                        "reading of their own")

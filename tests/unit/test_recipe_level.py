@@ -254,3 +254,16 @@ def test_a_gradient_through_an_engaged_clip_that_no_weighting_explains_is_a_view
     single = _verdict("parity", "single", "clipping_not_applied")
     assert readings([through, single])["pkg:recipe"].cause == CLIP
     assert readings([apart, single])["pkg:recipe"].cause is None
+
+
+def test_a_bf16_case_that_names_nothing_does_not_decide() -> None:
+    """The bf16 lane reads weights to its bound: a count off by a rounding (0.3%) reads unexplained there and a scale
+    in fp32. The negative control: the same unexplained case in fp32 disagrees."""
+    scale = _verdict("parity", "uneven", "global_scale", _scaled(UNEVEN, 0.997), UNEVEN)
+    coarse = _verdict("parity", "uneven", "unexplained", world=3)
+    bf16 = Verdict(coarse.check, coarse.recipe, coarse.scenario, 3, "bf16", FAIL, coarse.message,
+                   diagnosis=coarse.diagnosis, cause="numbers")
+    read = readings([scale, bf16])["pkg:recipe"]
+    assert read.cause == "global_scale"
+    assert any("read to the bf16 lane's bound" in line for line in read.lines())
+    assert readings([scale, coarse])["pkg:recipe"].cause is None

@@ -68,7 +68,7 @@ def case_of(v: Verdict, companions: tuple[str, ...] = ()) -> Case:
     fix = v.fix or (str(diagnosis["fix"]) if diagnosis.get("fix") else None)
     return Case(row_label(v), v.check, reading, consistent, deviations, sentence, fix, drawn=v.scenario == DRAWN,
                 profile=profile, companions=companions, note=note,
-                implied=frozenset(implied))
+                implied=frozenset(implied), coarse=v.precision == "bf16" and reading == "unexplained")
 
 
 def cases_of(verdicts: Iterable[Verdict]) -> list[Case]:
