@@ -101,7 +101,8 @@ def _where_ranks_agreed(ev: Evidence, window: int, per_sequence: bool, found: Di
     """A window the ranks started from different weights (an earlier step differed between them: a clip on one rank)
     is no weighting at any one set of weights: the cause is read on the last earlier window they started together,
     on its first rank whose gradient reads wrong, and said so (None: no such window, or the reading stands)."""
-    if found is None or found.signature.name not in ("unexplained", "extra_term") or not rr.ranks_apart(ev, window):
+    inherited = ("unexplained", "extra_term", "not_reduced_over_group")  # what weights apart make of any mistake
+    if found is None or found.signature.name not in inherited or not rr.ranks_apart(ev, window):
         return None
     for j in reversed(range(window)):
         if rr.ranks_apart(ev, j):
