@@ -115,11 +115,14 @@ def names_its_cause(read: RecipeReading, declared: str | None, check: str, shows
     cannot tell from it, the linked check's reading of the same cases (a clip's norm beside the parity it moved), or
     the positions' hypothesis that the declared reading's cases share with the others. A control that declares none
     (or ``correct``: its mistake is its target ``check``'s) needs that check to fail and one cause; one whose declared
-    reading no case gives (its gradient is right in these cases) is read by its target check's failure."""
+    reading no case gives (its gradient is right in these cases) is read by its target check's failure; one whose
+    declared reading only bf16-lane cases give, where it names nothing, by the one cause the other cases decide."""
     if declared in (None, "correct"):
         return any(c.check == check for c in read.cases) and read.cause is not None
     if not any(c.reading == declared for c in read.cases):
         return read.cause in (f"{check}{NUMBERS}", shows_as)
+    if all(c.coarse for c in read.cases if c.reading == declared):  # read in the bf16 lane only, where it names
+        return read.cause is not None and any(c.check == check for c in read.cases)  # nothing: the others decide
     linked = {h for c in read.cases if c.reading == declared for h in c.companions}
     unifies = read.cause == POSITION and all(POSITION in c.consistent for c in read.explained())
     return read.cause == declared or declared in read.also or read.cause in linked or unifies
