@@ -246,6 +246,7 @@ def test_a_packed_count_that_takes_the_boundaries_for_targets_is_named_with_its_
     assert fix in str(verdict.diagnosis["fix"]), verdict.diagnosis["fix"]
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group(control_group("fsdp2_sync_every_microbatch", 2))
 def test_explain_under_fsdp2_never_reads_right_what_the_battery_rejects_and_speaks_fsdp2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

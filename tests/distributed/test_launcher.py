@@ -292,6 +292,7 @@ def test_a_desync_names_the_first_step_the_ranks_disagree_on_with_the_leaders_no
         assert "refuse_on" in err.details[rank]
 
 
+@pytest.mark.slow
 def test_the_deadline_still_holds_while_ranks_keep_in_step(bodies: ModuleType) -> None:
     """Ranks that keep reporting steps in lockstep but never finish are still stopped at the deadline."""
     with pytest.raises(LaunchError) as info:
@@ -413,6 +414,7 @@ def test_a_preloaded_module_is_imported_by_the_forkserver_before_it_forks(tmp_pa
     assert results[0]["imported_in"] == launch(importlib.import_module(preloaded).where, 2)[0]["imported_in"]
 
 
+@pytest.mark.slow
 def test_a_module_that_imports_the_launcher_is_preloaded_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A module that imports the launcher at its top (as the battery's rank program does) is imported by the
     forkserver before it forks, not by each rank: the server imports the caller's modules once the launcher is

@@ -117,6 +117,7 @@ def test_weight_decay_inside_the_step_fails_weights_unchanged_and_is_never_read_
     assert parity.diagnosis is not None and "weights_edited" == parity.diagnosis["signature"]
 
 
+@pytest.mark.slow
 def test_a_recipe_that_registers_a_comm_hook_is_a_usage_error_saying_the_harness_owns_the_hook(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

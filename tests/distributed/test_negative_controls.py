@@ -45,8 +45,9 @@ SLOW_CONTROLS = ("skip_backward_of_empty_microbatch",)
 
 def control_cases() -> list[object]:
     """``(control, world size)`` for every control: the world sizes its target declares (a mistake right at the W its
-    author tested), else 2 and 3 (3 in the slow tier); a control whose target needs ranks on several nodes is
-    skipped, saying so (every in-process rank is on one node; a torchrun test across nodes runs it)."""
+    author tested; past the first in the slow tier), else 2 and 3 (3 in the slow tier); a control whose target needs
+    ranks on several nodes is skipped, saying so (every in-process rank is on one node; a torchrun test across nodes
+    runs it)."""
     out: list[object] = []
     seen: set[str] = set()
     for n, t in CONTROLS.items():
@@ -58,7 +59,7 @@ def control_cases() -> list[object]:
         for w in t.world_sizes or (2, 3):
             marks = [pytest.mark.xdist_group(control_group(n, w))]
             where = f"world{w}" if t.mesh is None else Mesh.parse(t.mesh).stem
-            if (not t.world_sizes and w == 3) or not representative:
+            if (not t.world_sizes and w == 3) or (t.world_sizes and w != t.world_sizes[0]) or not representative:
                 marks.append(pytest.mark.slow)
             if t.launch != IN_PROCESS:
                 marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on more than one "

@@ -50,7 +50,7 @@ def test_a_decision_from_the_local_loss_leaves_a_rank_stuck_and_is_reported() ->
 # --- The three ways a skipped collective shows ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ("hang", "mismatch"))
+@pytest.mark.parametrize("mode", (pytest.param("hang", marks=pytest.mark.slow), "mismatch"))
 def test_a_skipped_backward_that_blocks_is_reported_with_the_ranks_named(mode: str) -> None:
     """Rank 1 skips its backward. ``hang``: rank 0 waits in the gradient all-reduce until the process-group timeout
     (below the deadline) raises, with rank 0's traceback. ``mismatch``: rank 1's next collective has another size;

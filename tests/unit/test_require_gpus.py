@@ -107,6 +107,7 @@ def _pytest(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess[
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_pytest_without_the_variable_skips_the_lane_with_its_reason(tmp_path: Path) -> None:
     """Unset: the gpu2 test is skipped with "needs 2 CUDA devices, found 0", and the run passes."""
     done = _pytest(tmp_path, None)
