@@ -15,6 +15,7 @@ the full battery, with its lines.
 from __future__ import annotations
 
 import pytest
+from support.groups import control_group
 
 import harness.battery.judge.checks  # noqa: F401  (the checks register themselves when imported)
 from harness.battery.judge.registry import REGISTRY
@@ -32,7 +33,9 @@ KNOWN: dict[str, str] = {}
 def _cases() -> list[object]:
     out = []
     for name, t in CONTROLS.items():
-        marks = [pytest.mark.slow]
+        # With the negative-control test of the same world: its target run is this test's first (one launch).
+        world = Mesh.parse(t.mesh).world_size if t.mesh else (t.world_sizes or (2,))[0]
+        marks = [pytest.mark.slow, pytest.mark.xdist_group(control_group(name, world))]
         if t.launch != IN_PROCESS:
             marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on several nodes"))
         if name in KNOWN:
