@@ -310,7 +310,14 @@ def build_model(
             dropout=config.dropout if dropout is None else dropout,
             activation_checkpointing=activation_checkpointing,
         )
-    g = torch.Generator().manual_seed(config.seed if seed is None else seed)
+    init_weights(model, config.seed if seed is None else seed)
+    return model.to(config.dtype)
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """The built-in models' initial weights, in place, from a private generator seeded with ``seed``: biases 0,
+    layer-norm weights 1, every matrix N(0, 0.1^2) in the order of ``named_parameters``."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -319,7 +326,6 @@ def build_model(
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.to(config.dtype)
 
 
 # --- A user's model ------------------------------------------------------------------------------------------------
@@ -432,6 +438,7 @@ __all__ = [
     "crosses_packed_boundaries",
     "disable_dropout",
     "gathered_attention",
+    "init_weights",
     "load_model_factory",
     "packed_segments",
     "sequence_sharded",

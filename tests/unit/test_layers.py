@@ -20,14 +20,16 @@ HARNESS = Path(__file__).parents[2] / "harness"
 ORDER = ("core", "data", "model", "distributed", "diagnosis", "recipes", "battery", "audit", "resume", "training",
          "testing", "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
+BESIDE = {"moe": "model"}
+"""Modules beside a layer's own module that belong to its layer: ``harness.moe`` builds on ``harness.model``."""
 
 
 def layer_of(module: str) -> str | None:
-    """``harness.data.plan`` -> ``data``; ``harness.model`` -> ``model``; anything else -> None."""
+    """``harness.data.plan`` -> ``data``; ``harness.model`` and ``harness.moe`` -> ``model``; anything else -> None."""
     parts = module.split(".")
     if parts[0] != "harness" or len(parts) < 2:
         return None
-    return parts[1] if parts[1] in ORDER else None
+    return parts[1] if parts[1] in ORDER else BESIDE.get(parts[1])
 
 
 def imported_modules(source: str, package: str) -> set[str]:
