@@ -6,10 +6,10 @@ battery --recipe harness.recipes:<name>`` per control, with its target's options
     python benchmarks/recipe_readings.py [--quick] [--only NAME,...] [-j 1]
 
 Writes ``benchmarks/results/recipe_readings.json``: per control, the declared signature, the recipe-level cause (or
-the lead and the cases that disagree), each case's own reading, and whether the cause is the declared signature (or
-one its cases cannot tell from it: :func:`harness.battery.report.recipe_cause.names_its_cause`). Prints one line per
-control and the count that hold. Exit 0 always: this is a measurement; the
-slow test ``tests/distributed/test_catalog_readings.py`` holds the claim.
+the lead and the cases that disagree) with its lines, how many cases read each reading on their own windows, and
+whether the cause is the control's own (:func:`harness.battery.report.recipe_cause.names_its_cause`). Prints one line
+per control and the count that hold. Exit 0 always: this is a measurement; the slow test
+``tests/distributed/test_catalog_readings.py`` holds the claim.
 """
 
 from __future__ import annotations
@@ -28,6 +28,14 @@ from _common import RESULTS, ROOT, command, machine, now, write_result
 from readings_snapshot import PACKAGE, _env, battery_options, read_targets, skip_reason
 
 TIMEOUT_S = 1800
+
+
+def _counts(readings: Any) -> dict[str, int]:
+    """How many failing cases read each reading on their own windows."""
+    out: dict[str, int] = {}
+    for r in readings:
+        out[r] = out.get(r, 0) + 1
+    return out
 
 
 def read(name: str, target: dict[str, Any], quick: bool) -> dict[str, Any]:
@@ -54,11 +62,10 @@ def read(name: str, target: dict[str, Any], quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"declared": declared, "exit_code": done.returncode, "wall_s": round(took, 1),
                            "options": options}
     if got is None:
-        return {**out, "cause": None, "holds": False, "cases": []}
+        return {**out, "cause": None, "holds": False, "readings": {}}
     holds = names_its_cause(got, declared, target["check"], target.get("shows_as", "numbers"))
     return {**out, "cause": got.cause, "lead": got.lead, "also": list(got.also), "holds": holds,
-            "lines": got.lines(), "cases": [{"case": c.label, "reading": c.reading,
-                                             "consistent": sorted(c.consistent)} for c in got.cases]}
+            "lines": got.lines(), "readings": _counts(c.reading for c in got.cases)}
 
 
 def main() -> int:
