@@ -444,6 +444,9 @@ REGISTRY: tuple[Figure, ...] = (
            lambda d: {"flat_modules": str(d["case"]["modules"]), "flat_stays": str(d["case"]["stays"])}),
 
     # docs/diagnosis.md
+    Figure("docs/diagnosis.md", "its last run: {held} of {run} in-process controls read their own cause at the recipe "
+           "level over the full battery ({skipped} skipped", "recipe_readings.json",
+           lambda d: {"held": str(d["held"]), "run": str(d["run"]), "skipped": str(len(d["skipped"]))}),
     Figure("docs/diagnosis.md", "condition numbers {low} to {high} on the windows of", "diagnosis.json",
            lambda d: {"low": fixed(min(c["condition"] for c in d["cases"]), 1),
                       "high": fixed(max(c["condition"] for c in d["cases"]), 1)}),
