@@ -207,10 +207,11 @@ def format_summary(verdicts: Sequence[Verdict], report: str | Path | None = None
     recipes = list(dict.fromkeys(v.recipe for v in verdicts))
     titles = recipe_names(recipes) if len(recipes) > 1 else {}
     out: list[str] = []
-    for line in recipe_lines(verdicts, titles):  # each failing recipe's one cause first
+    leading = recipe_lines(verdicts, titles)
+    for line in leading:  # each failing recipe's one cause first
         body = line.lstrip(" ")
         out += _wrapped(body, line[: len(line) - len(body)])
-    said = {line.strip()[len("fix: "):] for line in recipe_lines(verdicts, titles) if line.strip().startswith("fix: ")}
+    said = {line.strip()[len("fix: "):] for line in leading if line.strip().startswith("fix: ")}
     groups = failing_groups(verdicts)
     if groups:
         failing = sum(len(g.verdicts) for g in groups)
