@@ -15,16 +15,24 @@ that will read its declaration.
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harness.data.config import Config
-from harness.model import TinyCausalLM, init_weights, load_model_factory
+from harness.model import TinyCausalLM, init_weights
+from harness.moe_plan import (
+    PLAN_ATTRIBUTE,
+    MoePlan,
+    expert_parameters,
+    plan_of,
+    router_parameters,
+    unwrapped,
+)
 
 # --- the router's decisions ------------------------------------------------------------------------------------------
 
@@ -62,8 +70,30 @@ class RouterOutput:
         return self.chosen.shape[1]
 
 
+def routed_sum(layer: MoELayer, flat: torch.Tensor, gates: torch.Tensor, chosen: torch.Tensor,
+               experts: Iterable[int], *, call_empty: bool = False) -> torch.Tensor:
+    """``sum over k of gates[t, k] * expert_{chosen[t, k]}(flat[t])`` for every token row ``t`` of ``flat``, over the
+    experts numbered ``experts`` only (the others contribute nothing). Each expert computes only the rows sent to it.
+    ``call_empty``: an expert no row chose is still called, on no rows (a sharded expert gathers its weights in every
+    forward, and its gradient, zero, then exists on every rank)."""
+    out = torch.zeros_like(flat)
+    for e in experts:
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        if token.numel() or call_empty:
+            # A token appears at most once per expert, so each output row receives one addition per expert, in
+            # expert order: the same sum whichever batch the token sits in. The cast keeps autocast's lower
+            # precision out of the residual stream's dtype.
+            y = layer.experts[e](flat[token]) * gates[token, slot].unsqueeze(1)
+            out = out.index_add(0, token, y.to(out.dtype))
+    return out
+
+
 def _mlp(d_model: int, hidden: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+
+
+Dispatch = Callable[["MoELayer", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``dispatch(layer, tokens [n, d], gates [n, k], chosen [n, k]) -> [n, d]``: the routed experts' weighted sum."""
 
 
 class MoELayer(nn.Module):
@@ -89,6 +119,10 @@ class MoELayer(nn.Module):
         """The router's decisions on the last forward (None before one); :meth:`MoECausalLM.router_outputs`."""
         self.path = "mlp"
         """This layer's module path in its model, set by the model that holds it."""
+        self.dispatch: Dispatch | None = None
+        """How the routed experts' sum is computed: None, every expert here (:func:`routed_sum`); an
+        expert-parallel plan sets a callable ``dispatch(layer, tokens, gates, chosen)`` that sends the tokens to the
+        ranks holding their experts and returns the same sum (:mod:`harness.moe_parallel`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -97,15 +131,8 @@ class MoELayer(nn.Module):
         # Renormalized over the chosen k (Mixtral's norm_topk_prob): a token's expert weights sum to 1 whatever
         # probability the router left on the experts it did not choose.
         gates = top / top.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel():
-                # A token appears at most once per expert, so each output row receives one addition per expert, in
-                # expert order: the same sum whichever batch the token sits in. The cast keeps autocast's lower
-                # precision out of the residual stream's dtype.
-                y = expert(flat[token]) * gates[token, slot].unsqueeze(1)
-                out = out.index_add(0, token, y.to(out.dtype))
+        out = (routed_sum(self, flat, gates, chosen, range(len(self.experts))) if self.dispatch is None else
+               self.dispatch(self, flat, gates, chosen))
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
         self.routed = RouterOutput(self.path, probs, chosen)
@@ -153,7 +180,7 @@ class MoECausalLM(TinyCausalLM):
 def router_outputs(model: nn.Module) -> list[RouterOutput]:
     """The router outputs of ``model``'s last forward, ``model`` a :class:`MoECausalLM` or one wrapped by DDP (what
     a recipe's ``auxiliary_loss(model, batch, logits)`` receives)."""
-    inner = _unwrapped(model)
+    inner = unwrapped(model)
     if not isinstance(inner, MoECausalLM):
         msg = (f"router_outputs(model) needs a MoECausalLM (--model harness.moe:moe), got {type(inner).__name__}: "
                "a model of your own exposes its routers' decisions itself")
@@ -198,85 +225,107 @@ def load_balancing_loss(outputs: Sequence[RouterOutput], mask: torch.Tensor | No
     return torch.stack(terms).mean()
 
 
-# --- the declaration -------------------------------------------------------------------------------------------------
-
-PLAN_ATTRIBUTE = "moe_plan"
-"""The attribute of a ``--model`` factory that declares its experts and routers: a :class:`MoePlan`."""
+# --- expert parallelism -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MoePlan:
-    """Which parameters of a mixture-of-experts model are experts and which its routers, by module path pattern
-    (``fnmatch``: ``*`` matches any text, dots included). A parameter belongs to a pattern when the module that holds
-    it, or any module above it, matches: ``"blocks.*.mlp.experts"`` takes every parameter of every expert. A shared
-    expert is neither: like the rest of the model, it is replicated on every data-parallel rank."""
+class _GatherRows(torch.autograd.Function):
+    """All-gather equal row blocks over ``group`` (rank order), with the gradient: each rank's block feeds every
+    rank's experts, so its gradient is the sum over the group of the gathered gradient's block."""
 
-    experts: tuple[str, ...]
-    """Patterns of the experts' modules (their parameters may be sharded over an expert-parallel group)."""
-    router: tuple[str, ...]
-    """Patterns of the routers' modules (replicated, reduced like the rest of the model)."""
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, rows.contiguous(), group=group)
+        return torch.cat(parts)
 
-    def __post_init__(self) -> None:
-        for field in ("experts", "router"):
-            value = getattr(self, field)
-            if not (isinstance(value, tuple) and value and all(isinstance(p, str) and p for p in value)):
-                msg = (f"MoePlan.{field}={value!r} must be a non-empty tuple of module path patterns, e.g. "
-                       f"{field}=('blocks.*.mlp.{'experts' if field == 'experts' else 'router'}',)")
-                raise ValueError(msg)
-
-
-def plan_of(model_path: str | None) -> MoePlan | None:
-    """The :class:`MoePlan` a ``--model`` factory declares (None: none declared, or the built-in model)."""
-    if model_path is None:
-        return None
-    plan = getattr(load_model_factory(model_path), PLAN_ATTRIBUTE, None)
-    if plan is not None and not isinstance(plan, MoePlan):
-        msg = (f"model={model_path!r}: its {PLAN_ATTRIBUTE} is a {type(plan).__name__}, not a harness.moe.MoePlan; "
-               f"declare factory.{PLAN_ATTRIBUTE} = MoePlan(experts=(...), router=(...))")
-        raise ValueError(msg)
-    return plan
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        n = total.shape[0] // dist.get_world_size(ctx.group)
+        me = dist.get_rank(ctx.group)
+        return total[me * n:(me + 1) * n], None
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (its parameter names carry no ``module.`` prefix); ``model`` otherwise."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module) else model
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over ``group`` of each rank's tensor (an all-reduce), with the gradient: every rank's part reaches
+    every rank's output, so its gradient is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        total = part.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
-def _holds(name: str, pattern: str) -> bool:
-    parts = name.split(".")[:-1]
-    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+class ExpertParallel:
+    """The dispatch of an expert-parallel :class:`MoELayer` (its :attr:`MoELayer.dispatch`): this rank holds the
+    experts numbered ``held``; each forward all-gathers every ep rank's tokens with their gates and choices
+    (padded to the longest rank's count), computes its own experts' weighted outputs for every gathered token that
+    chose them, and sums the ranks' outputs (an all-reduce), keeping its own tokens' rows: the same sum as
+    :func:`routed_sum` over every expert, in another order of additions. Each held expert runs in every forward,
+    on no rows if none chose it, so that every ep rank issues the same collectives and a sharded expert's gradient
+    exists on every rank. ``gates_with_grad=False`` gathers the gates as plain values (a plain ``all_gather``
+    carries no gradient): the router then learns nothing from the main loss through the experts, NeMo Automodel
+    PR #2995's mistake, kept as a negative control's plan."""
+
+    def __init__(self, group: Any, held: Sequence[int], *, gates_with_grad: bool = True) -> None:
+        self.group = group
+        self.held = tuple(held)
+        self.gates_with_grad = gates_with_grad
+
+    def __call__(self, layer: MoELayer, flat: torch.Tensor, gates: torch.Tensor,
+                 chosen: torch.Tensor) -> torch.Tensor:
+        size, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        n, d, k = flat.shape[0], flat.shape[1], chosen.shape[1]
+        counts = [torch.zeros(1, dtype=torch.int64, device=flat.device) for _ in range(size)]
+        dist.all_gather(counts, torch.tensor([n], dtype=torch.int64, device=flat.device), group=self.group)
+        sizes = [int(c) for c in counts]
+        most = max(sizes)
+        dtype = torch.promote_types(flat.dtype, gates.dtype)
+        g = gates if self.gates_with_grad else gates.detach()
+        rows = torch.cat([flat.to(dtype), g.to(dtype), chosen.to(dtype)], dim=1)
+        rows = torch.cat([rows, rows.new_zeros(most - n, rows.shape[1])])
+        every = _GatherRows.apply(rows, self.group)
+        valid = torch.cat([torch.arange(r * most, r * most + c, device=flat.device) for r, c in enumerate(sizes)])
+        tokens = every[valid, :d].to(flat.dtype)
+        their_gates = every[valid, d:d + k]
+        their_choice = every[valid, d + k:].detach().round().to(torch.int64)
+        mine = routed_sum(layer, tokens, their_gates, their_choice, self.held, call_empty=True)
+        padded = mine.new_zeros(size * most, d).index_copy(0, valid, mine)
+        total = _SumOverGroup.apply(padded, self.group)
+        return total[me * most:me * most + n]
 
 
-def _select(model: nn.Module, plan: MoePlan, field: str) -> dict[str, nn.Parameter]:
-    params = dict(_unwrapped(model).named_parameters())
-    modules = sorted({n.rsplit(".", 1)[0] for n in params if "." in n})
-    for pattern in getattr(plan, field):
-        if not any(_holds(n, pattern) for n in params):
-            shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
-            msg = (f"{PLAN_ATTRIBUTE}.{field} pattern {pattern!r} matches no parameter of the model; name the "
-                   f"modules that hold them by their path (fnmatch, '*' for an index): the model's modules with "
-                   f"parameters are {shown}")
+def shard_experts(model: nn.Module, ep_mesh: Any, *, gates_with_grad: bool = True) -> tuple[str, ...]:
+    """The built-in expert-parallel plan (``moe.ep_plan``): every :class:`MoELayer` of ``model`` keeps its experts'
+    modules, and this rank of ``ep_mesh`` computes the contiguous ``E / ep`` of them at its coordinate (rank 0 of
+    ep=2 over E=4: experts 0 and 1), through :class:`ExpertParallel`. Returns the parameter names of the experts this
+    rank holds: the others are held elsewhere, and their weights here are never used nor stepped."""
+    group, size, me = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    held: list[str] = []
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+        count = len(layer.experts)
+        if count % size:
+            msg = (f"ep={size} does not divide the {count} experts of {layer.path}: each ep rank holds E/ep whole "
+                   "experts; use an ep that divides E")
             raise ValueError(msg)
-    other = "router" if field == "experts" else "experts"
-    picked = {n: p for n, p in params.items() if any(_holds(n, pat) for pat in getattr(plan, field))}
-    both = [n for n in picked if any(_holds(n, pat) for pat in getattr(plan, other))]
-    if both:
-        msg = (f"{PLAN_ATTRIBUTE} names {both[0]!r} both as an expert and as a router parameter "
-               f"(experts={plan.experts!r}, router={plan.router!r}): make the patterns disjoint")
+        per = count // size
+        mine = range(me * per, (me + 1) * per)
+        layer.dispatch = ExpertParallel(group, mine, gates_with_grad=gates_with_grad)
+        held += [f"{layer.path}.experts.{e}.{n}" for e in mine for n, _ in layer.experts[e].named_parameters()]
+    if not held:
+        msg = "the expert-parallel plan found no MoELayer in the model: --model harness.moe:moe builds one"
         raise ValueError(msg)
-    return picked
-
-
-def expert_parameters(model: nn.Module, plan: MoePlan) -> dict[str, nn.Parameter]:
-    """The parameters ``plan`` names experts, by name, in the model's order; ValueError naming the pattern and the
-    fix for a pattern that matches no parameter, or a parameter named both expert and router."""
-    return _select(model, plan, "experts")
-
-
-def router_parameters(model: nn.Module, plan: MoePlan) -> dict[str, nn.Parameter]:
-    """The parameters ``plan`` names routers, by name, in the model's order; errors as :func:`expert_parameters`."""
-    return _select(model, plan, "router")
+    return tuple(held)
 
 
 # --- the model the battery ships -------------------------------------------------------------------------------------
@@ -301,10 +350,13 @@ def moe() -> MoECausalLM:
 
 
 moe.moe_plan = MoePlan(experts=("blocks.*.mlp.experts",), router=("blocks.*.mlp.router",))  # type: ignore[attr-defined]
+moe.ep_plan = shard_experts  # type: ignore[attr-defined]
 
 
 __all__ = [
     "PLAN_ATTRIBUTE",
+    "Dispatch",
+    "ExpertParallel",
     "MoECausalLM",
     "MoELayer",
     "MoePlan",
@@ -314,6 +366,8 @@ __all__ = [
     "load_balancing_loss",
     "moe",
     "plan_of",
+    "routed_sum",
     "router_outputs",
     "router_parameters",
+    "shard_experts",
 ]

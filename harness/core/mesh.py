@@ -5,8 +5,12 @@ plan to the diagnosis, rather than a world size and a set of group arguments thr
 Dimensions, outer to inner, in torchtitan's names: ``pp`` (pipeline stages), ``dp_replicate`` and ``dp_shard``
 (HSDP's two data-parallel dimensions; ``dp`` when data parallelism is one dimension), ``cp`` (context parallel: the
 ranks of one data coordinate split the positions of its sequences) and ``tp`` (tensor parallel: the ranks of one
-data coordinate hold the same tokens). Ranks are numbered row-major over the dimensions in that order, the last one
-fastest, as ``torch.distributed.device_mesh.init_device_mesh`` numbers them.
+data coordinate hold the same tokens). ``ep`` (expert parallel) is a data dimension, torchtitan's "borrowed from the
+data dimensions": its ranks receive distinct windows like dp's, and each holds a share of a mixture-of-experts
+model's experts (``--mesh dp=2,ep=2``: 4 data ranks; dense parameters reduce over all 4, expert parameters over the
+2 ranks holding the same experts, the expert-data group :attr:`Mesh.expert_data_dims`); it sits between dp and cp.
+Ranks are numbered row-major over the dimensions in that order, the last one fastest, as
+``torch.distributed.device_mesh.init_device_mesh`` numbers them.
 
 Pure Python: the options and the plan read it without importing torch.
 """
@@ -17,11 +21,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "ep", "cp", "tp")
 """Every dimension a mesh may have, outer to inner."""
 
-DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
-"""The dimensions whose ranks receive distinct windows: the data-parallel ones."""
+DATA_DIMS = ("dp_replicate", "dp_shard", "dp", "ep")
+"""The dimensions whose ranks receive distinct windows: the data-parallel ones, and ``ep``, whose ranks hold distinct
+experts and distinct tokens."""
 
 CHUNKINGS = ("contiguous", "load_balanced")
 """How the cp ranks of one data coordinate split its positions (:mod:`harness.data.context_parallel`)."""
@@ -132,6 +137,13 @@ class Mesh:
     def token_dims(self) -> tuple[str, ...]:
         """The mesh's dimensions a count must be reduced over (:data:`TOKEN_DIMS` it has)."""
         return tuple(n for n in self.names if n in TOKEN_DIMS)
+
+    @property
+    def expert_data_dims(self) -> tuple[str, ...]:
+        """The dimensions an expert parameter's gradient is reduced over: the token dimensions less ``ep`` (the ranks
+        holding the same experts). Its divide factor is still the whole token group's size (:attr:`token_ranks`):
+        the expert's gradient is a term of the same mean over every token."""
+        return tuple(n for n in self.token_dims if n != "ep")
 
     def coords(self, rank: int) -> dict[str, int]:
         """``rank``'s coordinate on each dimension."""

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.battery.plan.options import RunSpec
-from harness.core.mesh import DIMS, Mesh
+from harness.core.mesh import DATA_DIMS, DIMS, Mesh
 from harness.testing.hypothesis_profiles import load_profile
 
 load_profile()
@@ -92,7 +92,7 @@ def test_ranks_share_a_window_exactly_when_they_share_a_data_coordinate(mesh: Me
     """``data_rank`` takes each of ``data_ranks`` values, and two ranks get the same one exactly when they differ
     outside the data dimensions only."""
     assert set(range(mesh.data_ranks)) == {mesh.data_rank(r) for r in range(mesh.world_size)}
-    non_data = [n for n in mesh.names if n not in ("dp", "dp_replicate", "dp_shard")]
+    non_data = [n for n in mesh.names if n not in DATA_DIMS]
     for group in mesh.groups(non_data):
         assert 1 == len({mesh.data_rank(r) for r in group})
 

@@ -9,10 +9,12 @@ from collections.abc import Sequence
 from harness.core.mesh import PP_SCHEDULES, REFUSED_PP_SCHEDULES, TOKEN_DIMS, Mesh
 
 MESH_HELP = ("the mesh the battery's cases run over, e.g. dp=2,cp=2 (the sizes of pp, dp, or dp_replicate and "
-             "dp_shard, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
+             "dp_shard, ep, cp and tp: their product is the world size; repeatable; default: dp=W at each world size); "
              "each cp rank is supervised on its chunk of its data coordinate's positions; tp shards the model (under "
              "--strategy fsdp2 only) and its ranks get their coordinate's data; pp splits the model into stages "
-             "(with dp only; each stage DDP or FSDP2 over dp), every stage getting its coordinate's whole window")
+             "(with dp only; each stage DDP or FSDP2 over dp), every stage getting its coordinate's whole window; ep "
+             "ranks get distinct windows and each computes E/ep of a mixture-of-experts model's experts (a --model "
+             "with an ep_plan, e.g. harness.moe:moe)")
 """``--mesh``'s help, the same on the command line and in pytest."""
 
 CHUNKING_HELP = ("how the cp ranks of one data coordinate split its sequences' positions: contiguous (cp chunks in "
@@ -121,6 +123,11 @@ def check_layout(layout: object, world_size: int, argument: str = "layout") -> M
     if other:
         msg = (f"{argument}={layout.label}: the battery runs meshes of pp, data-parallel, cp and tp dimensions "
                f"(pp, {', '.join(TOKEN_DIMS)}, tp); {', '.join(other)} is not run yet")
+        raise ValueError(msg)
+    beside_ep = [n for n in ("pp", "dp_replicate", "tp") if layout.size(n) > 1]
+    if layout.size("ep") > 1 and beside_ep:
+        msg = (f"{argument}={layout.label}: expert parallelism (ep > 1) runs beside dp, dp_shard and cp for now; "
+               f"{', '.join(beside_ep)} with ep is not run yet (e.g. dp=2,ep=2 or dp_shard=2,ep=2)")
         raise ValueError(msg)
     beside = [n for n in layout.names if n not in ("pp", "dp") and layout.size(n) > 1]
     if layout.size("pp") > 1 and beside:

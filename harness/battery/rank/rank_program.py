@@ -27,7 +27,7 @@ from harness.battery.rank.rng_watch import GeneratorMove, GeneratorWatch
 from harness.battery.rank.window_report import Passes, window_note
 from harness.battery.spec import ModelSpec
 from harness.data.context_parallel import shard_chunk, supervise_chunk
-from harness.distributed import launcher, pipeline, strategies
+from harness.distributed import expert_parallel, launcher, pipeline, strategies
 from harness.distributed.device_mesh import RankMesh
 from harness.distributed.divergence import collective_failure
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
@@ -77,6 +77,13 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
         assert mesh is not None
         cp_plan(model, mesh.submesh(("cp",)))
     chunk = supervise_chunk if cp_plan is None else shard_chunk
+    # Expert parallelism: each ep rank computes its share of the experts (the model's or the recipe's ep_plan); the
+    # strategy then reduces the experts over the expert-data group and the rest over the token group.
+    reduction = declared_reduction(recipe, run.reduction)
+    experts = None
+    if run.mesh.size("ep") > 1:
+        assert mesh is not None
+        experts = expert_parallel.apply_plan(model, run.model, mesh, recipe, reduction)
 
     def refuse_comm_hook() -> None:
         raise ContractViolation(COMM_HOOK_OWNED)
@@ -91,17 +98,18 @@ def rank_body(run: RunSpec, windows: scenarios.Windows, digest: str | None = Non
             raise ContractViolation(NEEDS_PIPELINE)
         assert mesh is not None
         wrapped = pipeline.wrap(model, run.model, mesh, dev, schedule=run.pp_schedule, strategy=run.strategy,
-                                find_unused=find_unused, reduction=declared_reduction(recipe, run.reduction),
+                                find_unused=find_unused, reduction=reduction,
                                 on_comm_hook=refuse_comm_hook,
                                 mixed_precision=torch.bfloat16 if low and run.strategy == "fsdp2" else None,
                                 accumulation_steps=run.pp_steps, n_microbatches=run.pp_microbatches)
     else:
-        wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused,
-                                                    reduction=declared_reduction(recipe, run.reduction),
+        wrapped = strategies.get(run.strategy).wrap(model, dev, find_unused=find_unused, reduction=reduction,
                                                     on_comm_hook=refuse_comm_hook,
                                                     mixed_precision=torch.bfloat16 if low else None,
                                                     mesh=None if run.layout is None else
-                                                    mesh_of_reduction(mesh, run.strategy))
+                                                    mesh_of_reduction(mesh, run.strategy), experts=experts)
+        if experts is not None:
+            wrapped = expert_parallel.ExpertParallelWrapped(wrapped, experts)
     autocast_bf16 = low and run.strategy != "fsdp2"
     ddp = wrapped.module
     autocast = watch.AutocastSeen(dev.type)

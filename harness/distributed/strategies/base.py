@@ -53,7 +53,7 @@ class Strategy(Protocol):
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
              count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
-             mixed_precision: torch.dtype | None = None, mesh: Any = None) -> Wrapped:
+             mixed_precision: torch.dtype | None = None, mesh: Any = None, experts: Any = None) -> Wrapped:
         """Wrap ``model`` (already on ``device``) for this rank. ``find_unused``: parameters may miss a gradient in a
         backward; ``reduction``: ``"mean"`` (the default of data parallelism) or ``"sum"``; ``count_syncs``: count
         synchronizations (the battery does, a training loop need not); ``on_comm_hook``: called instead of
@@ -61,7 +61,9 @@ class Strategy(Protocol):
         ``mixed_precision``: the dtype the strategy itself computes in when it has a policy for it (FSDP2's
         ``MixedPrecisionPolicy``; None: the model's own dtype; DDP has none and ignores it: the harness runs the
         recipe under autocast instead); ``mesh``: the ``DeviceMesh`` the gradient is reduced over (DDP all-reduces
-        over its group, FSDP2 shards over it; a 2-D one is HSDP's replicate x shard; None: every rank)."""
+        over its group, FSDP2 shards over it; a 2-D one is HSDP's replicate x shard; None: every rank); ``experts``: the
+        rank's :class:`harness.distributed.expert_parallel.ExpertLayout` when the model's experts are spread over
+        ep (they reduce over the expert-data group, not ``mesh``)."""
         ...
 
 

@@ -25,9 +25,14 @@ class DDPWrapped:
     """One rank's model wrapped in DDP."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, find_unused: bool, reduction: str,
-                 count_syncs: bool, on_comm_hook: Callable[[], None] | None, mesh: Any = None) -> None:
+                 count_syncs: bool, on_comm_hook: Callable[[], None] | None, mesh: Any = None,
+                 experts: Any = None) -> None:
         self.local: nn.Module = model
         group = None if mesh is None else mesh.get_group()
+        if experts is not None:
+            # Expert parameters are not replicated over DDP's group: they reduce over the expert-data group
+            # (harness.distributed.expert_parallel), never through DDP's buckets.
+            DDP._set_params_and_buffers_to_ignore_for_model(model, list(experts.experts))
         self.module: DDP = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                                find_unused_parameters=find_unused, process_group=group)
         # The hook reduces over DDP's own group: a pipeline stage's DDP spans the ranks of its stage only.
@@ -38,6 +43,10 @@ class DDPWrapped:
                 on_comm_hook()
 
             self.module.register_comm_hook = refuse  # type: ignore[method-assign]
+        if experts is not None and not experts.reduced_by_recipe:
+            from harness.distributed.expert_parallel import ExpertReducer
+
+            self._experts = ExpertReducer(self.module, experts.held_parameters(model), experts)
 
     @property
     def syncs(self) -> int:
@@ -62,9 +71,9 @@ class DDPStrategy:
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
              count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
-             mixed_precision: torch.dtype | None = None, mesh: Any = None) -> DDPWrapped:
+             mixed_precision: torch.dtype | None = None, mesh: Any = None, experts: Any = None) -> DDPWrapped:
         return DDPWrapped(model, device, find_unused=find_unused, reduction=reduction, count_syncs=count_syncs,
-                          on_comm_hook=on_comm_hook, mesh=mesh)
+                          on_comm_hook=on_comm_hook, mesh=mesh, experts=experts)
 
 
 register(DDPStrategy())

@@ -79,6 +79,24 @@ def groups(model: nn.Module) -> list[nn.Module]:
     return [*(found[n] for n in inner_first), model]
 
 
+def held_modules(model: nn.Module, names: set[str]) -> list[nn.Module]:
+    """The largest modules of ``model`` whose parameters are all named in ``names`` (each held expert), in model
+    order."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{above}.") for above, _ in out)
+        if not inside and _owns_parameters(module) and _all_named(module, model, names, name):
+            out.append((name, module))
+    return [m for _, m in out]
+
+
+def _all_named(module: nn.Module, model: nn.Module, names: set[str], prefix: str | None = None) -> bool:
+    if prefix is None:
+        prefix = next(n for n, m in model.named_modules() if m is module)
+    own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters()]
+    return bool(own) and all(n in names for n in own)
+
+
 def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -139,7 +157,8 @@ class FSDP2Wrapped:
     """One rank's model sharded with ``fully_shard``."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, reduction: str, count_syncs: bool,
-                 mixed_precision: torch.dtype | None, find_unused: bool = False, mesh: Any = None) -> None:
+                 mixed_precision: torch.dtype | None, find_unused: bool = False, mesh: Any = None,
+                 experts: Any = None) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         # FSDP2 warns of every module whose forward returns a view (an in-place op on it would skip the pre-backward
@@ -151,15 +170,32 @@ class FSDP2Wrapped:
         # a mixed-precision policy with the sync disabled ('FSDPParam' object has no attribute '_unsharded_param'):
         # where parameters may miss a gradient, the whole model is one group, gathered at every forward.
         self.sharded: list[nn.Module] = [model] if find_unused else groups(model)
+        ignored: set[nn.Parameter] = set()
+        held: list[nn.Module] = []
+        if experts is not None:
+            # Expert parallelism (torchtitan's layout): each held expert is its own group over the expert-data mesh,
+            # summed there and divided by the whole token group's size; the experts held elsewhere are left out.
+            if experts.expert_data_mesh is None:
+                msg = ("FSDP2 with ep equal to the token group (no expert-data group to shard an expert over) is not "
+                       "run yet: use --strategy ddp, or a mesh with dp or dp_shard beside ep (dp_shard=2,ep=2)")
+                raise ValueError(msg)
+            held = held_modules(model, set(experts.held))
+            ignored = experts.elsewhere(model)
+            expert_names = set(experts.experts)
+            self.sharded = [m for m in self.sharded if m is model or not _all_named(m, model, expert_names)]
+            for m in held:
+                fully_shard(m, mp_policy=policy, mesh=experts.expert_data_mesh)
+                m.set_gradient_divide_factor(experts.divide)  # type: ignore[operator]
+                m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         for m in self.sharded:
-            fully_shard(m, mp_policy=policy, mesh=mesh)
+            fully_shard(m, mp_policy=policy, mesh=mesh, ignored_params=ignored or None)
         self.local: nn.Module = model
         self.module: nn.Module = model
         self.no_sync: str = NO_SYNC
         self._counter: Any = None
         fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if reduction == "sum":
-            for m in fsdp:  # every group: the setters do not recurse
+            for m in (m for m in fsdp if m not in held):  # every group: the setters do not recurse
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
         self._knobs: dict[str, dict[str, object]] = {}
@@ -232,7 +268,7 @@ class FSDP2Strategy:
 
     def wrap(self, model: nn.Module, device: torch.device, *, find_unused: bool = False, reduction: str = "mean",
              count_syncs: bool = True, on_comm_hook: Callable[[], None] | None = None,
-             mixed_precision: torch.dtype | None = None, mesh: Any = None) -> FSDP2Wrapped:
+             mixed_precision: torch.dtype | None = None, mesh: Any = None, experts: Any = None) -> FSDP2Wrapped:
         # find_unused: parameters may miss a gradient; FSDP2 reduce-scatters the gradients that exist, but a group no
         # forward reaches cannot be accumulated, so the model is sharded as one group then (FSDP2Wrapped).
         # on_comm_hook: FSDP2 has no DDP communication hook to take.
@@ -240,7 +276,7 @@ class FSDP2Strategy:
             msg = f"reduction={reduction!r} must be 'mean' or 'sum'"
             raise ValueError(msg)
         return FSDP2Wrapped(model, device, reduction=reduction, count_syncs=count_syncs,
-                            mixed_precision=mixed_precision, find_unused=find_unused, mesh=mesh)
+                            mixed_precision=mixed_precision, find_unused=find_unused, mesh=mesh, experts=experts)
 
 
 register(FSDP2Strategy())
