@@ -210,6 +210,8 @@ def battery_options(target: dict[str, Any] | None) -> list[str]:
             out += [flag, str(target[key])]
     if target.get("mesh"):
         out += ["--mesh", str(target["mesh"])]
+    if target.get("model"):
+        out += ["--model", str(target["model"])]
     if target.get("precision", "fp32") not in DEFAULT_LANES:
         out += ["--precision", ",".join([*DEFAULT_LANES, target["precision"]])]
     return out

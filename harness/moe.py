@@ -15,7 +15,8 @@ that will read its declaration.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,9 @@ class MoELayer(nn.Module):
         """The router's decisions on the last forward (None before one); :meth:`MoECausalLM.router_outputs`."""
         self.path = "mlp"
         """This layer's module path in its model, set by the model that holds it."""
+        self.gates_carry_grad = True
+        """False: the gates reach the experts as plain values (:func:`gates_detached`, the diagnosis's counterfactual
+        of a router cut off from the main loss)."""
         self.dispatch: Dispatch | None = None
         """How the routed experts' sum is computed: None, every expert here (:func:`routed_sum`); an
         expert-parallel plan sets a callable ``dispatch(layer, tokens, gates, chosen)`` that sends the tokens to the
@@ -131,6 +135,8 @@ class MoELayer(nn.Module):
         # Renormalized over the chosen k (Mixtral's norm_topk_prob): a token's expert weights sum to 1 whatever
         # probability the router left on the experts it did not choose.
         gates = top / top.sum(dim=-1, keepdim=True)
+        if not self.gates_carry_grad:
+            gates = gates.detach()
         out = (routed_sum(self, flat, gates, chosen, range(len(self.experts))) if self.dispatch is None else
                self.dispatch(self, flat, gates, chosen))
         if self.shared is not None:
@@ -175,6 +181,21 @@ class MoECausalLM(TinyCausalLM):
             msg = "router_outputs() was called before a forward of this model: call model(inputs) first"
             raise RuntimeError(msg)
         return [o for o in outputs if o is not None]
+
+
+@contextlib.contextmanager
+def gates_detached(model: nn.Module) -> Iterator[None]:
+    """Within it, every :class:`MoELayer` of ``model`` weighs its experts' outputs by gates without a gradient: the
+    router then learns from its auxiliary terms alone, as when an expert-parallel layer gathers the gates with a
+    plain ``all_gather``."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.gates_carry_grad = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gates_carry_grad = True
 
 
 def router_outputs(model: nn.Module) -> list[RouterOutput]:
@@ -363,6 +384,7 @@ __all__ = [
     "RouterOutput",
     "build_moe",
     "expert_parameters",
+    "gates_detached",
     "load_balancing_loss",
     "moe",
     "plan_of",

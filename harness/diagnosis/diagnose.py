@@ -27,6 +27,7 @@ from harness.diagnosis import packed as pd
 from harness.diagnosis import ranks as rr
 from harness.diagnosis.axes import axes_of
 from harness.diagnosis.evidence import Evidence
+from harness.diagnosis.experts import expert_reading, router_cut_off
 from harness.diagnosis.fit import (
     EXPLAINED_RESIDUAL,
     MAX_CONDITION,
@@ -380,6 +381,11 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
             fit, sig = split
     edited = _weights_edited(ev, window, rank)
     apart = rr.ranks_disagree(ev, window, rank, names, sizes, atol, rtol)
+    redone = [mb for _, mb in held if mb.supervised]  # the main term again (an MoE's gates detached: router_cut_off)
+    grouped = expert_reading(ev.model_path, model, mesh, g, expected, names, sizes, atol, rtol) or router_cut_off(
+        model, g, lambda: expected + (sum(_column(ev, model, mb) for mb in redone) - a.sum(dim=1)) / z, atol, rtol)
+    if grouped is not None and edited is None:  # experts, routers and the rest read apart (harness.diagnosis.experts)
+        sig, apart = grouped, None
     if edited is not None:
         sig = edited
     elif apart is not None and sig.name in ("unexplained", "extra_term"):

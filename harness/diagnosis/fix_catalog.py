@@ -98,6 +98,16 @@ FIXES: dict[str, str] = {
                                "harness.recipes.mesh_objectives:mesh_sequence_mean does this",
     "count_group": "all-reduce the count over the token group, {group}, not over the group this reading names, and "
                    "multiply by {size}: {right}",
+    "experts_scaled": "sum each expert parameter's gradient over the expert-data group (the ranks holding the same "
+                      "experts: expert_data_group(mesh)) and divide it by the whole token group's size "
+                      "(expert_divide_factor(mesh)), as the dense parameters' average does, not by the expert-data "
+                      "group's own size: under FSDP2 set_gradient_divide_factor(W) with "
+                      "set_force_sum_reduction_for_comms(True) on every expert module (torchtitan), under DeepSpeed "
+                      "the fix of PR #6546; or leave the reduction to the harness (no reduces_experts)",
+    "router_cut_off": "gather the routing gates (and anything the experts weigh their outputs by) with an autograd "
+                      "collective (torch.distributed.nn.functional.all_gather, or all-to-all with autograd), never a "
+                      "plain dist.all_gather into preallocated tensors, so the main loss's gradient reaches the "
+                      "router",
     "not_reduced_over_group": "all-reduce the gradients of the replicated parameters this reading names over the "
                               "dimension it names (a hand-written tensor-parallel layer's norms), or let DTensor "
                               "(parallelize_module, SequenceParallel) reduce them",

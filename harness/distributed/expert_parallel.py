@@ -110,12 +110,14 @@ def apply_plan(model: nn.Module, model_path: str | None, rank_mesh: Any, recipe:
         raise ValueError(msg)
     dims = rank_mesh.mesh.expert_data_dims
     edp = rank_mesh.submesh(dims) if dims and rank_mesh.mesh.token_ranks > rank_mesh.mesh.size("ep") else None
-    return ExpertLayout(
+    layout = ExpertLayout(
         experts=experts, held=held, ep_group=ep_group,
         expert_data_group=None if edp is None else edp.get_group(), expert_data_mesh=edp,
         divide=float(rank_mesh.mesh.token_ranks) if reduction == "mean" else 1.0,
         reduced_by_recipe=bool(getattr(recipe, OWNS_REDUCTION, False)),
     )
+    setattr(model, "expert_layout", layout)  # noqa: B010 (what harness.recipes.held_experts reads)
+    return layout
 
 
 class ExpertReducer:

@@ -37,12 +37,16 @@ from harness.recipes.correct import (
     window_count,
     zero_loss_on_empty_window,
 )
+from harness.recipes.experts import mesh_token_mean_reducing_experts, mesh_token_mean_with_router_balance
 from harness.recipes.helpers import (
     clip_grad_norm,
     data_group,
     data_group_size,
+    expert_data_group,
+    expert_divide_factor,
     generators_kept,
     global_count,
+    held_experts,
     require_tokens,
     shard_group,
     supervised_tokens,
@@ -85,6 +89,11 @@ __all__ = [
     "clip_grad_norm",
     "data_group",
     "data_group_size",
+    "expert_data_group",
+    "expert_divide_factor",
+    "held_experts",
+    "mesh_token_mean_reducing_experts",
+    "mesh_token_mean_with_router_balance",
     "generators_kept",
     "global_count",
     "global_sum",

@@ -46,6 +46,9 @@ class Target:
     """The device mesh its mistake shows on (``"dp=2,cp=2"``, :meth:`harness.core.mesh.Mesh.parse`): a count reduced
     over the wrong group of a mesh is right while the world is one data-parallel group. Its world size is the mesh's;
     None: ``dp=W``."""
+    model: str | None = None
+    """The ``--model`` its mistake needs (``"harness.moe:moe"``: a mixture-of-experts mistake); None: the session's
+    model (the built-in one by default)."""
     launch: str = IN_PROCESS
     """How its ranks must be launched for the mistake to show: ``"in-process"`` (the battery's launcher, every rank
     on this machine and on one node), or ``"torchrun-nodes"``: ranks on more than one node (a count reduced over

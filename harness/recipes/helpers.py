@@ -189,6 +189,34 @@ def shard_group(mesh: Any) -> Any:
     return flattened(mesh, dims).get_group()
 
 
+def expert_data_group(mesh: Any) -> Any:
+    """The process group an expert parameter's gradient is summed over on ``mesh`` (a mesh with ``ep``): the token
+    group less ep, the ranks holding the same experts. None where that is this rank alone (ep is the whole token
+    group): there is nothing to sum, only :func:`expert_divide_factor` to divide by."""
+    dims = tuple(d for d in _token_dims(mesh) if d != "ep")
+    return flattened(mesh, dims).get_group() if dims else None
+
+
+def expert_divide_factor(mesh: Any) -> int:
+    """What an expert parameter's sum over :func:`expert_data_group` is divided by: the whole token group's size
+    (:func:`token_group_size`), as the dense parameters' average divides, never the expert-data group's own size
+    (which leaves the experts ep times too large: DeepSpeed #6545)."""
+    return token_group_size(mesh)
+
+
+def held_experts(model: nn.Module) -> list[nn.Parameter]:
+    """The expert parameters this rank holds under expert parallelism (the model's ``ep_plan`` chose them), in model
+    order: what a recipe that reduces the experts itself (``reduces_experts = True``) sums over
+    :func:`expert_data_group`. ValueError on a model that is not expert-parallel."""
+    inner = getattr(model, "module", model) if not hasattr(model, "expert_layout") else model
+    layout = getattr(inner, "expert_layout", None)
+    if layout is None:
+        msg = ("held_experts(model): the model is not expert-parallel (no ep dimension in the mesh, or no ep_plan): "
+               "run over --mesh dp=2,ep=2 with --model harness.moe:moe")
+        raise ValueError(msg)
+    return list(layout.held_parameters(inner))
+
+
 def _data_dims(mesh: Any) -> tuple[str, ...]:
     dims = tuple(n for n in mesh.mesh_dim_names if n in DATA_DIMS)
     if not dims:

@@ -54,7 +54,7 @@ def test_each_control_reads_its_own_cause_at_the_recipe_level(name: str) -> None
     for scenario in scenarios_for(t.scenario, world, mesh):
         run = runner.run(options.spec(f"harness.recipes:{name}", scenario, world, t.precision,
                                       batch_format=t.batch_format, strategy=t.strategy, objective=t.objective,
-                                      mesh=mesh))
+                                      mesh=mesh, model=t.model))
         verdicts += [info.fn(run) for info in REGISTRY.values() if info.runs_on(scenario)]
     read = readings(verdicts).get(f"harness.recipes:{name}")
     assert read is not None, f"{name} fails no check on {scenarios_for(t.scenario, world, mesh)} at W={world}"

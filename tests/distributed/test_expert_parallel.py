@@ -8,6 +8,7 @@ import pytest
 
 from harness.battery.judge import checks
 from harness.battery.launch import runner
+from harness.battery.launch.run import Run
 from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
 
@@ -15,7 +16,7 @@ MOE = "harness.moe:moe"
 CORRECT = "harness.recipes:mesh_token_mean"
 
 
-def _run(recipe: str, mesh: str, scenario: str = "uneven", strategy: str = "ddp", precision: str = "fp32"):  # noqa: ANN202
+def _run(recipe: str, mesh: str, scenario: str = "uneven", strategy: str = "ddp", precision: str = "fp32") -> Run:
     layout = Mesh.parse(mesh)
     return runner.run(RunSpec(recipe, scenario, layout.world_size, precision, layout=layout, model=MOE,
                               strategy=strategy))
@@ -39,3 +40,38 @@ def test_the_correct_recipe_holds_over_every_ep_layout(mesh: str, strategy: str,
     for check in (checks.parity, checks.one_sync, checks.ranks_agree, checks.logged_loss):
         verdict = check(run)
         assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "mesh", "strategy"), [
+    ("harness.recipes:mesh_token_mean_reducing_experts", "dp=2,ep=2", "ddp"),
+    ("harness.recipes:mesh_token_mean_reducing_experts", "ep=2", "ddp"),
+    ("harness.recipes:mesh_token_mean_with_router_balance", "dp=2,ep=2", "ddp"),
+    ("harness.recipes:mesh_token_mean_with_router_balance", "dp_shard=2,ep=2", "fsdp2"),
+])
+def test_the_correct_counterparts_of_the_expert_controls_hold(recipe: str, mesh: str, strategy: str) -> None:
+    """The recipe that reduces the experts itself (dividing by the token group's size) and the router's
+    load-balancing term beside the token mean hold where their controls fail."""
+    run = _run(recipe, mesh, "uneven", strategy)
+    for check in (checks.parity, checks.one_sync, checks.ranks_agree):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("control", "reading", "factor"), [
+    ("experts_averaged_over_expert_data", "experts_scaled", 2.0),
+    ("experts_never_divided_at_full_ep", "experts_scaled", 2.0),
+    ("fsdp2_experts_averaged_over_their_mesh", "experts_scaled", 2.0),
+    ("router_gates_without_grad", "router_cut_off", None),
+])
+def test_each_expert_control_fails_parity_with_its_group_named(control: str, reading: str,
+                                                               factor: float | None) -> None:
+    from harness.recipes import CONTROLS
+
+    target = CONTROLS[control]
+    verdict = checks.parity(_run(f"harness.recipes:{control}", str(target.mesh), target.scenario, target.strategy))
+    assert "fail" == verdict.status and "numbers" == verdict.cause, verdict.message
+    assert verdict.diagnosis is not None and reading == verdict.diagnosis["signature"], verdict.message
+    if factor is not None:
+        assert "ep=2" in verdict.diagnosis["line"]

@@ -87,7 +87,7 @@ def test_each_control_is_rejected_by_its_targeted_check_for_its_own_mistake(name
     target = CONTROLS[name]
     run = runner.run(BatteryOptions(world_sizes=(world_size,)).spec(
         control(name), target.scenario, world_size, target.precision, batch_format=target.batch_format,
-        strategy=target.strategy, objective=target.objective, mesh=target.layout))
+        strategy=target.strategy, objective=target.objective, mesh=target.layout, model=target.model))
     if run.failure is None and worst(run) is not None:
         parity = checks.parity(run)
         if not parity.passed and parity.diagnosis is not None:

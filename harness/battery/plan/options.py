@@ -366,11 +366,11 @@ class BatteryOptions:
 
     def spec(self, recipe: str, scenario: str, world_size: int, precision: str, *,
              batch_format: str | None = None, strategy: str | None = None,
-             objective: str | None = None, mesh: Mesh | None = None) -> RunSpec:
+             objective: str | None = None, mesh: Mesh | None = None, model: str | None = None) -> RunSpec:
         """The run of ``recipe`` on one case under these options (``batch_format``, ``objective``: a control written
         for another format or objective than the session's; ``strategy``: one of the session's strategy lanes, the
-        first by default)."""
-        return RunSpec(recipe, scenario, world_size, precision, model=self.model,
+        first by default; ``model``: a control written for another model than the session's)."""
+        return RunSpec(recipe, scenario, world_size, precision, model=model or self.model,
                        batch_format=batch_format or self.batch_format, strategy=strategy or self.strategy_lanes[0],
                        find_unused=self.find_unused, deadline=self.deadline, objective=objective or self.objective,
                        layout=mesh, chunking=self.chunking, pp_schedule=self.pp_schedule, pp_steps=self.pp_steps,

@@ -111,7 +111,7 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
                 progress(f"{name}: {target.check} ({target.scenario}, {where}, {target.precision})")
             spec = options.spec(f"harness.recipes:{name}", target.scenario, world, target.precision,
                                 batch_format=target.batch_format, strategy=target.strategy,
-                                objective=target.objective, mesh=target.layout)
+                                objective=target.objective, mesh=target.layout, model=target.model)
             run = runner.run(spec)
             verdict = registry.CHECKS[target.check](run)
             found = verdict.diagnosis

@@ -33,6 +33,7 @@ from harness.recipes.controls import (
     clipping,
     context_parallel,
     empty,
+    expert_parallel,
     hf,
     hsdp,
     hygiene,
@@ -47,7 +48,7 @@ from harness.recipes.controls import (
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, strategies, clipping,
-            context_parallel, hsdp, tensor_parallel, pipeline)
+            context_parallel, hsdp, tensor_parallel, pipeline, expert_parallel)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()
