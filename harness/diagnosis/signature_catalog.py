@@ -85,10 +85,10 @@ SIGNATURES: dict[str, str] = {
     "pp_microbatch_means": "each pipeline schedule microbatch's own token mean over M x A (torchtitan #1732): a token "
                            "of schedule microbatch k weighs 1/(n_k M A T), a mean of the microbatches' means",
     "experts_scaled": "a mixture-of-experts model's expert parameters alone weigh a common factor (named: ep or "
-                      "expert-data group's size, the token group's size) while the dense tensors and the router are "
+                      "the token group's size W) while the dense tensors and the router are "
                       "right: the expert gradients' reduction divided by another number than the token group's size",
-    "router_cut_off": "the router's gradient is zero beside right experts and dense tensors: the gates reached the "
-                      "experts without autograd",
+    "router_cut_off": "the gradient is the reference's with the routing gates detached: the gates reached the "
+                      "experts without autograd, so the main loss never reached the router",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }
