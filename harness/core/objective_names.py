@@ -7,7 +7,9 @@ TOKEN_MEAN = "token_mean"
 SEQUENCE_MEAN = "sequence_mean"
 WEIGHTED_TOKEN_MEAN = "weighted_token_mean"
 FIXED_NORMALIZER = "fixed_normalizer"
-OBJECTIVES = (TOKEN_MEAN, SEQUENCE_MEAN, WEIGHTED_TOKEN_MEAN, FIXED_NORMALIZER)
+LABEL_SMOOTHING = "label_smoothing"
+ENTROPY_BONUS = "entropy_bonus"
+OBJECTIVES = (TOKEN_MEAN, SEQUENCE_MEAN, WEIGHTED_TOKEN_MEAN, FIXED_NORMALIZER, LABEL_SMOOTHING, ENTROPY_BONUS)
 """``--objective`` values; the first is the default."""
 
 
@@ -20,4 +22,5 @@ def check_objective(value: object, option: str = "--objective") -> str:
     return str(value)
 
 
-__all__ = ["FIXED_NORMALIZER", "OBJECTIVES", "SEQUENCE_MEAN", "TOKEN_MEAN", "WEIGHTED_TOKEN_MEAN", "check_objective"]
+__all__ = ["ENTROPY_BONUS", "FIXED_NORMALIZER", "LABEL_SMOOTHING", "OBJECTIVES", "SEQUENCE_MEAN", "TOKEN_MEAN",
+           "WEIGHTED_TOKEN_MEAN", "check_objective"]

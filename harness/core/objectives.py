@@ -15,7 +15,14 @@ objective              ``c_t``                    ``Z`` (all-reduced SUM of each
 ``sequence_mean``      1 / n_s (its row's count)  S, the rows holding at least one supervised token
 ``weighted_token_mean``  1                        the sum of ``w_t`` over supervised tokens
 ``fixed_normalizer``   1                          a constant the recipe declares (``normalizer``)
+``label_smoothing``    1                          N (``l_t`` label-smoothed, ``eps`` = ``label_smoothing``)
+``entropy_bonus``      1                          N (``l_t = -A_t log p(y_t) - beta H(p_t)``)
 =====================  =========================  =====================================================
+
+The last two change the per-token loss itself (:mod:`harness.core.token_losses`), with a coefficient the recipe
+declares (:attr:`Objective.coefficient`): label smoothing ``eps``, ``(1 - eps) * nll_t + eps * mean_v(-log p_t(v))``
+over the whole vocabulary; the policy loss with an entropy bonus ``beta``, its advantages ``A_t`` drawn like a
+``token_weights = "advantages"`` recipe's (:meth:`Objective.term`).
 
 DDP averages gradients over W ranks, so under every objective rank r backpropagates
 ``W * (sum of c_t * w_t * l_t over its own tokens) / Z``: the W cancels DDP's division, and Z is the same on every
@@ -43,7 +50,9 @@ import torch
 
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.core.objective_names import (
+    ENTROPY_BONUS,
     FIXED_NORMALIZER,
+    LABEL_SMOOTHING,
     OBJECTIVES,
     SEQUENCE_MEAN,
     TOKEN_MEAN,
@@ -56,6 +65,9 @@ DESCRIPTIONS = {
     SEQUENCE_MEAN: "the sequence mean (each sequence with a supervised token weighs 1/S, its tokens share it)",
     WEIGHTED_TOKEN_MEAN: "the weighted token mean (token t weighs w_t / the global weight sum)",
     FIXED_NORMALIZER: "the loss sum over a fixed constant (every supervised token weighs 1/C)",
+    LABEL_SMOOTHING: "the token mean of label-smoothed cross-entropy ((1 - eps) nll + eps mean over the vocabulary of "
+                     "-log p)",
+    ENTROPY_BONUS: "the token mean of a policy loss with an entropy bonus (-A log p(y) - beta H(p))",
 }
 """Each objective in words, as the diagnosis names it."""
 
@@ -64,6 +76,8 @@ QUANTITIES = {
     SEQUENCE_MEAN: "the global count of sequences with a supervised token",
     WEIGHTED_TOKEN_MEAN: "the global weight sum",
     FIXED_NORMALIZER: "the declared constant",
+    LABEL_SMOOTHING: "the global supervised count",
+    ENTROPY_BONUS: "the global supervised count",
 }
 """What each objective's normalizer ``Z`` is."""
 
@@ -78,6 +92,10 @@ TOKEN = "token"
 AUXILIARY_UNITS = (MICROBATCH, TOKEN)
 """The units an auxiliary term may declare (``auxiliary_unit``)."""
 
+TOKEN_LOSS_COEFFICIENTS = {LABEL_SMOOTHING: "label_smoothing", ENTROPY_BONUS: "entropy_coefficient"}
+"""The objectives whose per-token loss is not plain cross-entropy, and the attribute a recipe declares their
+coefficient in (:attr:`Objective.coefficient`). Each is normalized like the token mean."""
+
 
 @dataclass(frozen=True)
 class Objective:
@@ -91,6 +109,9 @@ class Objective:
     auxiliary_unit: str | None = None
     auxiliary_recipe: str | None = None
     """The recipe whose ``auxiliary_loss`` the reference calls (its import path), when it declares one."""
+    coefficient: float | None = None
+    """The per-token loss's own coefficient (:data:`TOKEN_LOSS_COEFFICIENTS`): ``label_smoothing``'s ``eps``,
+    ``entropy_bonus``'s ``beta``; None under the objectives of plain cross-entropy."""
 
     def __post_init__(self) -> None:
         check_objective(self.name, "objective")
@@ -107,6 +128,12 @@ class Objective:
             msg = ("objective=weighted_token_mean divides by the weight sum, and advantages are signed (their sum may "
                    "be 0): judge an advantage-weighted loss with token_mean, sequence_mean or fixed_normalizer")
             raise ValueError(msg)
+        if self.name in TOKEN_LOSS_COEFFICIENTS:
+            c = self.coefficient
+            if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or not 0 <= c < 1:
+                msg = (f"{TOKEN_LOSS_COEFFICIENTS[self.name]}={c!r}: under objective={self.name} the recipe declares "
+                       "its coefficient, a number in [0, 1), as a class attribute (docs/objectives.md)")
+                raise ValueError(msg)
         if self.auxiliary_unit is not None and self.auxiliary_unit not in AUXILIARY_UNITS:
             msg = (f"auxiliary_unit={self.auxiliary_unit!r} must be one of {', '.join(AUXILIARY_UNITS)}: one value "
                    "per microbatch averaged over the window's microbatches, or a sum over supervised tokens over N")
@@ -131,6 +158,21 @@ class Objective:
         """``c_t * w_t`` for every position of ``mb`` (float64 ``[B, T]``, 0 where not supervised): the microbatch's
         term of the numerator is ``(coefficients * per-token loss).sum()``."""
         return coefficients(self.name, mb, self.weights is not None)
+
+    def term(self, logits: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+        """``mb``'s term of the numerator from its aligned logits ``[B, T, V]``: ``sum_t c_t * w_t * l_t`` with the
+        objective's per-token loss ``l_t`` (plain cross-entropy but for the objectives of
+        :data:`TOKEN_LOSS_COEFFICIENTS`), in the logits' dtype."""
+        from harness.core import token_losses as tl
+
+        if self.name == LABEL_SMOOTHING:
+            return objective_term(tl.smoothed_losses(logits, mb.labels, float(self.coefficient or 0.0)), mb,
+                                  self.name, False)
+        ce = objective_term(token_losses(logits, mb.labels), mb, self.name, self.weights is not None)
+        if self.name == ENTROPY_BONUS:  # the advantages weigh the log-prob only; the bonus is every token's alike
+            return ce - float(self.coefficient or 0.0) * objective_term(tl.entropies(logits, mb.labels), mb,
+                                                                         self.name, False)
+        return ce
 
     def share(self, window: Sequence[Microbatch]) -> float:
         """This rank's share of the all-reduced quantity ``Z`` (its count, rows or weight sum; 0 for a constant)."""
@@ -172,7 +214,7 @@ def coefficients(name: str, mb: Microbatch, weighted: bool = True) -> torch.Tens
 def share(name: str, mb: Microbatch) -> float:
     """One microbatch's part of objective ``name``'s normalizer ``Z``."""
     mask = mb.labels != IGNORE_INDEX
-    if name == TOKEN_MEAN:
+    if name in (TOKEN_MEAN, LABEL_SMOOTHING, ENTROPY_BONUS):
         return float(mask.sum())
     if name == SEQUENCE_MEAN:
         return float((mask.sum(dim=1) > 0).sum())
@@ -262,7 +304,8 @@ def objective_value(name: str, ranks: Sequence[Sequence[Sequence[Token]]], norma
                 continue
             c = 1 / len(pairs) if name == SEQUENCE_MEAN else 1.0
             numerator += sum(c * w * loss for loss, w in pairs)
-            z += {TOKEN_MEAN: len(pairs), SEQUENCE_MEAN: 1, WEIGHTED_TOKEN_MEAN: sum(w for _, w in pairs)}.get(name, 0)
+            z += {TOKEN_MEAN: len(pairs), LABEL_SMOOTHING: len(pairs), ENTROPY_BONUS: len(pairs), SEQUENCE_MEAN: 1,
+                  WEIGHTED_TOKEN_MEAN: sum(w for _, w in pairs)}.get(name, 0)
     if name == FIXED_NORMALIZER:
         if normalizer is None or normalizer <= 0:
             msg = f"normalizer={normalizer!r}: fixed_normalizer divides by a positive constant; pass it"
@@ -274,7 +317,7 @@ def objective_value(name: str, ranks: Sequence[Sequence[Sequence[Token]]], norma
     return numerator / z
 
 
-__all__ = ["ADVANTAGES", "AUXILIARY_UNITS", "DESCRIPTIONS", "FIXED_NORMALIZER", "MICROBATCH", "OBJECTIVES", "PLAIN",
-           "QUANTITIES", "SEQUENCE_MEAN", "TOKEN", "TOKEN_MEAN", "TOKEN_WEIGHTS", "WEIGHTED_TOKEN_MEAN", "WEIGHTS",
-           "Objective", "check_objective", "coefficients", "draw", "objective_term", "objective_value", "share",
-           "token_losses", "with_factors"]
+__all__ = ["ADVANTAGES", "AUXILIARY_UNITS", "DESCRIPTIONS", "ENTROPY_BONUS", "FIXED_NORMALIZER", "LABEL_SMOOTHING",
+           "MICROBATCH", "OBJECTIVES", "PLAIN", "QUANTITIES", "SEQUENCE_MEAN", "TOKEN", "TOKEN_LOSS_COEFFICIENTS",
+           "TOKEN_MEAN", "TOKEN_WEIGHTS", "WEIGHTED_TOKEN_MEAN", "WEIGHTS", "Objective", "check_objective",
+           "coefficients", "draw", "objective_term", "objective_value", "share", "token_losses", "with_factors"]

@@ -19,7 +19,7 @@ from torch import nn
 from harness.core.compare import flat_grad
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
-from harness.core.objectives import Objective, objective_term, token_losses
+from harness.core.objectives import Objective
 
 Terms = Callable[[nn.Module, Microbatch], "tuple[torch.Tensor, torch.Tensor | None]"]
 """One microbatch's term of the objective's numerator and its auxiliary value (None: no auxiliary term)."""
@@ -100,8 +100,7 @@ def reference_gradient(
         else:
             here = mb.to(device)
             if terms_of is None:
-                s, aux = objective_term(token_losses(local(here.inputs), here.labels), here, objective.name,  # type: ignore[union-attr]
-                                         objective.weights is not None), None  # type: ignore[union-attr]
+                s, aux = objective.term(local(here.inputs), here), None  # type: ignore[union-attr]
             else:
                 s, aux = terms_of(local, here)
             step = s / z if aux is None else s / z + aux / d

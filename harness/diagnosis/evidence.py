@@ -186,7 +186,7 @@ def terms(convention: Convention, objective: ob.Objective, auxiliary: Auxiliary 
     if objective.auxiliary_unit is None:
         auxiliary = None
     raw, aligned = convention.logits(model, mb)
-    term = ob.objective_term(ob.token_losses(aligned, mb.labels), mb, objective.name, objective.weights is not None)
+    term = objective.term(aligned, mb)
     return term, (None if auxiliary is None else auxiliary(model, convention.reference_batch(mb), raw))
 
 

@@ -25,6 +25,9 @@ TERMS = {
     ob.SEQUENCE_MEAN: "sum of its sequences' own token means",
     ob.WEIGHTED_TOKEN_MEAN: "weighted loss sum (each supervised token's loss times its weight)",
     ob.FIXED_NORMALIZER: "loss sum",
+    ob.LABEL_SMOOTHING: "label-smoothed loss sum ((1 - eps) * nll + eps * the mean of -log p over the whole "
+                        "vocabulary, per supervised token)",
+    ob.ENTROPY_BONUS: "policy loss sum (-A * log p(y) - beta * the entropy of p, per supervised token)",
 }
 """What each objective's numerator is, per microbatch, before the division by ``Z``."""
 
@@ -33,6 +36,8 @@ COUNTS = {
     ob.SEQUENCE_MEAN: "the window's count of sequences with a supervised token",
     ob.WEIGHTED_TOKEN_MEAN: "the window's weight sum (its supervised tokens' weights)",
     ob.FIXED_NORMALIZER: "the declared normalizer constant",
+    ob.LABEL_SMOOTHING: "the window's supervised count",
+    ob.ENTROPY_BONUS: "the window's supervised count",
 }
 """Each objective's ``Z``, as the recipe's code holds it."""
 

@@ -10,6 +10,12 @@ projection is column-parallel with its output gathered: its weight stacks q, k a
 not a set of whole heads, and the attention itself runs on every tp rank. The model pads its sequences to a multiple
 of the tp size (``TinyCausalLM.seq_multiple``): gloo reduce-scatters equal shards only.
 
+``vocab_parallel=True`` (the model ``--model harness.model:vocab_parallel``) leaves the head's logits sharded on the
+vocabulary instead, ``ColwiseParallel(input_layouts=Shard(1), use_local_output=False)``, torchtitan's layout under
+``loss_parallel``: ``model(inputs)`` then returns a DTensor ``[B, T, V]`` placed ``Shard(2)`` over tp, and a recipe
+computes its loss (and its backward) inside ``torch.distributed.tensor.parallel.loss_parallel()``
+(:mod:`harness.recipes.vocab_parallel`). A user's plan does the same by giving its head that style.
+
 A user's model declares its plan beside its factory: ``factory.tp_plan = plan``, a callable ``plan(model, tp_mesh)``
 that shards the model in place (``parallelize_module``), called on every rank with the ``DeviceMesh`` of ``tp``. A
 recipe with hand-written tensor-parallel layers declares its own ``tp_plan``, applied instead of the model's.
@@ -29,11 +35,13 @@ PLAN_ATTRIBUTE = "tp_plan"
 TpPlan = Callable[[nn.Module, Any], None]
 
 
-def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: bool = True) -> None:
+def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: bool = True,
+                 vocab_parallel: bool = False) -> None:
     """Shard :class:`harness.model.TinyCausalLM` over ``tp_mesh`` in place (the layout in the module's docstring).
     ``sequence_parallel_norms=False`` leaves the LayerNorms plain modules on each rank's positions, as hand-written
     sequence parallelism does: their gradients are then each rank's partial sums, all-reduced by nothing (a negative
-    control's plan)."""
+    control's plan). ``vocab_parallel=True`` leaves the logits a DTensor sharded on the vocabulary (the loss is then
+    computed under ``loss_parallel``); the vocabulary must divide by the tp size."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -45,8 +53,14 @@ def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: boo
     plan: dict[str, Any] = {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "head": (ColwiseParallel(input_layouts=Shard(1), use_local_output=False) if vocab_parallel
+                 else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
     }
+    vocab = int(model.head.out_features)  # type: ignore[union-attr, arg-type]
+    if vocab_parallel and vocab % tp_mesh.size():
+        msg = (f"vocab_parallel: the vocabulary ({vocab}) must divide by the tp size ({tp_mesh.size()}) to shard the "
+               "logits on it (gloo scatters equal shards only); pick a tp size that divides it")
+        raise ValueError(msg)
     norms = ["ln"]
     for i in range(len(model.blocks)):  # type: ignore[arg-type]
         b = f"blocks.{i}"
@@ -64,6 +78,12 @@ def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: boo
     parallelize_module(model, tp_mesh, plan, src_data_rank=None)
     # gloo reduce-scatters equal shards only: each tp rank holds as many positions as the others.
     model.seq_multiple = tp_mesh.size()
+
+
+def vocab_parallel_plan(model: nn.Module, tp_mesh: Any) -> None:
+    """:func:`builtin_plan` with the logits left sharded on the vocabulary (``vocab_parallel=True``): the plan of
+    ``--model harness.model:vocab_parallel``."""
+    builtin_plan(model, tp_mesh, vocab_parallel=True)
 
 
 def plan_of(model_path: str | None) -> TpPlan:
@@ -102,4 +122,4 @@ def apply_plan(model: nn.Module, model_path: str | None, tp_mesh: Any, recipe: o
     return model
 
 
-__all__ = ["PLAN_ATTRIBUTE", "TpPlan", "apply_plan", "builtin_plan", "plan_of", "recipe_plan"]
+__all__ = ["PLAN_ATTRIBUTE", "TpPlan", "apply_plan", "builtin_plan", "plan_of", "recipe_plan", "vocab_parallel_plan"]

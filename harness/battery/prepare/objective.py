@@ -7,6 +7,8 @@ What a recipe declares beside ``backward_window`` (docs/recipe-contract.md, "Obj
 - ``normalizer`` (a positive number): under ``--objective=fixed_normalizer``, the constant its loss sum is divided by;
 - ``token_weights = "advantages"``: its per-token loss carries the factor ``Microbatch.weights``, signed advantages the
   harness draws (a policy-gradient loss); under ``weighted_token_mean`` the harness draws non-negative weights anyway;
+- ``label_smoothing`` (``--objective=label_smoothing``) or ``entropy_coefficient`` (``--objective=entropy_bonus``, whose
+  advantages the harness draws whatever the recipe declares): the per-token loss's coefficient, in [0, 1);
 - ``auxiliary_unit`` (``"microbatch"`` or ``"token"``) with ``auxiliary_loss(model, batch, logits)``: the auxiliary term
   of one microbatch, computed from the logits of its forward, that the reference adds with its unit's normalization.
 """
@@ -54,12 +56,30 @@ def resolve(name: str, recipe: str) -> ob.Objective:
         raise ValueError(msg)
     declared = getattr(obj, "token_weights", None)
     weights = ob.WEIGHTS if name == ob.WEIGHTED_TOKEN_MEAN and declared is None else declared
+    coefficient = _coefficient(name, obj, recipe)
+    if name == ob.ENTROPY_BONUS:
+        weights = ob.ADVANTAGES  # its policy loss weighs each log-prob by a drawn advantage
     unit = getattr(obj, "auxiliary_unit", None)
     if unit is not None and not callable(getattr(obj, "auxiliary_loss", None)):
         msg = (f"recipe={recipe!r} declares auxiliary_unit={unit!r} but no auxiliary_loss(model, batch, logits) "
                "method: the reference computes the term through it")
         raise ValueError(msg)
-    return ob.Objective(name, normalizer, weights, unit, recipe if unit is not None else None)
+    return ob.Objective(name, normalizer, weights, unit, recipe if unit is not None else None, coefficient)
+
+
+def _coefficient(name: str, obj: object, recipe: str) -> float | None:
+    """The per-token loss's coefficient the recipe declares under ``name`` (None under an objective without one);
+    ValueError naming the attribute, the value and the fix when it is missing or out of range."""
+    attribute = ob.TOKEN_LOSS_COEFFICIENTS.get(name)
+    if attribute is None:
+        return None
+    value = getattr(obj, attribute, None)
+    example = {"label_smoothing": "label_smoothing = 0.1", "entropy_coefficient": "entropy_coefficient = 0.01"}
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        msg = (f"recipe={recipe!r} declares {attribute}={value!r}: under --objective={name} a recipe declares its "
+               f"coefficient, a number in [0, 1), as an attribute ({example[attribute]}; docs/objectives.md)")
+        raise ValueError(msg)
+    return float(value)
 
 
 def auxiliary_of(objective: ob.Objective) -> Auxiliary | None:
