@@ -111,6 +111,27 @@ def test_a_mesh_runs_across_two_agents_with_cp_within_each(tmp_path: Path) -> No
     assert ("fail", "numbers") == (parity["status"], parity["cause"]), parity["message"]
 
 
+def test_expert_parallelism_runs_across_two_agents_with_the_expert_data_group_between_them(tmp_path: Path) -> None:
+    """``--mesh dp=2,ep=2 --model harness.moe:moe`` on 2 agents x 2 workers: ranks 0-1 (one agent) are an ep group,
+    each holding 2 of the 4 experts, and each expert's expert-data group ({0, 2} and {1, 3}) spans the agents. The
+    mesh recipe passes every check; the experts averaged over the expert-data group fail parity on the numbers, read
+    as ep times too large, as in-process."""
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:mesh_token_mean", "--precision", "fp32",
+                              "--mesh", "dp=2,ep=2", "--model", "harness.moe:moe")
+    assert [0, 0] == codes, text[-3000:]
+    assert report is not None and 0 == report["exit_status"]
+    assert report["expected"] == report["run"] == report["counts"]["pass"] + report["counts"]["n/a"]
+    assert {"dp=2,ep=2"} == {c["mesh"] for c in report["checks"]}, report["checks"][:1]
+    codes, text, report = job(tmp_path, "--recipe", "harness.recipes:experts_averaged_over_expert_data",
+                              "--precision", "fp32", "--scenarios", "uneven", "--mesh", "dp=2,ep=2",
+                              "--model", "harness.moe:moe")
+    assert [1, 1] == codes, text[-3000:]
+    assert report is not None
+    parity = next(c for c in report["checks"] if c["check"] == "parity")
+    assert ("fail", "numbers") == (parity["status"], parity["cause"]), parity["message"]
+    assert "experts_scaled" == (parity.get("diagnosis") or {}).get("signature"), parity["message"]
+
+
 def test_a_pipeline_runs_across_two_agents_with_pp_between_them(tmp_path: Path) -> None:
     """``--mesh dp=2,pp=2 --pp-schedule 1f1b`` on 2 agents x 2 workers: ranks 0-1 (one agent) hold stage 0 and ranks
     2-3 stage 1, so the pipeline's sends cross the agents. The pipeline recipe passes every check."""

@@ -29,6 +29,7 @@ from harness.battery.spec import ModelSpec, weights_digest
 from harness.core.formats import HF, PACKED
 from harness.core.objectives import PLAIN, Objective
 from harness.distributed import strategies
+from harness.distributed.expert_parallel import plans_of as expert_plans_of
 from harness.distributed.launcher import LaunchError
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.tensor_parallel import plan_of, recipe_plan
@@ -102,6 +103,8 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
     strategies.get(spec.strategy)  # an unknown name is refused here, not in every rank
     if spec.mesh.size("tp") > 1 and recipe_plan(load_recipe(spec.recipe)) is None:
         plan_of(spec.model)  # a user's model without a tensor-parallel plan is refused here, not in every rank
+    if spec.mesh.size("ep") > 1:  # likewise a model without experts to spread over ep
+        expert_plans_of(spec.model, load_recipe(spec.recipe))
     if spec.mesh.size("cp") > 1 and spec.batch_format in (HF, PACKED) and sequence_plan_of(spec.model) is not None:
         msg = (f"model={spec.model!r} shards the sequence (its cp_plan) and the batch format is {spec.batch_format}: "
                "a cp rank's chunk carries its positions in the harness format only (Microbatch.positions, passed as "
