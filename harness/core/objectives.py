@@ -148,7 +148,7 @@ class Objective:
         text = DESCRIPTIONS[self.name]
         if self.name == FIXED_NORMALIZER:
             text = text.replace("a fixed constant", f"the declared constant C={self.normalizer:g}")
-        if self.weights == ADVANTAGES:
+        if self.weights == ADVANTAGES and self.name != ENTROPY_BONUS:  # its own words name the advantages
             text += ", of the advantage-weighted loss"
         return text
 

@@ -38,6 +38,7 @@ from harness.diagnosis.fit import (
     match_tolerance,
 )
 from harness.diagnosis.fixes import fix_for
+from harness.diagnosis.loss_parallel import loss_parallel_reading
 from harness.diagnosis.mesh import mesh_reading, per_shard_sequence_reading, sharded_sequence_note, token_blocks
 from harness.diagnosis.packing import packing_gap
 from harness.diagnosis.parameter_view import ParameterRow, locate, parameter_table, residual_shares
@@ -418,6 +419,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         # Per-rank readings need weights the microbatch fit explains (a reading of the rows' fit keeps its own).
         q = [float(w) * z if fit.residual <= explained_residual() else math.nan for w in fit.weights]
         sig = od.objective_reading(ev, window, model, sig, blocks, q, g, atol, rtol)
+        sig = loss_parallel_reading(ev, window, model, sig, g, atol, rtol) or sig  # per-token losses over tp
         # (a scale of 1 within a match is the main loss right, its weights read less exactly beside the term's)
         unit = sig.name == "global_scale" and sig.factor is not None and abs(sig.factor - 1) <= match_tolerance()
         if aux_fit is not None and (unit or sig.name in ("correct", "extra_term", "float32_computation",

@@ -120,6 +120,16 @@ FIXES: dict[str, str] = {
     "pp_microbatch_means": "make the schedule's loss_fn return each schedule microbatch's loss sum divided by {count}"
                            "{reduced} before the schedule runs, times {size}, with scale_grads=False; not its own "
                            "mean over its microbatch",
+    "smoothing_over_local_vocabulary": "divide the smoothing term's sum of -log p over the vocabulary by the whole "
+                                       "vocabulary's size V (logits.shape[-1] of the DTensor), not the local "
+                                       "shard's (logits.to_local().shape[-1], V/tp), or compute it as "
+                                       "logsumexp(logits, -1) - logits.mean(-1) on the sharded logits under "
+                                       "loss_parallel",
+    "log_softmax_backward_dropped": "compute token log-probs with -cross_entropy(logits, labels, reduction=\"none\") "
+                                    "under loss_parallel (or gather the full logits first: logits.full_tensor()), "
+                                    "and an entropy or a smoothing term from logsumexp and softmax (logsumexp(z) - "
+                                    "(softmax(z) * z).sum(-1)), never from log_softmax, whose backward loss_parallel "
+                                    "replaces by the identity in torch 2.13 (pytorch #190746)",
     "unexplained": "read the per-parameter table: the tensors over tolerance show where the gradient goes wrong (a "
                    "tensor never synchronized, a term no re-weighting makes, a loss over other tokens); python -m "
                    "harness explain --per-sequence fits one weight per row; the right computation is to {right}",

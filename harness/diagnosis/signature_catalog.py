@@ -89,6 +89,13 @@ SIGNATURES: dict[str, str] = {
                       "right: the expert gradients' reduction divided by another number than the token group's size",
     "router_cut_off": "the gradient is the reference's with the routing gates detached: the gates reached the "
                       "experts without autograd, so the main loss never reached the router",
+    "smoothing_over_local_vocabulary": "with the logits sharded over the vocabulary (tensor parallelism), the "
+                                       "label-smoothing term weighs tp times too much: its mean of -log p over the "
+                                       "vocabulary divided by the local shard's size V/tp, not V",
+    "log_softmax_backward_dropped": "under loss_parallel, a log-prob, an entropy or a smoothing term computed from "
+                                    "log_softmax on the vocab-sharded logits: torch 2.13 replaces log_softmax's "
+                                    "backward by the identity there (pytorch #190746), so its gradient lacks the "
+                                    "softmax part",
     "unexplained": "no catalog signature fits: a re-weighting of another shape, or (large residual) not a "
                    "re-weighting at all; the per-parameter table says where the error lives",
 }

@@ -11,7 +11,9 @@ FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong mo
 (clipping), counts reduced over the wrong group of a dp x cp mesh (context_parallel), mistakes that need HSDP's
 two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas), and the
 groups of a tensor-parallel mesh (tensor_parallel: a count over tp too, the world size for the dp size, norms'
-gradients not reduced over tp, a clipping norm from local shards), and the schedules of a pipeline (pipeline:
+gradients not reduced over tp, a clipping norm from local shards), per-token losses on logits sharded over the
+vocabulary (loss_parallel: a smoothing term over the local vocabulary, log-probs from log_softmax under
+loss_parallel), and the schedules of a pipeline (pipeline:
 ``scale_grads`` left on with accumulation over schedule steps or with a global count, stages re-initialised, a count
 over dp x pp, each schedule microbatch's own mean). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
@@ -37,6 +39,7 @@ from harness.recipes.controls import (
     hf,
     hsdp,
     hygiene,
+    loss_parallel,
     normalization,
     objectives,
     packed,
@@ -48,7 +51,7 @@ from harness.recipes.controls import (
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, strategies, clipping,
-            context_parallel, hsdp, tensor_parallel, pipeline, expert_parallel)
+            context_parallel, hsdp, tensor_parallel, loss_parallel, pipeline, expert_parallel)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()
