@@ -145,11 +145,13 @@ def _mesh_row(data: dict[str, Any], strategy: str, mesh: str, schedule: str | No
 
 
 def _mesh_targets(data: dict[str, Any]) -> dict[str, str]:
-    mesh = {r["target"] for r in data["results"] if "pp_schedule" not in r}
+    mesh = {r["target"] for r in data["results"] if "pp_schedule" not in r and "model" not in r}
     pipeline = {r["target"] for r in data["results"] if "pp_schedule" in r}
-    if len(mesh) != 1 or len(pipeline) != 1:
-        raise ValueError(f"mesh.json's targets are not one per kind: mesh {sorted(mesh)}, pipeline {sorted(pipeline)}")
-    return {"mesh": number(mesh.pop()), "pipeline": number(pipeline.pop())}
+    moe = {r["target"] for r in data["results"] if "model" in r}
+    if len(mesh) != 1 or len(pipeline) != 1 or len(moe) != 1:
+        raise ValueError(f"mesh.json's targets are not one per kind: mesh {sorted(mesh)}, pipeline {sorted(pipeline)}, "
+                         f"moe {sorted(moe)}")
+    return {"mesh": number(mesh.pop()), "pipeline": number(pipeline.pop()), "moe": number(moe.pop())}
 
 
 LOGGED = {"mean of the ranks' means": "LoggedMeanOfLocalMeans",
@@ -395,7 +397,8 @@ REGISTRY: tuple[Figure, ...] = (
                       "ratio": fixed(d["ratio_per_launch_over_preloaded"], 1), "n": str(d["repeats"])}),
     *(Figure(BATTERY, f"^| {label} | {{c0}} | {{c1}} | {{c2}} | {{c3}} |", "logged_loss_start.json",
              _bind(_logged_row, label)) for label in LOGGED),
-    Figure(BATTERY, "The targets are at most {mesh}x for a mesh case and {pipeline}x for a pipeline.", "mesh.json",
+    Figure(BATTERY, "The targets are at most {mesh}x for a mesh case, {pipeline}x for a pipeline and {moe}x for a "
+           "mixture-of-experts case over ep against the dense model.", "mesh.json",
            _mesh_targets),
     *(Figure(BATTERY, f"^| {case} | {strategy} | {{mesh}} s | {{one_d}} s | {{ratio}}x |", "mesh.json",
              _bind(_mesh_row, *key))
@@ -406,7 +409,9 @@ REGISTRY: tuple[Figure, ...] = (
           ("`dp=2,pp=2`, GPipe", "DDP stages", ("ddp", "dp=2,pp=2", "gpipe")),
           ("`dp=2,pp=2`, GPipe", "FSDP2 stages", ("fsdp2", "dp=2,pp=2", "gpipe")),
           ("`dp=2,pp=2`, `interleaved1f1b` (2 stages per rank)", "DDP stages", ("ddp", "dp=2,pp=2", "interleaved1f1b")),
-          ("`dp=2,pp=2`, 1F1B, 2 schedule steps per window", "DDP stages", ("ddp", "dp=2,pp=2", "1f1b", 2)))),
+          ("`dp=2,pp=2`, 1F1B, 2 schedule steps per window", "DDP stages", ("ddp", "dp=2,pp=2", "1f1b", 2)),
+          ("`dp=2,ep=2`, MoE", "DDP", ("ddp", "dp=2,ep=2")),
+          ("`dp_shard=2,ep=2`, MoE", "FSDP2", ("fsdp2", "dp_shard=2,ep=2")))),
     Figure(BATTERY, "a median of {tp} s per launch at `dp=2,tp=2` against {dp} s at `dp=4`, {ratio}x (the median "
            "of the {n} pairs' ratios: {pairs}x, from {low}x to {high}x)", "tp_launch.json",
            lambda d: {"tp": fixed(d["dp=2,tp=2"]["median_s"], 2), "dp": fixed(d["dp=4"]["median_s"], 2),
