@@ -76,7 +76,8 @@ def _coefficient(name: str, obj: object, recipe: str) -> float | None:
     value = getattr(obj, attribute, None)
     example = {"label_smoothing": "label_smoothing = 0.1", "entropy_coefficient": "entropy_coefficient = 0.01"}
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        msg = (f"recipe={recipe!r} declares {attribute}={value!r}: under --objective={name} a recipe declares its "
+        said = f"no `{attribute}`" if value is None else f"{attribute}={value!r}"
+        msg = (f"recipe={recipe!r} declares {said}: under --objective={name} a recipe declares its "
                f"coefficient, a number in [0, 1), as an attribute ({example[attribute]}; docs/objectives.md)")
         raise ValueError(msg)
     return float(value)
