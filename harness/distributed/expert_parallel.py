@@ -146,15 +146,21 @@ class ExpertReducer:
 
     def reduce(self) -> None:
         self.queued = False
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.layout.expert_data_group is not None:
-            dist.all_reduce(flat, group=self.layout.expert_data_group)
-        flat /= self.layout.divide
-        offset = 0
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
+        sum_and_divide(self.params, self.layout.expert_data_group, self.layout.divide)
+
+
+def sum_and_divide(params: Sequence[nn.Parameter], group: Any, divide: float) -> None:
+    """Every gradient of ``params`` (zero where there is none) summed over ``group`` in one flat all-reduce (none
+    when ``group`` is None: this rank alone) and divided by ``divide``."""
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= divide
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
 
 
 def gather_experts(flat: torch.Tensor, model: nn.Module, layout: ExpertLayout) -> torch.Tensor:
@@ -205,4 +211,4 @@ class ExpertParallelWrapped:
 
 
 __all__ = ["OWNS_REDUCTION", "PLAN_ATTRIBUTE", "ExpertLayout", "ExpertParallelWrapped", "ExpertReducer",
-           "apply_plan", "gather_experts", "plans_of"]
+           "apply_plan", "gather_experts", "plans_of", "sum_and_divide"]

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.distributed.expert_parallel import sum_and_divide
 from harness.moe import load_balancing_loss, router_outputs
 from harness.recipes.correct import MeshTokenMean
 from harness.recipes.helpers import data_group_size, expert_data_group, expert_divide_factor, held_experts
@@ -28,17 +28,7 @@ from harness.recipes.objectives import _MeshAuxiliary, data_microbatches
 def reduce_experts(model: nn.Module, mesh: Any, divide: float) -> None:
     """Sum every held expert's gradient over the expert-data group (one flat all-reduce; none where the group is
     this rank alone) and divide it by ``divide``."""
-    params = held_experts(model)
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    group = expert_data_group(mesh)
-    if group is not None:
-        dist.all_reduce(flat, group=group)
-    flat /= divide
-    at = 0
-    for p, g in zip(params, grads, strict=True):
-        p.grad = flat[at:at + g.numel()].view_as(g).clone()
-        at += g.numel()
+    sum_and_divide(held_experts(model), expert_data_group(mesh), divide)
 
 
 class MeshTokenMeanReducingExperts(MeshTokenMean):
