@@ -75,3 +75,20 @@ def test_each_expert_control_fails_parity_with_its_group_named(control: str, rea
     assert verdict.diagnosis is not None and reading == verdict.diagnosis["signature"], verdict.message
     if factor is not None:
         assert "ep=2" in verdict.diagnosis["line"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mesh", "strategy"), [("dp=2,ep=2", "ddp"), ("dp_shard=2,ep=2", "fsdp2")])
+def test_a_users_own_moe_model_runs_over_ep_through_its_declarations(mesh: str, strategy: str) -> None:
+    """``user_recipes.moe_models:my_moe`` declares only ``moe_plan`` and ``ep_plan``: the correct recipe holds, and
+    the experts averaged over the expert-data group read ``experts_scaled`` on it too."""
+    layout = Mesh.parse(mesh)
+    model = "user_recipes.moe_models:my_moe"
+    run = runner.run(RunSpec(CORRECT, "uneven", 4, "fp32", layout=layout, model=model, strategy=strategy))
+    for check in (checks.parity, checks.one_sync, checks.ranks_agree):
+        verdict = check(run)
+        assert verdict.passed, verdict.message
+    if strategy == "ddp":
+        wrong = checks.parity(runner.run(RunSpec("harness.recipes:experts_averaged_over_expert_data", "uneven", 4,
+                                                 "fp32", layout=layout, model=model)))
+        assert wrong.diagnosis is not None and "experts_scaled" == wrong.diagnosis["signature"], wrong.message
