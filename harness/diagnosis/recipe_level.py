@@ -129,6 +129,10 @@ def consistent_set(reading: str, diagnosis: Mapping[str, object] | None) -> tupl
 PER_RANK = ("mean_of_local_means", "per_microbatch_mean")
 """Readings that are one where every rank has one microbatch: a mean per microbatch is then a mean per rank."""
 
+AUXILIARY_PER_RANK = ("auxiliary_summed_over_ranks", "auxiliary_misweighted")
+"""An auxiliary term's readings that are one where every rank has one microbatch: a factor ``W * k`` (a term
+multiplied by W and never divided by k, ``Trainer``'s on a transformers MoE model's router loss) is then ``W``."""
+
 FREE_PER_RANK = ("per_rank_normalizer", "subgroup_count", "count_group")
 """Readings that give each rank (or group of ranks) a factor of its own, free of the window's counts: where one rank
 holds every token, any of them is a common scale."""
@@ -136,7 +140,8 @@ holds every token, any of them is a common scale."""
 
 def _same_here(reading: str, weights: Sequence[Mapping[str, object]]) -> set[str]:
     """The readings this window's shape makes one with ``reading``: where every rank has one microbatch, a mean per
-    microbatch and a mean per rank; where one rank holds every token, a scale and a factor per rank."""
+    microbatch and a mean per rank, and an auxiliary term's factor W and W * k; where one rank holds every token, a
+    scale and a factor per rank."""
     ranks: dict[int, set[int]] = {}
     holding = set()
     for w in weights:
@@ -147,6 +152,8 @@ def _same_here(reading: str, weights: Sequence[Mapping[str, object]]) -> set[str
     out: set[str] = set()
     if reading in PER_RANK and ranks and all(len(m) == 1 for m in ranks.values()):
         out.update(PER_RANK)
+    if reading == AUXILIARY_PER_RANK[0] and ranks and all(len(m) == 1 for m in ranks.values()):
+        out.update(AUXILIARY_PER_RANK)
     if reading == "global_scale" and len(holding) == 1:
         out.update(FREE_PER_RANK)
     return out

@@ -195,6 +195,18 @@ def test_a_window_whose_shape_makes_two_readings_one_reads_as_either() -> None:
     assert readings(both)["pkg:recipe"].cause is None
 
 
+def test_an_auxiliary_factor_w_times_k_and_a_term_summed_over_ranks_are_one_where_every_rank_has_one_microbatch(
+        ) -> None:
+    """An auxiliary term never divided by k and multiplied by W reads W*k on two microbatches a rank and W on one:
+    both cases name one cause. The negative control: summed over ranks on two microbatches a rank stays apart."""
+    misweighted = _positional("uneven", "auxiliary_misweighted", {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 1.0, (1, 1): 1.0})
+    single = _positional("single", "auxiliary_summed_over_ranks", {(0, 0): 1.0, (1, 0): 1.0})
+    assert "auxiliary_misweighted" == readings([misweighted, single])["pkg:recipe"].cause
+    two_each = _positional("uneven", "auxiliary_summed_over_ranks",
+                           {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 1.0, (1, 1): 1.0})
+    assert readings([misweighted, two_each])["pkg:recipe"].cause is None
+
+
 def test_a_control_names_its_cause_only_when_the_recipe_level_reads_it() -> None:
     """The catalog test's rule, with its negative controls: another cause, and no one cause, do not name it."""
     molm = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
