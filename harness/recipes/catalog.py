@@ -8,6 +8,7 @@ is not registered.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -53,6 +54,10 @@ class Target:
     """How its ranks must be launched for the mistake to show: ``"in-process"`` (the battery's launcher, every rank
     on this machine and on one node), or ``"torchrun-nodes"``: ranks on more than one node (a count reduced over
     the node-local ranks is right while every rank is local), which the in-process battery skips, saying so."""
+    library: str | None = None
+    """The library its mistake lives in (``"transformers"``: its ``Trainer``, its models), where the control needs
+    one the package does not: where it is not installed the control is not run, and the battery says so
+    (:func:`unavailable`)."""
 
     def __post_init__(self) -> None:
         if self.launch not in LAUNCHES:
@@ -81,6 +86,15 @@ class Target:
         """The world sizes it is judged at, of ``world_sizes`` offered: its declared ones whatever is offered (a
         mistake right at the offered W proves nothing there; a mesh's own), else the offered ones from 2 on."""
         return self.world_sizes or tuple(w for w in world_sizes if w >= 2)
+
+
+def unavailable(target: Target) -> str | None:
+    """Why ``target`` cannot be judged in this environment (None: it can): the library its mistake lives in is not
+    installed."""
+    if target.library is not None and importlib.util.find_spec(target.library) is None:
+        return (f"its target needs {target.library}, which is not installed (pip install .[integrations], or bash "
+                "scripts/integrations.sh)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -140,4 +154,4 @@ def scenario_controls() -> dict[str, str]:
 
 
 __all__ = ["IN_PROCESS", "LAUNCHES", "REGISTRY", "TORCHRUN_NODES", "Entry", "Target", "control", "diagnoses",
-           "scenario_controls", "targets"]
+           "scenario_controls", "targets", "unavailable"]

@@ -24,7 +24,7 @@ from harness.battery.plan.options import BatteryOptions
 from harness.battery.report.recipe_cause import names_its_cause, readings
 from harness.core.mesh import Mesh
 from harness.recipes import CONTROLS, DIAGNOSES
-from harness.recipes.catalog import IN_PROCESS
+from harness.recipes.catalog import IN_PROCESS, unavailable
 from harness.workflow.explain_recipe import scenarios_for
 
 KNOWN: dict[str, str] = {}
@@ -38,6 +38,8 @@ def _cases() -> list[object]:
         marks = [pytest.mark.slow, pytest.mark.xdist_group(control_group(name, world))]
         if t.launch != IN_PROCESS:
             marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on several nodes"))
+        if unavailable(t) is not None:
+            marks.append(pytest.mark.skip(reason=str(unavailable(t))))
         if name in KNOWN:
             marks.append(pytest.mark.xfail(reason=KNOWN[name], strict=True))
         out.append(pytest.param(name, marks=marks, id=name))

@@ -26,7 +26,7 @@ from harness.battery.plan.options import BatteryOptions, RunSpec
 from harness.battery.report.table import run_controls
 from harness.core.mesh import Mesh
 from harness.recipes import CONTROLS, DIAGNOSES, SCENARIO_CONTROLS, control_class
-from harness.recipes.catalog import IN_PROCESS
+from harness.recipes.catalog import IN_PROCESS, unavailable
 
 ROOT = Path(__file__).parents[2]
 
@@ -39,8 +39,9 @@ SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hs
                  "packed")
 """Families whose controls past the first run in the slow tier only."""
 
-SLOW_CONTROLS = ("skip_backward_of_empty_microbatch",)
-"""Controls that run in the slow tier only (a gloo abort inside the window: seconds per run)."""
+SLOW_CONTROLS = ("skip_backward_of_empty_microbatch", "trainer_router_loss_per_microbatch")
+"""Controls that run in the slow tier only (a gloo abort inside the window: seconds per run; a transformers Trainer
+on a transformers model: its import and construction on every rank)."""
 
 
 def control_cases() -> list[object]:
@@ -64,6 +65,8 @@ def control_cases() -> list[object]:
             if t.launch != IN_PROCESS:
                 marks.append(pytest.mark.skip(reason=f"its target needs launch={t.launch!r}: ranks on more than one "
                                                      "node, where the in-process launcher has one"))
+            if unavailable(t) is not None:
+                marks.append(pytest.mark.skip(reason=str(unavailable(t))))
             out.append(pytest.param(n, w, id=f"{n}-{where}", marks=marks))
     return out
 

@@ -96,6 +96,16 @@ def test_a_target_says_where_a_world_size_mistake_is_judged() -> None:
     assert {"in-process"} == {t.launch for n, t in CONTROLS.items() if n != "count_over_local_ranks"}
 
 
+def test_a_target_whose_library_is_not_installed_is_unavailable_saying_what_to_install() -> None:
+    """A control whose mistake lives in a library is not run where the library is missing, and the reason names it
+    and the install; without a library, or with one installed (torch), it is available."""
+    assert "its target needs no_such_library_here, which is not installed (pip install .[integrations]" in str(
+        catalog.unavailable(Target("parity", "uneven", library="no_such_library_here")))
+    assert catalog.unavailable(Target("parity", "uneven", library="torch")) is None
+    assert catalog.unavailable(Target("parity", "uneven")) is None
+    assert "transformers" == CONTROLS["trainer_router_loss_per_microbatch"].library
+
+
 def test_a_target_on_a_mesh_is_judged_at_the_mesh_world_size() -> None:
     """A mistake of a mesh's groups is judged on its mesh: the mesh sets the world size, whatever is offered."""
     t = Target("parity", "uneven", mesh="dp=2,cp=2")

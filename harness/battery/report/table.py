@@ -17,7 +17,7 @@ from harness.battery.launch import runner
 from harness.battery.plan import cases as plan
 from harness.battery.plan.options import BatteryOptions
 from harness.recipes import CONTROLS
-from harness.recipes.catalog import IN_PROCESS
+from harness.recipes.catalog import IN_PROCESS, unavailable
 
 Progress = Callable[[str], None]
 
@@ -90,7 +90,8 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
     A control whose target declares its world sizes (:attr:`harness.recipes.Target.world_sizes`: a mistake right at
     the W its author tested) runs at those, whatever ``options.world_sizes`` holds: at another W it would pass, and
     its result would say nothing. A control whose target needs ranks on several nodes (``launch="torchrun-nodes"``:
-    every in-process rank is on one node, where its mistake is right) is not run here; ``progress`` is told so."""
+    every in-process rank is on one node, where its mistake is right) is not run here, nor one whose library is not
+    installed (:func:`harness.recipes.catalog.unavailable`); ``progress`` is told so."""
     options = options or BatteryOptions()
     unknown = [n for n in names if n not in CONTROLS]
     if unknown:
@@ -103,6 +104,11 @@ def run_controls(names: Sequence[str], options: BatteryOptions | None = None,
             if progress:
                 progress(f"{name}: skipped, its target needs launch={target.launch!r} (ranks on more than one node; "
                          "every in-process rank is on one node, where its mistake is right)")
+            continue
+        missing = unavailable(target)
+        if missing is not None:
+            if progress:
+                progress(f"{name}: skipped, {missing}")
             continue
         # Several controls are right at W=1 (no rank to average over): they target W >= 2.
         for world in target.judged_at(options.world_sizes):

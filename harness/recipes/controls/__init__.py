@@ -15,7 +15,9 @@ gradients not reduced over tp, a clipping norm from local shards), per-token los
 vocabulary (loss_parallel: a smoothing term over the local vocabulary, log-probs from log_softmax under
 loss_parallel), and the schedules of a pipeline (pipeline:
 ``scale_grads`` left on with accumulation over schedule steps or with a global count, stages re-initialised, a count
-over dp x pp, each schedule microbatch's own mean). A control is one
+over dp x pp, each schedule microbatch's own mean), and a transformers mixture-of-experts model's router auxiliary
+loss as ``Trainer`` accumulates it (transformers_moe: the model's ``coef * aux_loss`` in every microbatch's loss,
+times W, never divided by the accumulation steps). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -47,11 +49,12 @@ from harness.recipes.controls import (
     strategies,
     sync,
     tensor_parallel,
+    transformers_moe,
     world,
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, strategies, clipping,
-            context_parallel, hsdp, tensor_parallel, loss_parallel, pipeline, expert_parallel)
+            context_parallel, hsdp, tensor_parallel, loss_parallel, pipeline, expert_parallel, transformers_moe)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()

@@ -1,0 +1,56 @@
+"""Negative controls, transformers MoE family: a transformers mixture-of-experts model's router auxiliary loss
+(``outputs.aux_loss`` with ``output_router_logits=True``) accumulated the way ``Trainer`` does.
+
+Each class declares where the battery rejects it and what the diagnosis reads in its gradient (``@control``,
+:mod:`harness.recipes.catalog`); ``harness.recipes:<name>`` names it. transformers is imported when a rank sets the
+control up, never with this module."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.core.formats import HF
+from harness.recipes.catalog import Target, control
+from harness.recipes.libraries.transformers_moe import RouterAuxLossTokenMean
+
+MIXTRAL = "harness.recipes.libraries.transformers_moe:tiny_mixtral"
+"""The ``--model`` these controls need: a transformers Mixtral built from a config with ``output_router_logits``."""
+
+
+@control(Target("parity", "uneven", batch_format=HF, model=MIXTRAL, library="transformers"), "auxiliary_misweighted")
+class TrainerRouterLossPerMicrobatch:
+    """``Trainer``'s own inner loop (``get_batch_samples``, then ``training_step`` per microbatch under ``no_sync``
+    but the last, ``average_tokens_across_devices=True``, the 5.x default) on a Mixtral whose config sets
+    ``output_router_logits=True``: the model adds ``router_aux_loss_coef * aux_loss`` to every microbatch's loss, and
+    the Trainer, seeing a loss already normalized by ``num_items_in_batch``, multiplies the whole loss by W and never
+    divides it by the accumulation steps. The token part is right; the router term, one value per microbatch,
+    weighs ``W * k`` times its per-microbatch mean (measured with transformers 5.25.0: 4x at W=2, k=2). The declared
+    term is the one a single-microbatch step gives it, ``coef * aux_loss`` averaged over the window's microbatches
+    (:class:`~harness.recipes.libraries.transformers_moe.RouterAuxLossTokenMean`)."""
+
+    name = "trainer_router_loss_per_microbatch"
+    auxiliary_unit = "microbatch"
+
+    def __init__(self) -> None:
+        self.loop: Any = None
+
+    def setup(self, model: nn.Module | None = None) -> None:
+        from harness.recipes.libraries.transformers_loss import TransformersGlobalItemsHF
+
+        self.loop = TransformersGlobalItemsHF()
+        self.loop.setup(model)
+
+    def auxiliary_loss(self, model: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor:
+        return RouterAuxLossTokenMean().auxiliary_loss(model, batch, logits)
+
+    def backward_window(self, model: nn.Module, window: Sequence[Any]) -> float:
+        if self.loop is None:
+            self.setup()
+        return float(self.loop.backward_window(model, window))
+
+
+__all__ = ["MIXTRAL", "TrainerRouterLossPerMicrobatch"]
