@@ -27,6 +27,7 @@ expert-parallel layer declares its own ``ep_plan``, applied instead of the model
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness.model import ModelError, load_model_factory
 from harness.moe_plan import PLAN_ATTRIBUTE as MOE_PLAN
@@ -60,6 +62,10 @@ class ExpertLayout:
     expert_data_mesh: Any
     divide: float
     reduced_by_recipe: bool = False
+    sharded: tuple[str, ...] = ()
+    """The held expert parameters that are DTensors sharded over ep (torchtitan's layout: a stacked ``[E, ...]``
+    weight ``Shard(0)``, each ep rank holding E/ep experts as a slice of the one parameter); the others in
+    :attr:`held` are held whole by this rank alone."""
 
     def held_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         named = dict(model.named_parameters())
@@ -101,12 +107,15 @@ def apply_plan(model: nn.Module, model_path: str | None, rank_mesh: Any, recipe:
                f"(experts: {', '.join(experts[:4])}{' ...' if len(experts) > 4 else ''}): make the two agree")
         raise ValueError(msg)
     ep_group = rank_mesh.group(("ep",))
+    sharded = _sharded_over(model, held, ep_group)
     holders = torch.tensor([float(n in held) for n in experts], dtype=torch.float64)
     dist.all_reduce(holders, group=ep_group)
-    wrong = [(n, int(c)) for n, c in zip(experts, holders.tolist(), strict=True) if c != 1]
+    ep = dist.get_world_size(ep_group)
+    wrong = [(n, int(c)) for n, c in zip(experts, holders.tolist(), strict=True) if c != (ep if n in sharded else 1)]
     if wrong:
         msg = (f"ep_plan: expert parameter {wrong[0][0]!r} is held by {wrong[0][1]} ep ranks; each must be held by "
-               "exactly one rank of the ep group")
+               "exactly one rank of the ep group, or be a DTensor sharded over the ep mesh that every ep rank holds "
+               "a shard of")
         raise ValueError(msg)
     dims = rank_mesh.mesh.expert_data_dims
     edp = rank_mesh.submesh(dims) if dims and rank_mesh.mesh.token_ranks > rank_mesh.mesh.size("ep") else None
@@ -114,10 +123,31 @@ def apply_plan(model: nn.Module, model_path: str | None, rank_mesh: Any, recipe:
         experts=experts, held=held, ep_group=ep_group,
         expert_data_group=None if edp is None else edp.get_group(), expert_data_mesh=edp,
         divide=float(rank_mesh.mesh.token_ranks) if reduction == "mean" else 1.0,
-        reduced_by_recipe=bool(getattr(recipe, OWNS_REDUCTION, False)),
+        reduced_by_recipe=bool(getattr(recipe, OWNS_REDUCTION, False)), sharded=sharded,
     )
     setattr(model, "expert_layout", layout)  # noqa: B010 (what harness.recipes.held_experts reads)
     return layout
+
+
+def _sharded_over(model: nn.Module, held: Sequence[str], ep_group: Any) -> tuple[str, ...]:
+    """The held expert parameters that are DTensors sharded over the ep group (ValueError for a DTensor expert on
+    another mesh or replicated: the harness cannot tell which rank holds what)."""
+    named = dict(model.named_parameters())
+    ep_ranks = sorted(dist.get_process_group_ranks(ep_group))
+    out = []
+    for name in held:
+        p = named[name]
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        if mesh.ndim != 1 or ranks != ep_ranks or not any(pl.is_shard() for pl in p.placements):
+            msg = (f"ep_plan: expert parameter {name!r} is a DTensor {tuple(p.placements)} over ranks {ranks}; a "
+                   f"DTensor expert must be sharded over the ep mesh alone (ranks {ep_ranks}), e.g. Shard(0) of a "
+                   "stacked [E, ...] weight")
+            raise ValueError(msg)
+        out.append(name)
+    return tuple(out)
 
 
 class ExpertReducer:
@@ -151,28 +181,58 @@ class ExpertReducer:
 
 def sum_and_divide(params: Sequence[nn.Parameter], group: Any, divide: float) -> None:
     """Every gradient of ``params`` (zero where there is none) summed over ``group`` in one flat all-reduce (none
-    when ``group`` is None: this rank alone) and divided by ``divide``."""
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    when ``group`` is None: this rank alone) and divided by ``divide``. A DTensor parameter's gradient is this
+    rank's shard of it: the shards of the ranks that hold the same experts are summed, and the gradient stays a
+    DTensor of the parameter's placements."""
+    grads = [torch.zeros_like(_local(p)) if p.grad is None else _local(p.grad) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     if group is not None:
         dist.all_reduce(flat, group=group)
     flat /= divide
     offset = 0
     for p, g in zip(params, grads, strict=True):
-        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+        value = flat[offset:offset + g.numel()].view_as(g).clone()
+        p.grad = (DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                     stride=p.stride()) if isinstance(p, DTensor) else value)
         offset += g.numel()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_flat(model: nn.Module, *, grads: bool) -> torch.Tensor:
+    """Every parameter's full value (or gradient: zeros where there is none), in model order, one flat CPU vector;
+    a DTensor's shards gathered (a collective over its mesh: every rank calls this alike)."""
+    parts = []
+    # FSDP2 over an ep-sharded expert makes a 2-D DTensor (_StridedShard, Shard) that torch gathers in two steps,
+    # with a warning per rank that the steps cannot be merged: true, and of no consequence to a comparison.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        for p in model.parameters():
+            t = p if not grads else (torch.zeros_like(p) if p.grad is None else p.grad)
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            parts.append(t.detach().reshape(-1).cpu())
+    finally:
+        log.setLevel(level)
+    return torch.cat(parts)
 
 
 def gather_experts(flat: torch.Tensor, model: nn.Module, layout: ExpertLayout) -> torch.Tensor:
     """``flat`` (every parameter's full value or gradient in model order, as this rank sees it) with every expert
     parameter's entries taken from the ep rank that holds it (an all-reduce over ep of the held entries, the others
-    zero): what the comparison reads on every rank."""
-    held = set(layout.held)
+    zero): what the comparison reads on every rank. A DTensor expert sharded over ep (:attr:`ExpertLayout.sharded`)
+    comes whole in ``flat`` already (its shards gathered) and is left as it is."""
+    held, sharded = set(layout.held), set(layout.sharded)
     spans, offset = [], 0
     for name, p in model.named_parameters():
-        if name in layout.experts:
+        if name in layout.experts and name not in sharded:
             spans.append((offset, p.numel(), name in held))
         offset += p.numel()
+    if not spans:
+        return flat
     experts = torch.cat([flat[o:o + n] if mine else torch.zeros(n, dtype=flat.dtype) for o, n, mine in spans])
     dist.all_reduce(experts, group=layout.ep_group)
     out, at = flat.clone(), 0
@@ -204,11 +264,15 @@ class ExpertParallelWrapped:
         return tuple(self.inner.notes())
 
     def full_grad(self) -> torch.Tensor:
-        return gather_experts(self.inner.full_grad(), self.local, self.layout)
+        # With DTensor experts the strategy's own flat (DDP's reads every .grad as a plain tensor) cannot hold them:
+        # every parameter is read here, each DTensor's shards gathered.
+        flat = full_flat(self.local, grads=True) if self.layout.sharded else self.inner.full_grad()
+        return gather_experts(flat, self.local, self.layout)
 
     def full_params(self) -> torch.Tensor:
-        return gather_experts(self.inner.full_params(), self.local, self.layout)
+        flat = full_flat(self.local, grads=False) if self.layout.sharded else self.inner.full_params()
+        return gather_experts(flat, self.local, self.layout)
 
 
 __all__ = ["OWNS_REDUCTION", "PLAN_ATTRIBUTE", "ExpertLayout", "ExpertParallelWrapped", "ExpertReducer",
-           "apply_plan", "gather_experts", "plans_of", "sum_and_divide"]
+           "apply_plan", "full_flat", "gather_experts", "plans_of", "sum_and_divide"]
