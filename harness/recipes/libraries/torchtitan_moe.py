@@ -24,9 +24,9 @@ What differs from torchtitan, and why (each measured, docs/libraries.md "torchti
   a CPU build of torch ships no triton. Where triton is missing, :func:`_import_torchtitan` registers a stand-in
   for that one subpackage (``torchtitan.distributed.minimal_async_ep``) whose functions raise: nothing here uses it.
 
-The combine still rounds each expert's output to float32 before weighting it by the router's score
-(``routed_output.to(torch.float32) * scores`` in ``token_dispatcher.combine``): the float64 lane fails at float32
-scale (finding ``float32_computation``), as torchtitan's loss does; judge the model with ``--precision fp32``.
+The rotary embedding computes in float32 and the combine rounds each expert's output to float32 before weighting it
+by the router's score (``routed_output.to(torch.float32) * scores`` in ``token_dispatcher.combine``): the float64 lane
+judges the model at float32's tolerances, and passes there.
 
 **Expert parallelism** (``--mesh dp=2,ep=2``): :func:`torchtitan_expert_parallel` is torchtitan's own: each MoE layer's
 ``RoutedExperts.parallelize`` with the sharding torchtitan declares when ``expert_parallel_degree > 1``
