@@ -7,7 +7,8 @@ dropout and router jitter off, the eager experts (``experts_implementation="eage
 ``output_router_logits=True`` and ``router_aux_loss_coef`` = :data:`ROUTER_AUX_LOSS_COEF`
 in the config. Their weights come from torch's global generator, which the harness seeds right before the call; each
 declares its ``moe_plan`` (experts ``model.layers.*.mlp.experts``, router ``model.layers.*.mlp.gate``). They take the
-``hf`` batch format (``--batch-format hf``).
+``hf`` batch format (``--batch-format hf``); the recipes below also take the harness's own microbatches, which they
+turn into that form (:func:`harness.core.formats.to_hf`).
 
 What the model computes, read from ``transformers.models.mixtral.modeling_mixtral`` (Qwen2-MoE and Qwen3-MoE hold the
 same ``load_balancing_loss_func``, line for line) and measured (``tests/integrations/test_transformers_moe.py``):
@@ -49,7 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.core.microbatch import PAD
+from harness.core.formats import to_hf
+from harness.core.microbatch import PAD, Microbatch
 from harness.data.config import Config
 from harness.moe_plan import MoePlan, unwrapped
 from harness.recipes.correct import _world_size, global_sum
@@ -107,9 +109,15 @@ tiny_qwen2_moe.moe_plan = MOE_PLAN  # type: ignore[attr-defined]
 
 
 def _hf(batch: Any) -> Mapping[str, torch.Tensor]:
+    """The hf dict of a batch: itself (``--batch-format hf``), or a harness :class:`Microbatch`'s :func:`to_hf` form
+    (the same (position, target) pairs and count, with the attention mask the router loss reads)."""
+    if isinstance(batch, Microbatch):
+        return to_hf(batch)
     if not isinstance(batch, Mapping) or "attention_mask" not in batch:
-        msg = (f"a transformers MoE recipe takes hf batches (input_ids, attention_mask, labels), got "
-               f"{type(batch).__name__}: run it with --batch-format hf")
+        msg = (f"a transformers MoE recipe takes hf batches (input_ids, attention_mask, labels) or harness "
+               f"Microbatches, got {type(batch).__name__}"
+               f"{' without an attention_mask (packed rows)' if isinstance(batch, Mapping) else ''}: run it with "
+               "--batch-format hf")
         raise TypeError(msg)
     return batch
 
