@@ -109,8 +109,9 @@ FIXES: dict[str, str] = {
                       "plain dist.all_gather into preallocated tensors, so the main loss's gradient reaches the "
                       "router",
     "not_reduced_over_group": "all-reduce the gradients of the replicated parameters this reading names over the "
-                              "dimension it names (a hand-written tensor-parallel layer's norms), or let DTensor "
-                              "(parallelize_module, SequenceParallel) reduce them",
+                              "dimension it names (a hand-written tensor-parallel layer's norms, a mixture-of-experts "
+                              "router and experts under sequence parallelism), or let DTensor (parallelize_module, "
+                              "SequenceParallel, to_local(grad_placements=(Partial(),))) reduce them",
     "pp_scale_grads": "normalize the loss yourself and turn the schedule's own scaling off: {right}; under "
                       "scale_grads=True each step rescales the gradients the window's earlier steps left",
     "pp_last_step_only": "let every schedule step of the window add into .grad: no zero_grad between the steps of one "

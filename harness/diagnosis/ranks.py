@@ -66,7 +66,8 @@ def ranks_disagree(ev: Evidence, window: int, rank: int, names: Sequence[str], s
     """``not_reduced_over_group``: on a mesh of two dimensions or more, the synchronized gradients of some tensors
     differ between ``rank`` and another rank along one dimension, while every rank must hold the same full gradient:
     replicated parameters whose gradients were never all-reduced over that dimension (a hand-written tensor-parallel
-    layer; under sequence parallelism, the norms). None where every rank agrees or the mesh has one dimension."""
+    layer; under sequence parallelism, the norms, or a mixture-of-experts layer's router and experts run on each rank's
+    tokens). None where every rank agrees or the mesh has one dimension."""
     mesh = ev.mesh
     if len(mesh.names) < 2 or ev.records is None:
         return None
@@ -88,12 +89,18 @@ def ranks_disagree(ev: Evidence, window: int, rank: int, names: Sequence[str], s
                     worst = max(worst, gap)
             if apart:
                 shown = ", ".join(apart[:6]) + (f" and {len(apart) - 6} more" if len(apart) > 6 else "")
+                routers = [n for n in apart if "router" in n or ".gate." in n]
+                where = (f"under sequence parallelism, a mixture-of-experts layer run on each {dim} rank's tokens "
+                         f"with its router ({routers[0]}) and experts replicated, torchtitan #2387" if routers else
+                         "under sequence parallelism, the norms' weights")
+                how = ("hold them as DTensors replicated over it whose gradients are Partial (to_local(grad_placements="
+                       "(Partial(),))), as torchtitan PR #2416 does" if routers else "let DTensor's SequenceParallel "
+                       "do it")
                 return Signature("not_reduced_over_group", f"the synchronized gradients of {shown} differ between "
                                  f"ranks {rank} and {other}, which differ along {dim} only (by up to {worst:.3e}): "
                                  f"replicated parameters whose gradients were never all-reduced over {dim}, so each "
-                                 f"{dim} rank keeps its own partial sum (a hand-written {dim} layer; under sequence "
-                                 f"parallelism, the norms' weights): reduce them over {dim}, or let DTensor's "
-                                 "SequenceParallel do it", blocks=tuple(apart))
+                                 f"{dim} rank keeps its own partial sum (a hand-written {dim} layer; {where}): reduce "
+                                 f"them over {dim}, or {how}", blocks=tuple(apart))
     return None
 
 

@@ -77,7 +77,9 @@ SIGNATURES: dict[str, str] = {
                                "divided its chunk of a sequence by the chunk's own count of its tokens, not the whole "
                                "sequence's (a per-shard sequence mean)",
     "not_reduced_over_group": "on a mesh, some tensors' synchronized gradients differ between ranks along one "
-                              "dimension: replicated parameters never all-reduced over it (tp's norms)",
+                              "dimension: replicated parameters never all-reduced over it (tp's norms; a "
+                              "mixture-of-experts router and experts on each tp rank's sequence shard, torchtitan "
+                              "#2387)",
     "pp_scale_grads": "scale_grads rescaled each pipeline step: step a of A weighs 1/M^(A-1-a), an exponential moving "
                       "average over the window's steps (torchtitan #1733)",
     "pp_last_step_only": "only the last pipeline step's gradient survived: every earlier step's blocks weigh 0",

@@ -21,6 +21,7 @@ from harness.core.formats import supervised_tokens
 from harness.core.loss import global_token_loss
 from harness.core.microbatch import Microbatch
 from harness.distributed.tensor_parallel import builtin_plan
+from harness.moe_tp import local_moe_tp_plan
 from harness.recipes.catalog import Target, control
 from harness.recipes.correct import accumulate, global_sum
 from harness.recipes.helpers import global_count, require_tokens, token_group, token_group_size
@@ -117,3 +118,27 @@ class LocalShardNormUnderTp:
             for g in grads:
                 g.mul_(min(1.0, max_norm / (norm + 1e-6)))
         return global_sum(local, group) / total, norm
+
+
+MOE_TP_MODEL = "harness.moe_tp:moe"
+"""The built-in mixture-of-experts model declaring its tensor-parallel plan with sequence parallelism."""
+
+
+@control(Target("ranks_agree", "uneven", strategy="fsdp2", mesh=TP_MESH, model=MOE_TP_MODEL),
+         "not_reduced_over_group")
+class RouterGradsNotReducedOverTp:
+    """torchtitan #2387: hand-written sequence parallelism in a mixture-of-experts model (``tp_plan``:
+    :func:`harness.moe_tp.local_moe_tp_plan`), each tp rank applying the router, the experts and the shared expert,
+    plain tensors, to its own positions, and nothing summing their gradients over tp: each rank keeps the partial sum
+    over its positions, the router's weight steps apart between the tp ranks. The loss is the correct recipe's; the
+    fix is :func:`harness.recipes.sequence_parallel.reduce_over_tp` after the backward (or the model's DTensor plan)."""
+
+    name = "router_grads_not_reduced_over_tp"
+    tp_plan = staticmethod(local_moe_tp_plan)
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        group = token_group(mesh)
+        total = _window_count(window, group)
+        size = token_group_size(mesh)
+        local = accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        return global_sum(local, group) / total
