@@ -128,6 +128,15 @@ def test_the_trainers_own_loop_weighs_the_router_term_w_times_k() -> None:
     assert "pass" == right.status, right.message
 
 
+def test_the_trainer_whose_compute_loss_divides_the_router_term_by_k_gives_the_global_objective() -> None:
+    """The same ``Trainer`` loop with ``compute_loss`` taking the router term out of the model's loss (times W) and
+    adding it back divided by the accumulation steps: parity, one synchronization and the logged loss hold."""
+    run = runner.run(f"{MODULE}:transformers_moe_trainer_router_loss", "uneven", 2, model=MIXTRAL,
+                     batch_format="hf")
+    verdicts = [registry.CHECKS[c](run) for c in ("parity", "one_sync", "logged_loss")]
+    assert [] == [v.message for v in verdicts if v.status != "pass"]
+
+
 def test_the_router_loss_recipe_gives_the_global_objective_on_a_qwen2_moe_with_its_shared_expert() -> None:
     """The same recipe on Qwen2-MoE (top-2 without renormalization, a gated shared expert): parity and the
     logged loss hold on the uneven scenario at W=2."""

@@ -102,6 +102,9 @@ class _TrainerLoop:
 
     def __init__(self) -> None:
         self.trainer: Any = None
+        self.trainer_class: Any = None
+        """The ``Trainer`` class to build (None: ``transformers.Trainer``), e.g. a subclass overriding
+        ``compute_loss``."""
 
     def setup(self, model: nn.Module | None = None) -> None:
         if _transformers is None:
@@ -119,8 +122,8 @@ class _TrainerLoop:
         # Trainer.__init__ seeds every global generator (set_seed(args.seed)); the battery's model is already built
         # and a training loop's own draws must not depend on a constructor, so the generators are put back.
         with generators_kept():
-            return _transformers.Trainer(model=inner, args=args,
-                                         compute_loss_func=None if self.own_loss else causal_lm_loss)
+            cls = self.trainer_class or _transformers.Trainer
+            return cls(model=inner, args=args, compute_loss_func=None if self.own_loss else causal_lm_loss)
 
     def batch(self, mb: Any) -> Any:
         return mb if self.own_loss else {"inputs": mb.inputs, "labels": mb.labels}

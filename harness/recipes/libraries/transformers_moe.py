@@ -30,10 +30,12 @@ same ``load_balancing_loss_func``, line for line) and measured (``tests/integrat
   mistake :class:`harness.recipes.controls.transformers_moe.TrainerRouterLossPerMicrobatch` keeps, read
   ``auxiliary_misweighted``.
 
-The right step (:class:`RouterAuxLossTokenMean`): the token loss over the all-reduced supervised count (times W for
-DDP's average), and ``coef * outputs.aux_loss / k`` per microbatch: the router term averaged over every microbatch of
-every rank, its unit the microbatch (``auxiliary_unit = "microbatch"``), as one forward of the whole window would
-average it per microbatch. Run it through the battery with::
+The right step (:class:`RouterAuxLossTokenMean`, a loop of one's own): the token loss over the all-reduced supervised
+count (times W for DDP's average), and ``coef * outputs.aux_loss / k`` per microbatch: the router term averaged over
+every microbatch of every rank, its unit the microbatch (``auxiliary_unit = "microbatch"``). Inside ``Trainer``
+(:class:`TrainerRouterLossPerWindow`): a ``compute_loss`` that takes the router term back out of the model's loss
+(times W) and adds it divided by ``current_gradient_accumulation_steps`` (:func:`router_loss_trainer`). Run either
+through the battery with::
 
     python -m harness battery --model harness.recipes.libraries.transformers_moe:tiny_mixtral --batch-format hf \\
         --recipe harness.recipes.libraries.transformers_moe:transformers_moe_router_loss --quick
@@ -196,7 +198,60 @@ class RouterAuxLossTokenMean:
         return global_sum(local)
 
 
-transformers_moe_router_loss = RouterAuxLossTokenMean
+def router_loss_trainer() -> type:
+    """A ``transformers.Trainer`` whose ``compute_loss`` weighs the model's router term as one value per microbatch:
+    ``Trainer.compute_loss`` returns the model's loss, ``router_aux_loss_coef * aux_loss`` included, times W (under
+    ``average_tokens_across_devices`` with a counted ``num_items_in_batch``), and ``training_step`` does not divide
+    it by the accumulation steps k; this one takes the router term back out and adds it divided by k instead."""
+    t = _transformers()
 
-__all__ = ["MOE_PLAN", "ROUTER_AUX_LOSS_COEF", "RouterAuxLossTokenMean", "coefficient", "router_forward",
-           "tiny_mixtral", "tiny_qwen2_moe", "token_loss", "transformers_moe_router_loss"]
+    class RouterLossTrainer(t.Trainer):  # type: ignore[name-defined]
+        def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            aux = getattr(outputs, "aux_loss", None)
+            if aux is not None and "labels" in inputs:  # the model added coef * aux_loss to its loss
+                router = coefficient(model) * aux
+                scaled = self.args.average_tokens_across_devices and num_items_in_batch is not None
+                world = self.accelerator.num_processes if scaled and self.model_accepts_loss_kwargs else 1
+                loss = loss - router * world + router / self.current_gradient_accumulation_steps
+            return (loss, outputs) if return_outputs else loss
+
+    return RouterLossTrainer
+
+
+class TrainerRouterLossPerWindow:
+    """``Trainer``'s own inner loop (``get_batch_samples``, ``training_step`` under ``no_sync`` but the last,
+    ``average_tokens_across_devices=True``) with :func:`router_loss_trainer`'s ``compute_loss``: the token part as the
+    Trainer computes it (the global token mean), the router term ``coef * aux_loss / k`` per microbatch. The fix of
+    :class:`harness.recipes.controls.transformers_moe.TrainerRouterLossPerMicrobatch`, inside the Trainer."""
+
+    name = "transformers_moe_trainer_router_loss"
+    auxiliary_unit = "microbatch"
+
+    def __init__(self) -> None:
+        self.loop: Any = None
+
+    def setup(self, model: nn.Module | None = None) -> None:
+        from harness.recipes.libraries.transformers_loss import TransformersGlobalItemsHF
+
+        self.loop = TransformersGlobalItemsHF()
+        self.loop.trainer_class = router_loss_trainer()
+        self.loop.setup(model)
+
+    def auxiliary_loss(self, model: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor:
+        return RouterAuxLossTokenMean().auxiliary_loss(model, batch, logits)
+
+    def backward_window(self, model: nn.Module, window: Sequence[Any]) -> float:
+        if self.loop is None:
+            self.setup()
+        return float(self.loop.backward_window(model, window))
+
+
+transformers_moe_router_loss = RouterAuxLossTokenMean
+transformers_moe_trainer_router_loss = TrainerRouterLossPerWindow
+
+__all__ = ["MOE_PLAN", "ROUTER_AUX_LOSS_COEF", "RouterAuxLossTokenMean", "TrainerRouterLossPerWindow", "coefficient",
+           "router_forward", "router_loss_trainer", "tiny_mixtral", "tiny_qwen2_moe", "token_loss",
+           "transformers_moe_router_loss", "transformers_moe_trainer_router_loss"]
