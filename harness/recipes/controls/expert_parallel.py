@@ -56,7 +56,9 @@ class ExpertsNeverDividedAtFullEp(MeshTokenMeanReducingExperts):
 class Fsdp2ExpertsAveragedOverTheirMesh(MeshTokenMean):
     """Under FSDP2, the expert modules left to average over their own shard mesh (the expert-data group): FSDP2's
     default, torchtitan's EP before PR #1551 (pytorch #160285), Megatron-FSDP's reduce-scatter AVG (PR #5956). The
-    recipe resets each expert module's divide factor to its mesh's size in ``setup``."""
+    recipe resets each expert module's divide factor to its mesh's size in ``setup``: every sharded module whose
+    parameters are all held experts (the built-in model's ``blocks.0.mlp.experts.<e>``, torchtitan's
+    ``layers.0.moe.routed_experts.inner_experts``)."""
 
     name = "fsdp2_experts_averaged_over_their_mesh"
 
@@ -64,8 +66,11 @@ class Fsdp2ExpertsAveragedOverTheirMesh(MeshTokenMean):
         from torch.distributed.fsdp import FSDPModule
 
         size = float(_edp_size(mesh))
+        layout = getattr(model, "expert_layout", None)
+        held = set() if layout is None else set(layout.held)
         for name, module in model.named_modules():
-            if isinstance(module, FSDPModule) and ".experts." in f"{name}.":
+            own = [f"{name}.{n}" for n, _ in module.named_parameters()]
+            if isinstance(module, FSDPModule) and module is not model and own and all(n in held for n in own):
                 module.set_gradient_divide_factor(size)
 
 
