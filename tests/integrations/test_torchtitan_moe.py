@@ -88,11 +88,16 @@ def test_torchtitans_own_expert_parallelism_holds_over_every_ep_layout(mesh: str
 
 
 @pytest.mark.slow
-def test_experts_averaged_over_the_expert_data_group_read_experts_scaled_on_torchtitans_experts() -> None:
-    """The control that divides the experts' sum by the expert-data group's size fails on torchtitan's DTensor
+@pytest.mark.parametrize(("control", "mesh", "strategy"), [
+    ("experts_averaged_over_expert_data", "dp=2,ep=2", "ddp"),
+    ("fsdp2_experts_averaged_over_their_mesh", "dp_shard=2,ep=2", "fsdp2"),
+])
+def test_experts_averaged_over_the_expert_data_group_read_experts_scaled_on_torchtitans_experts(
+        control: str, mesh: str, strategy: str) -> None:
+    """The controls that divide the experts' sum by the expert-data group's size (a recipe reducing them itself;
+    FSDP2's expert module left averaging over its own mesh, torchtitan before PR #1551) fail on torchtitan's DTensor
     experts, 2 times too large at ep=2, and the diagnosis reads it."""
-    verdict = checks.parity(_mesh_run("harness.recipes.controls.expert_parallel:experts_averaged_over_expert_data",
-                                      "dp=2,ep=2"))
+    verdict = checks.parity(_mesh_run(f"harness.recipes.controls.expert_parallel:{control}", mesh, strategy))
     assert not verdict.passed
     assert verdict.diagnosis is not None, verdict.message
     assert "experts_scaled" == verdict.diagnosis["signature"], verdict.diagnosis["line"]
