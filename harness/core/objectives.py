@@ -89,8 +89,13 @@ signed advantages (a recipe that declares ``token_weights = "advantages"``)."""
 
 MICROBATCH = "microbatch"
 TOKEN = "token"
-AUXILIARY_UNITS = (MICROBATCH, TOKEN)
-"""The units an auxiliary term may declare (``auxiliary_unit``)."""
+SEQUENCE = "sequence"
+GLOBAL = "global"
+AUXILIARY_UNITS = (MICROBATCH, TOKEN, SEQUENCE, GLOBAL)
+"""The units an auxiliary term may declare (``auxiliary_unit``): one value per microbatch, averaged over the window's
+microbatches; a sum over supervised tokens over N; a sum of per-sequence values over S, the sequences with a
+supervised token; a router term whose statistics are the whole window's (``auxiliary_loss`` returns the microbatch's
+:class:`harness.core.router_terms.RouterStatistics`), over N (docs/objectives.md, "Router auxiliary terms")."""
 
 TOKEN_LOSS_COEFFICIENTS = {LABEL_SMOOTHING: "label_smoothing", ENTROPY_BONUS: "entropy_coefficient"}
 """The objectives whose per-token loss is not plain cross-entropy, and the attribute a recipe declares their
@@ -136,7 +141,8 @@ class Objective:
                 raise ValueError(msg)
         if self.auxiliary_unit is not None and self.auxiliary_unit not in AUXILIARY_UNITS:
             msg = (f"auxiliary_unit={self.auxiliary_unit!r} must be one of {', '.join(AUXILIARY_UNITS)}: one value "
-                   "per microbatch averaged over the window's microbatches, or a sum over supervised tokens over N")
+                   "per microbatch averaged over the window's microbatches, a sum over supervised tokens over N, a sum "
+                   "over sequences over S, or router statistics of the whole window over N (docs/objectives.md)")
             raise ValueError(msg)
 
     @property
@@ -187,10 +193,13 @@ class Objective:
         return self.normalizer_of(sum(self.share(w) for w in windows))
 
     def auxiliary_denominator(self, windows: Sequence[Sequence[Microbatch]]) -> float:
-        """What the auxiliary term's values are divided by: every microbatch of every rank (``microbatch``), or the
-        global supervised count (``token``)."""
+        """What the auxiliary term's values are divided by: every microbatch of every rank (``microbatch``), the
+        global count of sequences with a supervised token (``sequence``), or the global supervised count (``token``,
+        ``global``)."""
         if self.auxiliary_unit == MICROBATCH:
             return float(sum(len(w) for w in windows))
+        if self.auxiliary_unit == SEQUENCE:
+            return float(sum(share(SEQUENCE_MEAN, mb) for w in windows for mb in w))
         return float(sum(mb.supervised for w in windows for mb in w))
 
 
@@ -317,7 +326,8 @@ def objective_value(name: str, ranks: Sequence[Sequence[Sequence[Token]]], norma
     return numerator / z
 
 
-__all__ = ["ADVANTAGES", "AUXILIARY_UNITS", "DESCRIPTIONS", "ENTROPY_BONUS", "FIXED_NORMALIZER", "LABEL_SMOOTHING",
-           "MICROBATCH", "OBJECTIVES", "PLAIN", "QUANTITIES", "SEQUENCE_MEAN", "TOKEN", "TOKEN_LOSS_COEFFICIENTS",
-           "TOKEN_MEAN", "TOKEN_WEIGHTS", "WEIGHTED_TOKEN_MEAN", "WEIGHTS", "Objective", "check_objective",
-           "coefficients", "draw", "objective_term", "objective_value", "share", "token_losses", "with_factors"]
+__all__ = ["ADVANTAGES", "AUXILIARY_UNITS", "DESCRIPTIONS", "ENTROPY_BONUS", "FIXED_NORMALIZER", "GLOBAL",
+           "LABEL_SMOOTHING", "MICROBATCH", "OBJECTIVES", "PLAIN", "QUANTITIES", "SEQUENCE", "SEQUENCE_MEAN", "TOKEN",
+           "TOKEN_LOSS_COEFFICIENTS", "TOKEN_MEAN", "TOKEN_WEIGHTS", "WEIGHTED_TOKEN_MEAN", "WEIGHTS", "Objective",
+           "check_objective", "coefficients", "draw", "objective_term", "objective_value", "share", "token_losses",
+           "with_factors"]

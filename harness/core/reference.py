@@ -20,9 +20,11 @@ from harness.core.compare import flat_grad
 from harness.core.loss import loss_sum
 from harness.core.microbatch import Microbatch
 from harness.core.objectives import Objective
+from harness.core.router_terms import bind
 
-Terms = Callable[[nn.Module, Microbatch], "tuple[torch.Tensor, torch.Tensor | None]"]
-"""One microbatch's term of the objective's numerator and its auxiliary value (None: no auxiliary term)."""
+Terms = Callable[[nn.Module, Microbatch], "tuple[torch.Tensor, object]"]
+"""One microbatch's term of the objective's numerator and its auxiliary value (None: no auxiliary term; a tensor, or
+under the ``global`` unit the microbatch's router statistics, :mod:`harness.core.router_terms`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ def reference_gradient(
         msg = f"windows hold no weight: the normalizer of {objective.name} is {z!r} (every supervised weight 0)"  # type: ignore[union-attr]
         raise ValueError(msg)
     d = 1.0 if plain or not objective.auxiliary_unit else objective.auxiliary_denominator(windows)  # type: ignore[union-attr]
+    # A global router term's statistics are the whole window's: a first pass without gradients sums them.
+    finish = bind(None if plain or terms_of is None else objective.auxiliary_unit,  # type: ignore[union-attr]
+                  lambda mb: terms_of(local, mb.to(device))[1], microbatches)  # type: ignore[misc]
     loss = 0.0
     for mb in microbatches:
         reached.clear()
@@ -102,7 +107,8 @@ def reference_gradient(
             if terms_of is None:
                 s, aux = objective.term(local(here.inputs), here), None  # type: ignore[union-attr]
             else:
-                s, aux = terms_of(local, here)
+                s, value = terms_of(local, here)
+                aux = finish(value)
             step = s / z if aux is None else s / z + aux / d
             step.backward()
             loss += float(step.detach())

@@ -346,7 +346,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         joint = fit_weights(torch.cat([a, aux_cols], dim=1), g)
         k = a.shape[1]
         # The main blocks' weights come from the joint fit, as if the auxiliary term's part were out of the gradient.
-        fit, aux_fit = Fit(joint.weights[:k], joint.residual, joint.condition), joint.weights[k:]
+        fit, aux_fit = Fit(joint.weights[:k], joint.residual, joint.condition), od.held(joint.weights[k:], aux_cols)
     # classify reads ratios w * (its blocks' token count): scaled so that they read w * Z, the declared objective's.
     read = fit if z == n else Fit(fit.weights * (z / n), fit.residual, fit.condition)
     others = {f"window {j}'s global count": sum(mb.supervised for mbs in w for mb in mbs)

@@ -34,8 +34,9 @@ from harness.distributed.pipeline import ScheduleStep
 Windows = Sequence[Sequence[Sequence[Microbatch]]]
 """``windows[k][data_rank][microbatch]``."""
 
-Auxiliary = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
-"""An auxiliary term of one microbatch: ``auxiliary_loss(model, batch, logits)``."""
+Auxiliary = Callable[[nn.Module, object, torch.Tensor], object]
+"""An auxiliary term of one microbatch: ``auxiliary_loss(model, batch, logits)`` (a tensor; under the ``global``
+unit the microbatch's router statistics)."""
 
 
 class Convention(Protocol):
@@ -143,7 +144,7 @@ class Evidence:
         return model_at(self.model, params, dtype)
 
     def terms(self, model: nn.Module, mb: Microbatch,
-              objective: ob.Objective | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              objective: ob.Objective | None = None) -> tuple[torch.Tensor, object]:
         """One microbatch's term of the objective's numerator and its auxiliary value (None without one), from one
         forward of ``model`` (default objective: the declared one)."""
         return terms(self.model, objective or self.objective, self.auxiliary, model, mb)
@@ -178,9 +179,10 @@ def model_at(convention: Convention, params: torch.Tensor, dtype: torch.dtype | 
 
 
 def terms(convention: Convention, objective: ob.Objective, auxiliary: Auxiliary | None, model: nn.Module,
-          mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One microbatch's term of ``objective``'s numerator and its auxiliary value (None without one), from one
-    forward of ``model`` under the convention. The plain token mean is the loss sum itself."""
+          mb: Microbatch) -> tuple[torch.Tensor, object]:
+    """One microbatch's term of ``objective``'s numerator and its auxiliary value (None without one; under the
+    ``global`` unit the microbatch's router statistics, which :func:`harness.core.router_terms.bind` turns into its
+    numerator), from one forward of ``model`` under the convention. The plain token mean is the loss sum itself."""
     if objective.plain:
         return convention.loss_sum(model, mb), None
     if objective.auxiliary_unit is None:

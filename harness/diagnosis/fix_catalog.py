@@ -90,6 +90,21 @@ FIXES: dict[str, str] = {
     "auxiliary_misweighted": "weigh the auxiliary term by its unit's 1/D on every microbatch alike: a per-microbatch "
                              "term aux / k on each rank ({data}); a per-token term summed over the microbatch's "
                              "supervised tokens and divided like the main loss ({right})",
+    "auxiliary_not_divided_by_k": "divide the per-microbatch auxiliary term by the accumulation steps: add aux / k "
+                                  "to each microbatch's loss on each rank ({data}), never the whole aux on every "
+                                  "microbatch",
+    "auxiliary_divided_by_dp": "multiply each rank's share of the global auxiliary term by the data group's size: "
+                               "all-reduce the assignment counts and the token count over the data ranks, and add "
+                               "dp x (this microbatch's probabilities against the window's fractions) / N, so the "
+                               "gradients' average over the data ranks sums the shares instead of averaging them "
+                               "(harness.recipes.moe_terms:global_router_balance)",
+    "auxiliary_divided_by_micro_batch_size": "sum the per-sequence auxiliary values over the microbatch's sequences, "
+                                             "not their mean over its B rows, and divide by the window's count of "
+                                             "sequences with a supervised token (all-reduced over the data ranks), "
+                                             "times the data group's size: each sequence weighs 1/S "
+                                             "(harness.recipes.moe_terms:sequence_router_balance)",
+    "auxiliary_not_divided_by_tokens": "divide the per-token auxiliary sum by the window's supervised count N, "
+                                       "all-reduced before the first backward, as the main loss is: {right}",
     "per_shard_sequence_mean": "all-reduce each row's supervised count over the cp group (mesh[\"cp\"]) before the "
                                "first backward and divide each chunk's tokens of a sequence by that whole count, and "
                                "the sum of the sequences' means by the count of sequences with a supervised token "

@@ -19,6 +19,8 @@ import torch
 from harness.core import objectives as ob
 from harness.core.compare import compare, flat_grad
 from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.core.router_terms import bind
+from harness.diagnosis import auxiliary_units as au
 from harness.diagnosis.count_groups import dims_words
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.fit import MATCH_TOLERANCE, Block, Fit, explained_residual
@@ -44,15 +46,24 @@ def auxiliary_columns(ev: Evidence, model: torch.nn.Module, window: int) -> torc
     """``[components, microbatches]``: each microbatch's gradient of its auxiliary value (None: no auxiliary term)."""
     if ev.objective.auxiliary_unit is None:
         return None
+    held = [mb for mbs in ev.windows[window] for mb in mbs]
+    finish = bind(ev.objective.auxiliary_unit, lambda mb: ev.terms(model, mb)[1], held)
     cols = []
-    for mbs in ev.windows[window]:
-        for mb in mbs:
-            model.zero_grad(set_to_none=True)
-            _, aux = ev.terms(model, mb)
-            assert aux is not None
-            aux.backward()
-            cols.append(flat_grad(model))
+    for mb in held:
+        model.zero_grad(set_to_none=True)
+        aux = finish(ev.terms(model, mb)[1])
+        assert aux is not None
+        aux.backward()
+        cols.append(flat_grad(model))
     return torch.stack(cols, dim=1)
+
+
+def held(weights: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The auxiliary term's fitted weights, NaN where its column is 0 (a microbatch whose term has no gradient, e.g.
+    a router term over a microbatch without a supervised token): such a weight is the fit's free choice, not a
+    reading."""
+    empty = columns.abs().amax(dim=0) == 0
+    return torch.where(empty, torch.full_like(weights, math.nan), weights)
 
 
 def _gradient(ev: Evidence, objective: ob.Objective, model: torch.nn.Module, windows: Sequence[Sequence[Microbatch]]
@@ -60,10 +71,13 @@ def _gradient(ev: Evidence, objective: ob.Objective, model: torch.nn.Module, win
     """The single-device gradient of ``objective`` over one global window at the model's weights."""
     z = objective.window_normalizer(windows)
     d = objective.auxiliary_denominator(windows) if objective.auxiliary_unit else 1.0
+    finish = bind(objective.auxiliary_unit, lambda mb: ev.terms(model, mb, objective)[1],
+                  [mb for rank in windows for mb in rank])
     model.zero_grad(set_to_none=True)
     for rank in windows:
         for mb in rank:
-            term, aux = ev.terms(model, mb, objective)
+            term, value = ev.terms(model, mb, objective)
+            aux = finish(value)
             (term / z if aux is None else term / z + aux / d).backward()
     return flat_grad(model)
 
@@ -280,28 +294,31 @@ def auxiliary_reading(ev: Evidence, window: int, u: torch.Tensor) -> Signature |
     head = f"the main loss's weights are right; the auxiliary term (unit {unit}, right weight 1/{d:g}) weighs {c:.4g}x"
     if spread > AUX_TOLERANCE:
         listed = ", ".join(f"{v:.3g}x" for v in ratios[:6])
-        return Signature("auxiliary_misweighted", f"the main loss's weights are right; the auxiliary term's "
-                            f"microbatches weigh {listed} the right weight: not one factor (a term added on some "
-                            "microbatches only, or scaled by each microbatch's own count)", c)
-    named: list[tuple[float, str, str]] = []
+        return au.per_microbatch(ev, window, u) or Signature(
+            "auxiliary_misweighted", f"the main loss's weights are right; the auxiliary term's microbatches weigh "
+            f"{listed} the right weight: not one factor (a term added on some microbatches only, or scaled by each "
+            "microbatch's own count)", c)
+    first, after = au.candidates(ev, window)
+    named: list[au.Candidate] = list(first)
     if unit == ob.MICROBATCH and n > 0:
         # Every cp rank of a data coordinate holds the same microbatch's value: cp copies reach the average.
         words = (f"it was scaled by the main loss's token normalization (W/N = {w}/{n} on each rank) instead of "
                  "averaged over the window's microbatches (1/k on each rank: DDP's average does the rest)")
-        named.append((d * ev.mesh.size("cp") / n, "auxiliary_token_normalized", words))
+        named.append(au.Candidate(d * ev.mesh.size("cp") / n, "auxiliary_token_normalized", words, prefix=head))
     if len(ks) == 1 and next(iter(ks)) > 1:
         (k,) = ks
-        named.append((1 / k, "auxiliary_divided_twice", f"it was divided by the microbatch count k={k} twice (once "
-                      "in the loop, once more where it was added)"))
-    named += _mesh_candidates(ev)
+        named.append(au.Candidate(1 / k, "auxiliary_divided_twice", f"it was divided by the microbatch count k={k} "
+                                  "twice (once in the loop, once more where it was added)", "k", head))
+    named += [au.Candidate(v, name, words, "cp", head) for v, name, words in _mesh_candidates(ev)]
     if w > 1:
         sym, factor = ("W", f"W={w}") if len(ev.mesh.names) < 2 else ("T", f"the token group's size T={w}")
-        named.append((float(w), "auxiliary_summed_over_ranks", f"it was summed over the ranks instead of averaged "
-                      f"(multiplied by {factor} like the main loss, whose {sym} only cancels the gradients' average "
-                      "of a global normalizer)"))
-    for value, name, words in named:
-        if abs(c / value - 1) <= AUX_TOLERANCE:
-            return Signature(name, f"{head}: {words}", c)
+        named.append(au.Candidate(float(w), "auxiliary_summed_over_ranks", f"it was summed over the ranks instead of "
+                                  f"averaged (multiplied by {factor} like the main loss, whose {sym} only cancels the "
+                                  "gradients' average of a global normalizer)", "W", head))
+    named += after
+    matches = [m for m in named if abs(c / m.value - 1) <= AUX_TOLERANCE]
+    if matches:
+        return au.reading(ev, window, c, matches)
     factor = _aux_factor(c, w, next(iter(ks)) if len(ks) == 1 else 1)
     return Signature("auxiliary_misweighted", f"{head} the right weight: {factor}", c)
 
@@ -371,5 +388,5 @@ def objective_reading(ev: Evidence, window: int, model: torch.nn.Module, sig: Si
     return sig
 
 
-__all__ = ["alternatives", "auxiliary_columns", "auxiliary_reading", "normalizer", "objective_reading",
+__all__ = ["alternatives", "auxiliary_columns", "auxiliary_reading", "held", "normalizer", "objective_reading",
            "other_objective", "per_rank_normalizer", "rank_facts", "row_reading", "wrong_normalizer"]

@@ -70,6 +70,18 @@ SIGNATURES: dict[str, str] = {
                                    "instead of averaged (the world-size factor of the main loss applied to it)",
     "auxiliary_misweighted": "the main loss's weights are right; the auxiliary term weighs another factor than its "
                              "unit's (named in the sentence)",
+    "auxiliary_not_divided_by_k": "the main loss's weights are right; a per-microbatch auxiliary term weighs k times "
+                                  "its unit's weight: added to every microbatch's loss and never divided by the "
+                                  "accumulation steps (NeMo Automodel PR #3359)",
+    "auxiliary_divided_by_dp": "the main loss's weights are right; a global auxiliary term (its router statistics "
+                               "over the whole window) weighs 1/dp of its unit's weight: averaged over the data ranks "
+                               "(Megatron-LM #3672, PR #3769)",
+    "auxiliary_divided_by_micro_batch_size": "the main loss's weights are right; a per-sequence auxiliary term weighs "
+                                             "1/B of its unit's weight in each microbatch of B rows: its sequences "
+                                             "averaged where their sum belongs (Megatron-LM PR #5798)",
+    "auxiliary_not_divided_by_tokens": "the main loss's weights are right; a per-token auxiliary term weighs N times "
+                                       "its unit's weight: never divided by the window's token total (verl #6609, "
+                                       "PR #6836)",
     "count_group": "on a device mesh, each token rank's tokens weigh N/N_S, its group's count: the count was "
                    "all-reduced over a group S of the mesh's dimensions other than the token group (dp x cp): over dp "
                    "alone under cp, each shard's own, across tp ranks that hold the same tokens",

@@ -9,8 +9,9 @@ What a recipe declares beside ``backward_window`` (docs/recipe-contract.md, "Obj
   harness draws (a policy-gradient loss); under ``weighted_token_mean`` the harness draws non-negative weights anyway;
 - ``label_smoothing`` (``--objective=label_smoothing``) or ``entropy_coefficient`` (``--objective=entropy_bonus``, whose
   advantages the harness draws whatever the recipe declares): the per-token loss's coefficient, in [0, 1);
-- ``auxiliary_unit`` (``"microbatch"`` or ``"token"``) with ``auxiliary_loss(model, batch, logits)``: the auxiliary term
-  of one microbatch, computed from the logits of its forward, that the reference adds with its unit's normalization.
+- ``auxiliary_unit`` (``"microbatch"``, ``"token"``, ``"sequence"`` or ``"global"``) with ``auxiliary_loss(model, batch,
+  logits)``: the auxiliary term of one microbatch, computed from the logits of its forward (or, under ``"global"``, its
+  router statistics, :mod:`harness.core.router_terms`), that the reference adds with its unit's normalization.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from harness.battery.plan.options import RunSpec
 from harness.battery.spec import ModelSpec
 from harness.core import objectives as ob
 from harness.core.microbatch import Microbatch
+from harness.core.router_terms import bind
 from harness.diagnosis.evidence import terms as objective_terms
 
-Auxiliary = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
+Auxiliary = Callable[[nn.Module, object, torch.Tensor], object]
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,7 +109,7 @@ def windows_for(run: RunSpec, windows: Sequence[Sequence[Sequence[Microbatch]]])
 
 
 def terms(spec: ModelSpec, objective: ob.Objective, model: nn.Module,
-          mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+          mb: Microbatch) -> tuple[torch.Tensor, object]:
     """One microbatch's term of the objective's numerator and its auxiliary value (None without one), from one
     forward of ``model`` under the run's batch convention (:func:`harness.diagnosis.evidence.terms`, with the
     recipe's own ``auxiliary_loss``). The plain token mean is the loss sum itself."""
@@ -119,11 +121,14 @@ def value_at(spec: ModelSpec, objective: ob.Objective, model: nn.Module,
     """The objective's value (its auxiliary term included) over one global window, without gradients."""
     z = objective.window_normalizer(windows)
     d = objective.auxiliary_denominator(windows) if objective.auxiliary_unit else 1.0
+    finish = bind(objective.auxiliary_unit, lambda mb: terms(spec, objective, model, mb)[1],
+                  [mb for rank in windows for mb in rank])
     total = 0.0
     with torch.no_grad():
         for rank in windows:
             for mb in rank:
-                term, aux = terms(spec, objective, model, mb)
+                term, value = terms(spec, objective, model, mb)
+                aux = finish(value)
                 total += float(term) / z + (0.0 if aux is None else float(aux) / d)
     return total
 

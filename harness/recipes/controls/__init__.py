@@ -17,7 +17,9 @@ loss_parallel), and the schedules of a pipeline (pipeline:
 ``scale_grads`` left on with accumulation over schedule steps or with a global count, stages re-initialised, a count
 over dp x pp, each schedule microbatch's own mean), and a transformers mixture-of-experts model's router auxiliary
 loss as ``Trainer`` accumulates it (transformers_moe: the model's ``coef * aux_loss`` in every microbatch's loss,
-times W, never divided by the accumulation steps). A control is one
+times W, never divided by the accumulation steps), and the built-in MoE model's router terms in each unit
+(router_terms: a per-microbatch term never divided by k, a global one averaged over the data ranks, a per-sequence one
+averaged over each microbatch's rows, a per-token one never divided by N). A control is one
 class in one of them, decorated with ``@control(Target(...), diagnosis)`` (:mod:`harness.recipes.catalog`); the tables
 here are derived from the decorators, and ``harness.recipes:<name>`` names the class (each rank builds its own).
 ``tests/distributed/test_negative_controls.py`` shows every registered control rejected, and
@@ -46,6 +48,7 @@ from harness.recipes.controls import (
     objectives,
     packed,
     pipeline,
+    router_terms,
     strategies,
     sync,
     tensor_parallel,
@@ -54,7 +57,8 @@ from harness.recipes.controls import (
 )
 
 FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, strategies, clipping,
-            context_parallel, hsdp, tensor_parallel, loss_parallel, pipeline, expert_parallel, transformers_moe)
+            context_parallel, hsdp, tensor_parallel, loss_parallel, pipeline, expert_parallel, transformers_moe,
+            router_terms)
 """Every module that defines controls, in the order the battery lists them."""
 
 CONTROLS: dict[str, Target] = targets()
