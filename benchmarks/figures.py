@@ -526,6 +526,13 @@ REGISTRY: tuple[Figure, ...] = (
            "mask), itself {floor} from each sequence run alone.", "packing.json",
            _one("floor", lambda d: sci(max(v for v in d["reference_floor"].values() if v is not None and v < 1e-10)))),
 
+    Figure("docs/libraries.md", "(parity on the uneven scenario, fp32, `benchmarks/results/transformers_moe.json`): "
+           "{table:table}", "transformers_moe.json",
+           _one("table", lambda d: str(_benchmark("transformers_moe").markdown(d)))),
+    Figure("docs/libraries.md", "uniform routing gives k ({uniform} here with the router weights zeroed), not 1 (the "
+           "Mixtral's value at initialization is {init});", "transformers_moe.json",
+           lambda d: {"uniform": f"{d['aux_loss']['uniform']:.4f}", "init": f"{d['aux_loss']['at_init']:.4f}"}),
+
     # docs/tests.md
     Figure("docs/tests.md", "`benchmarks/results/suite.json` (commit {commit}): {tests} tests ({passed} passed, "
            "{skipped} skipped:", "suite.json",

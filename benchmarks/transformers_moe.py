@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "harness.recipes.libraries.transformers_moe"
@@ -48,6 +50,28 @@ def aux_values() -> dict[str, float]:
         for layer in model.model.layers:
             layer.mlp.gate.weight.zero_()
     return {"at_init": at_init, "uniform": aux()}
+
+
+def _cell(case: dict[str, Any]) -> str:
+    if case["status"] == "pass":
+        return f"pass, {case['max_error']:.1e}"
+    factor = re.search(r"weighs (\S+)x the right weight", str(case["line"]))
+    return f"FAIL {case['max_error']:.1e}" + (f", {factor.group(1)}x" if factor else "")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/libraries.md quotes: one row per recipe, one column per (model, W), each cell the parity
+    verdict, its max abs error and, failing, the router term's weight over the right one."""
+    cases = result["cases"]
+    columns = [(m, w) for m in MODELS for w in (2, 3)]
+    label = {"tiny_mixtral": "Mixtral", "tiny_qwen2_moe": "Qwen2-MoE"}
+    head = ["recipe", *(f"{label[m]} W={w}" for m, w in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name in RECIPES:
+        by = {(c["model"], c["world_size"]): c for c in cases if c["recipe"] == name}
+        shown = f"`{name}`" + (" (Trainer as shipped)" if name == "trainer_router_loss_per_microbatch" else "")
+        lines.append("| " + " | ".join([shown, *(_cell(by[col]) for col in columns)]) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                            "python": platform.python_version()}, "scenario": "uneven", "cases": cases, "aux_loss": aux}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(result))
     return 0
 
 

@@ -30,7 +30,9 @@ class TrainerRouterLossPerMicrobatch:
     divides it by the accumulation steps. The token part is right; the router term, one value per microbatch,
     weighs ``W * k`` times its per-microbatch mean (measured with transformers 5.25.0: 4x at W=2, k=2). The declared
     term is the one a single-microbatch step gives it, ``coef * aux_loss`` averaged over the window's microbatches
-    (:class:`~harness.recipes.libraries.transformers_moe.RouterAuxLossTokenMean`)."""
+    (:class:`~harness.recipes.libraries.transformers_moe.RouterAuxLossTokenMean`). The k is NeMo Automodel PR
+    #3359's mistake (a model-provided MoE auxiliary loss in every microbatch's backward without the accumulation's
+    normalization); the W is transformers issue #48690's (the router loss multiplied by the DDP world size)."""
 
     name = "trainer_router_loss_per_microbatch"
     auxiliary_unit = "microbatch"
