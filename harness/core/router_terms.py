@@ -100,6 +100,11 @@ def global_value(per_microbatch: Sequence[Sequence[RouterStatistics]], tokens: f
     return torch.stack([global_numerator(s, fractions) for s in per_microbatch]).sum() / tokens
 
 
+class DeclarationError(TypeError):
+    """A recipe's auxiliary term is not what its ``auxiliary_unit`` declares: the recipe's to fix, never the model's
+    (a battery run reports it as the recipe's error, on any ``--model``)."""
+
+
 Bound = Callable[[object], "torch.Tensor | None"]
 """What a microbatch's auxiliary value becomes in its window: a tensor to add over the unit's denominator."""
 
@@ -122,7 +127,7 @@ def bind(unit: str | None, statistics_of: Callable[[Microbatch], object],
             msg = (f"auxiliary_unit='global': layer {i}'s router statistics count {total:g} assignments over the "
                    f"window's {tokens} supervised tokens, not K per token: count the supervised tokens only (mask "
                    "labels != IGNORE_INDEX; under cp the whole row's, all-reduced over the cp group)")
-            raise ValueError(msg)
+            raise DeclarationError(msg)
     return lambda value: global_numerator(_stats(value), fractions)
 
 
@@ -130,7 +135,7 @@ def _scalar(value: object) -> torch.Tensor | None:
     if value is not None and not isinstance(value, torch.Tensor):
         msg = (f"auxiliary_loss returned {type(value).__name__}: under auxiliary_unit 'microbatch', 'token' or "
                "'sequence' it returns one tensor; router statistics belong to auxiliary_unit = 'global'")
-        raise TypeError(msg)
+        raise DeclarationError(msg)
     return value
 
 
@@ -141,8 +146,9 @@ def _stats(value: object) -> Sequence[RouterStatistics]:
                "microbatch's router statistics, a list of harness.core.router_terms.RouterStatistics (one per MoE "
                "layer; router_terms.statistics(probs, chosen, mask) builds one), which the harness combines over the "
                "window")
-        raise TypeError(msg)
+        raise DeclarationError(msg)
     return value
 
 
-__all__ = ["Bound", "RouterStatistics", "bind", "global_numerator", "global_value", "statistics", "window_fractions"]
+__all__ = ["Bound", "DeclarationError", "RouterStatistics", "bind", "global_numerator", "global_value", "statistics",
+           "window_fractions"]

@@ -127,13 +127,14 @@ def test_a_global_term_that_counts_other_tokens_than_the_supervised_ones_is_refu
         mask = mb.inputs != 4
         return model.p.sum() * 0.0, [rt.statistics(out.probs, out.chosen, mask)]
 
-    with pytest.raises(ValueError, match=r"count the supervised tokens only \(mask labels != IGNORE_INDEX"):
+    with pytest.raises(rt.DeclarationError, match=r"count the supervised tokens only \(mask labels != IGNORE_INDEX"):
         reference_gradient(_Router(), WINDOW, objective=Objective(auxiliary_unit="global"), terms_of=terms_of)
 
 
 def test_a_global_term_that_returns_a_tensor_is_told_to_return_statistics() -> None:
-    """Under the global unit a scalar cannot be combined over the window: the TypeError names RouterStatistics."""
-    with pytest.raises(TypeError, match=r"auxiliary_unit='global' it returns the microbatch's router statistics"):
+    """Under the global unit a scalar cannot be combined over the window: the error names RouterStatistics (a
+    DeclarationError, the recipe's to fix on any model)."""
+    with pytest.raises(rt.DeclarationError, match=r"auxiliary_unit=.global. it returns the microbatch's router stat"):
         reference_gradient(_Router(), WINDOW, objective=Objective(auxiliary_unit="global"),
                            terms_of=_terms("microbatch"))
 

@@ -20,6 +20,7 @@ from harness.core.formats import HARNESS
 from harness.core.microbatch import Microbatch
 from harness.core.objectives import PLAIN, Objective
 from harness.core.reference import Reference, reference_gradient
+from harness.core.router_terms import DeclarationError
 
 LR = 0.1
 """SGD step between windows (plain SGD: the battery checks gradients, not optimizer state)."""
@@ -102,7 +103,7 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
                 ref = (reference_gradient(model, window, loss_of, used=seen) if objective.plain else
                        reference_gradient(model, window, used=seen, objective=objective, terms_of=terms_of))
             except Exception as exc:
-                if spec.path is None:
+                if spec.path is None or isinstance(exc, DeclarationError):  # the recipe's error, not the model's
                     raise
                 mb = current[0] if current else window[0][0]
                 where = next(((r, m) for r, mbs in enumerate(window) for m, x in enumerate(mbs) if x is mb), (0, 0))
