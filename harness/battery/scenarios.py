@@ -153,6 +153,12 @@ def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbat
     sure of by :func:`_as_real_data_has_them`, which also keeps rows with and without a prompt in every scenario),
     different numbers of rows (:func:`row_counts`), and every count over 256 far from bfloat16's grid
     (:func:`_far_from_the_grid`). ``rows_per_microbatch`` is one number for every window, or one per window."""
+    return _collated(_drawn_rows(world_size, microbatches, rows_per_microbatch, seed_offset))
+
+
+def _drawn_rows(world_size: int, microbatches: Sequence[int], rows_per_microbatch: int | Sequence[int] | None,
+                seed_offset: int) -> list[list[list[list[Row]]]]:
+    """:func:`plan_windows`' rows as the plan draws them, before the edits that keep counts apart."""
     given = rows_per_microbatch or BATTERY_CONFIG.batch_size_per_rank
     rows_each = [given] * len(microbatches) if isinstance(given, int) else list(given)
     corpus = corpus_config(world_size)
@@ -162,13 +168,39 @@ def plan_windows(world_size: int, microbatches: Sequence[int], rows_per_microbat
     )
     rows = _corpus(corpus)
     plan = make_plan(rows, config, world_size=world_size, steps=len(microbatches))
-    drawn = [[[[rows[i] for i in ids[:n]] for ids, n in zip(rank_ids, row_counts(r, k, each))]
-              for r, rank_ids in enumerate(step)]
-             for step, k, each in zip(plan, microbatches, rows_each)]
+    return [[[[rows[i] for i in ids[:n]] for ids, n in zip(rank_ids, row_counts(r, k, each))]
+             for r, rank_ids in enumerate(step)]
+            for step, k, each in zip(plan, microbatches, rows_each)]
+
+
+def _collated(drawn: list[list[list[list[Row]]]]) -> Windows:
+    """The drawn rows with counts kept apart (:func:`_as_real_data_has_them`, :func:`_far_from_the_grid`), collated."""
     _as_real_data_has_them(drawn)
     for window in drawn:
         _far_from_the_grid(window)
     return [[[collate(mb) for mb in rank] for rank in window] for window in drawn]
+
+
+def token_budget(world_size: int) -> Windows:
+    """Ranks whose rows a token budget re-splits into different numbers of micro-batches (verl's ``use_dynamic_bsz``,
+    :mod:`harness.recipes.dynamic`): two microbatches of about 5 rows per rank, and the longest row of the last
+    rank's window swapped for the shortest row of rank 0's first microbatch, so rank 0 holds one long row among
+    short ones and the last rank short rows among long ones. At a budget of twice the longest sequence (256 tokens)
+    rank 0 runs fewer micro-batches than the last rank (``tests/unit/test_dynamic_microbatches.py``), and each
+    micro-batch holds its own count: a loss that divides each micro-batch's mean by this rank's micro-batch count
+    weighs every micro-batch alike, and the ranks' micro-batches each by their own rank's count."""
+    drawn = _drawn_rows(world_size, [2], 5, seed_offset=5)
+    window = drawn[0]
+    if world_size > 1:
+        first, last = window[0][0], [r for mb in window[-1] for r in mb]
+        short = min(range(len(first)), key=lambda i: len(first[i].tokens))
+        long_row = max(last, key=lambda r: len(r.tokens))
+        for mb in window[-1]:
+            if long_row in mb:
+                mb[mb.index(long_row)] = first[short]
+                break
+        first[short] = long_row
+    return _collated(drawn)
 
 
 def unsupervised(mb: Microbatch) -> Microbatch:
@@ -276,10 +308,12 @@ SCENARIOS: dict[str, Callable[[int], Windows]] = {
     "one_empty": one_empty,
     "all_empty": all_empty,
     "balanced": balanced,
+    "token_budget": token_budget,
 }
 
-BATTERY_SCENARIOS = ("uneven", "single", "long", "varying", "sparse", "one_empty", "all_empty")
-"""The scenarios every recipe under test runs through (``balanced`` only documents a blind spot)."""
+BATTERY_SCENARIOS = ("uneven", "single", "long", "varying", "sparse", "one_empty", "all_empty", "token_budget")
+"""The scenarios every recipe under test runs through (``balanced`` only documents a blind spot); ``--quick`` runs
+three of them (:data:`harness.battery.plan.selection.QUICK_SCENARIOS`)."""
 
 MULTI_RANK_ONLY = frozenset({"one_empty"})
 """Scenarios that need two ranks or more (one empty rank of one is every rank: that is ``all_empty``)."""
