@@ -26,6 +26,7 @@ from harness.diagnosis import objective as od
 from harness.diagnosis import packed as pd
 from harness.diagnosis import ranks as rr
 from harness.diagnosis.axes import axes_of
+from harness.diagnosis.constant import constant_reading
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.experts import expert_reading, router_cut_off
 from harness.diagnosis.fit import (
@@ -419,7 +420,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
         # Per-rank readings need weights the microbatch fit explains (a reading of the rows' fit keeps its own).
         q = [float(w) * z if fit.residual <= explained_residual() else math.nan for w in fit.weights]
         sig = od.objective_reading(ev, window, model, sig, blocks, q, g, atol, rtol)
-        sig = loss_parallel_reading(ev, window, model, sig, g, atol, rtol) or sig  # per-token losses over tp
+        sig = loss_parallel_reading(ev, window, model, sig, g, atol, rtol) or constant_reading(ev, sig) or sig
         # (a scale of 1 within a match is the main loss right, its weights read less exactly beside the term's)
         unit = sig.name == "global_scale" and sig.factor is not None and abs(sig.factor - 1) <= match_tolerance()
         if aux_fit is not None and (unit or sig.name in ("correct", "extra_term", "float32_computation",

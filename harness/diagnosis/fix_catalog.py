@@ -81,6 +81,14 @@ FIXES: dict[str, str] = {
     "other_objective": "{found}",
     "wrong_normalizer": "{right}; not by another all-reduced quantity",
     "per_rank_normalizer": "{right}; not by a normalizer of each rank's own (its batch's padded length, its row count)",
+    "dynamic_microbatch_mean": "{right}, whatever micro-batches a token budget re-splits the window into (each "
+                               "rank's own count of them, one synchronization on its last); not each micro-batch's "
+                               "own mean divided by the rank's micro-batch count, which weighs a micro-batch of few "
+                               "tokens like one of many and a rank of many micro-batches less (verl: "
+                               "use_dynamic_bsz with loss_agg_mode=token-mean and the global token count)",
+    "constant_averaged_over_ranks": "multiply each rank's {term} over the declared constant by {size}, as the token "
+                                    "mean's loss is: {right}; the gradients' average over the ranks divides by W, "
+                                    "and a constant has no all-reduced count to cancel it (verl #5366's * dp_size)",
     "auxiliary_token_normalized": "average the auxiliary term over the window's microbatches: add aux / k on each "
                                   "rank ({data}), not aux times the main loss's factor ({size}) over its count",
     "auxiliary_divided_twice": "divide the auxiliary term by the microbatch count k once ({data}): aux / k, added "

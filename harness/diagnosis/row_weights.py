@@ -72,7 +72,65 @@ def read_rows(rows: Sequence[Block], token_weight: Sequence[float], world_size: 
             times = "" if abs(scale - 1) <= ROW_TOLERANCE else f", times {scale:.4g}"
             return Signature(name, f"a {kind} mean over {what}: every token weighs 1/({factors}{count}){times}; the "
                              f"per-sequence view fits it (residual {residual:.1e}), where {declared}", scale)
-    return None
+    return read_own_splits(live, world_size, residual, declared)
+
+
+def _own_split(held: Sequence[tuple[Block, float]]) -> tuple[float, int, int] | None:
+    """One rank's rows grouped by equal token weight: ``(u, K, rows in the largest group)`` where every group's
+    weight x tokens is a whole multiple of ``u`` (a group of equal weights is a micro-batch, or several of equal
+    counts), ``K`` those multiples' sum; None where they are not whole multiples."""
+    groups: list[list[float]] = []  # [token weight, tokens, rows]
+    for b, t in sorted(held, key=lambda bt: bt[1]):
+        if groups and abs(t / groups[-1][0] - 1) <= ROW_TOLERANCE:
+            groups[-1][1] += b.tokens
+            groups[-1][2] += 1
+        else:
+            groups.append([t, b.tokens, 1])
+    masses = [w * n for w, n, _ in groups]
+    unit = min(masses)
+    if unit <= 0:
+        return None
+    multiples = [round(m / unit) for m in masses]
+    if any(abs(m / (j * unit) - 1) > ROW_TOLERANCE for m, j in zip(masses, multiples)):
+        return None
+    return unit, sum(multiples), int(max(rows for _, _, rows in groups))
+
+
+def read_own_splits(live: Sequence[tuple[Block, float]], world_size: int, residual: float,
+                    declared: str) -> Signature | None:
+    """``dynamic_microbatch_mean`` where the rows' token weights are each rank's own micro-batches' token means,
+    each divided by that rank's micro-batch count ``K_r``: rows of one micro-batch share the weight
+    ``1/(W * K_r * n_d)`` (``n_d`` its supervised tokens), so each micro-batch weighs ``1/(W * K_r)`` whatever its
+    tokens. The micro-batches are the rank's own re-split of its rows (a token budget, verl's ``use_dynamic_bsz``),
+    not the window's microbatches, and are read off the weights: groups of equal token weight. ``K_r`` is the
+    groups' count (a group of two micro-batches of one count weighs twice); where a rank's split also held
+    micro-batches without a supervised token, they count in ``K_r`` unseen, and the weights read at scale 1 give it.
+    None where a rank's groups do not weigh whole multiples of one weight, where no group holds two rows (a mean per
+    row is a sequence mean), or where ranks' scales differ."""
+    by_rank: dict[int, list[tuple[Block, float]]] = {}
+    for b, t in live:
+        by_rank.setdefault(b.rank, []).append((b, t))
+    splits = {r: _own_split(held) for r, held in sorted(by_rank.items())}
+    if any(s is None for s in splits.values()) or max(s[2] for s in splits.values() if s) < 2:
+        return None
+    held = {r: s for r, s in splits.items() if s is not None}
+    if all(k == 1 for _, k, _ in held.values()):
+        return None  # one micro-batch per rank: a mean of local means, read as such
+    scales = [world_size * k * u for u, k, _ in held.values()]
+    c = sum(scales) / len(scales)
+    counts = {r: k for r, (_, k, _) in held.items()}
+    if max(abs(s / c - 1) for s in scales) > ROW_TOLERANCE:
+        whole = {r: 1 / (world_size * u) for r, (u, _, _) in held.items()}  # scale 1: K_r is 1/(W u)
+        if any(abs(x - round(x)) > ROW_TOLERANCE * x or round(x) < held[r][1] for r, x in whole.items()):
+            return None
+        c, counts = 1.0, {r: round(x) for r, x in whole.items()}
+    times = "" if abs(c - 1) <= ROW_TOLERANCE else f", times {c:.4g}"
+    said = ", ".join(f"rank {r}: {k}" for r, k in counts.items())
+    return Signature("dynamic_microbatch_mean", f"a token mean per micro-batch of each rank's own split, divided by "
+                     f"the rank's micro-batch count K_r ({said}): every token of micro-batch d weighs "
+                     f"1/(W * K_r * n_d){times}, so each micro-batch weighs 1/(W * K_r) whatever its tokens (a window "
+                     f"re-split by a token budget, each micro-batch's mean over the rank's count); the per-sequence "
+                     f"view fits it (residual {residual:.1e}), where {declared}", c)
 
 
 def merge_chunks(rows: Sequence[Block], token_weight: Sequence[float], whole: Sequence[int], cp: int
@@ -132,4 +190,4 @@ def read_packs(rows: Sequence[Block], token_weight: Sequence[float], packs: Sequ
                      f"rows); the per-sequence view fits it (residual {residual:.1e}), where {declared}", c)
 
 
-__all__ = ["ROW_TOLERANCE", "merge_chunks", "pack_mean_weights", "read_packs", "read_rows"]
+__all__ = ["ROW_TOLERANCE", "merge_chunks", "pack_mean_weights", "read_own_splits", "read_packs", "read_rows"]

@@ -61,6 +61,13 @@ SIGNATURES: dict[str, str] = {
                         "belongs)",
     "per_rank_normalizer": "each rank's tokens weigh their own factor: each rank divided by a normalizer of its own "
                            "(its local batch's padded length) instead of the constant the recipe declares",
+    "dynamic_microbatch_mean": "each rank's rows fall in micro-batches of its own (a re-split by a token budget, "
+                               "not the window's microbatches), and a token of micro-batch d weighs "
+                               "1/(W * K_r * n_d): each micro-batch's token mean divided by the rank's micro-batch "
+                               "count K_r (verl #3294, #4021)",
+    "constant_averaged_over_ranks": "under a constant normalizer C every token weighs 1/(W * C): the loss sum divided "
+                                    "by the constant without the data-parallel factor, so the gradients' average "
+                                    "over the W ranks divides it again (verl #3741, #5366)",
     "auxiliary_token_normalized": "the main loss's weights are right; the auxiliary term, one value per microbatch, "
                                   "was scaled by the main loss's token normalization (W/N) instead of averaged over "
                                   "the window's microbatches",

@@ -6,7 +6,9 @@ synchronize, windows without tokens, what a step must leave alone (hygiene), the
 sequence mean over rows), and mistakes that
 depend on the world size (world: right at the W their author tested, declared where they show), recipes right
 for one declared objective judged under another, or wrong for their own (objectives: a weighted mean over the count, a
-normalizer from the local batch, auxiliary terms in the wrong unit), how a recipe meets its strategy (strategies:
+normalizer from the local batch, auxiliary terms in the wrong unit), RL trainers' normalizations (dynamic:
+token-budget micro-batches each divided by the rank's micro-batch count, a constant normalizer without the
+data-parallel factor), how a recipe meets its strategy (strategies:
 FSDP2's knobs, one strategy's no-sync under the other), clipping at the wrong moment or over the wrong gradient
 (clipping), counts reduced over the wrong group of a dp x cp mesh (context_parallel), mistakes that need HSDP's
 two data-parallel dimensions (hsdp: a factor for the shard group alone, a norm summed over the replicas), and the
@@ -38,6 +40,7 @@ from harness.recipes.controls import (
     accumulation,
     clipping,
     context_parallel,
+    dynamic,
     empty,
     expert_parallel,
     hf,
@@ -56,7 +59,8 @@ from harness.recipes.controls import (
     world,
 )
 
-FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, strategies, clipping,
+FAMILIES = (normalization, accumulation, sync, empty, hygiene, hf, packed, world, objectives, dynamic, strategies,
+            clipping,
             context_parallel, hsdp, tensor_parallel, loss_parallel, pipeline, expert_parallel, transformers_moe,
             router_terms)
 """Every module that defines controls, in the order the battery lists them."""
