@@ -427,7 +427,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
                                                          "unexplained")):
             sig = od.auxiliary_reading(ev, window, aux_fit) or sig
     if sig.name == "unexplained":
-        sig = sharded_sequence_note(ev, sig)
+        sig = sharded_sequence_note(ev, sig, window, model, g)
     if ev.batch_format == PACKED and sig.name not in ("nonfinite", "weights_edited"):
         # The reference is the sequences unpacked: a model whose packed forward is another function is the cause,
         # whatever weighting its gradient happens to fit, and the recipe is not blamed.

@@ -119,6 +119,11 @@ FIXES: dict[str, str] = {
                                "taken over the data-parallel group (harness.recipes.data_group(mesh)), each sequence "
                                "once, times the token group's size (harness.recipes.token_group_size(mesh)); "
                                "harness.recipes.mesh_objectives:mesh_sequence_mean does this",
+    "labels_shifted_per_chunk": "shift the labels for next-token prediction once, on the whole sequence before it "
+                                "is sharded over cp (the sequence-parallel splitter's or the collator's shift), and "
+                                "take each cp rank's chunk of labels as aligned with its logits: never shift a "
+                                "rank's chunk again (that drops its first target and moves every other one a "
+                                "position ahead); then {right}",
     "count_group": "all-reduce the count over the token group, {group}, not over the group this reading names, and "
                    "multiply by {size}: {right}",
     "experts_scaled": "sum each expert parameter's gradient over the expert-data group (the ranks holding the same "

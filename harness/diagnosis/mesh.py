@@ -4,7 +4,8 @@ A count reduced over the wrong group of the mesh weighs the blocks of one group 
 (:mod:`harness.diagnosis.count_groups` reads which group off the fitted weights); a common scale that is one mesh size
 over another is named by those sizes; on a mesh with cp each cp rank's chunk of a microbatch is a block of its own
 (:func:`token_blocks`); a model that shards the sequence itself is named where nothing else explains the gradient
-(:func:`sharded_sequence_note`).
+(:func:`sharded_sequence_note`), after the one mistake of such a run's labels the diagnosis tests: each cp rank
+shifting its chunk's already shifted labels again (:func:`chunk_shift_reading`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import math
 
 import torch
 
+from harness.core.compare import flat_grad
 from harness.core.mesh import Mesh
 from harness.core.microbatch import IGNORE_INDEX, PAD, Microbatch
 from harness.core.objective_names import SEQUENCE_MEAN
-from harness.data.context_parallel import supervise_chunk
+from harness.data.context_parallel import positions, supervise_chunk
 from harness.diagnosis.count_groups import count_group, mesh_factor
 from harness.diagnosis.evidence import Evidence
 from harness.diagnosis.fit import Block, Fit, explained_residual
@@ -108,16 +110,73 @@ def per_shard_sequence_reading(ev: Evidence, window: int, rows: list[tuple[Micro
     return Signature("per_shard_sequence_mean", f"{SIGNATURES['per_shard_sequence_mean']}; {said}")
 
 
-def sharded_sequence_note(ev: Evidence, sig: Signature) -> Signature:
-    """An unexplained reading on a cp mesh whose model shards the sequence itself (its ``cp_plan``): the sentence
-    says the forward over the chunks may be the cause."""
+def chunk_shifted_labels(mb: Microbatch, cp_rank: int, cp: int, chunking: str) -> Microbatch:
+    """``mb`` with cp rank ``cp_rank``'s labels shifted one more column within its chunk, as a rank that shifts
+    the labels it holds does: each held position's target becomes the next held position's (the chunk's first
+    target dropped, its last held position unsupervised), every other position unsupervised."""
+    held = positions(mb.labels.shape[1], cp_rank, cp, chunking).to(mb.labels.device).nonzero().flatten()
+    labels = torch.full_like(mb.labels, IGNORE_INDEX)
+    labels[:, held[:-1]] = mb.labels[:, held[1:]]
+    return Microbatch(mb.inputs, labels)
+
+
+def chunk_shift_reading(ev: Evidence, window: int, model: torch.nn.Module, g: torch.Tensor) -> Signature | None:
+    """Under cp with a model that shards the sequence, and the token mean: the gradient every cp rank leaves by
+    shifting its chunk's labels one more column (:func:`chunk_shifted_labels`: labels shifted and sharded, then
+    shifted again on each rank), tested as one hypothesis: the shifted chunks' loss sums, recomputed on whole
+    sequences, at one common weight ``s``, within the fit's explained residual. The scale is named where it is
+    ``1/N'`` (the shifted labels' own count) or ``1/N``. None otherwise."""
+    cp = ev.mesh.size("cp")
+    if cp < 2 or not ev.objective.plain or sequence_plan_of(ev.model_path) is None:
+        return None
+    h = torch.zeros_like(g)
+    shifted = 0
+    for mbs in ev.windows[window]:
+        for mb in mbs:
+            for c in range(cp):
+                part = chunk_shifted_labels(mb, c, cp, ev.chunking)
+                if part.supervised:
+                    shifted += part.supervised
+                    model.zero_grad(set_to_none=True)
+                    ev.model.loss_sum(model, part).backward()
+                    h = h + flat_grad(model).to(g.dtype)
+    hh = float(h.dot(h))
+    if hh == 0 or float(g.norm()) == 0:
+        return None
+    scale = float(g.dot(h)) / hh
+    gap = float((g - scale * h).norm() / g.norm())
+    if gap > explained_residual():
+        return None
+    n = sum(mb.supervised for mbs in ev.windows[window] for mb in mbs)
+    said = f"the gradient is that loss times {scale:.6g} ({gap:.1e} left unexplained)"
+    for z, what in ((shifted, f"1/N' = 1/{shifted}, the shifted labels' own count"), (n, f"1/N = 1/{n}")):
+        if abs(scale * z - 1) <= 1e-3:
+            said = f"each of them weighs {what} ({gap:.1e} left unexplained)"
+            break
+    return Signature("labels_shifted_per_chunk", f"{SIGNATURES['labels_shifted_per_chunk']}: the gradient is the "
+                     f"loss of the {shifted} targets the cp ranks keep after each shifts its chunk's labels one more "
+                     f"position, where the window's {n} belong; {said}")
+
+
+def sharded_sequence_note(ev: Evidence, sig: Signature, window: int | None = None,
+                          model: torch.nn.Module | None = None, g: torch.Tensor | None = None) -> Signature:
+    """An unexplained reading on a cp mesh whose model shards the sequence itself (its ``cp_plan``): the labels
+    shifted again on each cp rank where that explains the gradient (:func:`chunk_shift_reading`, given the window,
+    the model at the rank's starting weights and the gradient), else the sentence says the forward over the chunks
+    may be the cause."""
     if ev.mesh.size("cp") < 2 or sequence_plan_of(ev.model_path) is None:
         return sig
+    if window is not None and model is not None and g is not None:
+        shifted = chunk_shift_reading(ev, window, model, g)
+        if shifted is not None:
+            return shifted
     return dataclasses.replace(sig, sentence=f"{sig.sentence}; this run's model shards the sequence (its cp_plan): "
                               "a gradient no re-weighting gives can come from its forward over the chunks (an "
                               "attention masked for another chunking than the run's, positions not passed), "
-                              "which the reference, on whole sequences, does not share: run the same with the "
-                              "other --cp-chunking, or compare the sharded logits with the whole ones")
+                              "which the reference, on whole sequences, does not share, or from labels shifted "
+                              "in another way than the batch's: run the same with the other --cp-chunking, or "
+                              "compare the sharded logits with the whole ones")
 
 
-__all__ = ["mesh_reading", "per_shard_sequence_reading", "sharded_sequence_note", "token_blocks"]
+__all__ = ["chunk_shift_reading", "chunk_shifted_labels", "mesh_reading", "per_shard_sequence_reading",
+           "sharded_sequence_note", "token_blocks"]

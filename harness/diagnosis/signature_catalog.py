@@ -95,6 +95,11 @@ SIGNATURES: dict[str, str] = {
     "per_shard_sequence_mean": "under cp, each chunk's tokens of a sequence weigh 1/(S * n_chunk): every cp rank "
                                "divided its chunk of a sequence by the chunk's own count of its tokens, not the whole "
                                "sequence's (a per-shard sequence mean)",
+    "labels_shifted_per_chunk": "under cp with a model that shards the sequence (Ulysses, a gathered attention), "
+                                "every cp rank's labels shifted one more position within its chunk: each chunk's "
+                                "first target dropped and every other position trained on the next one's target, "
+                                "the token two ahead (labels shifted and sharded, then shifted again on each rank, "
+                                "ms-swift PR #10185)",
     "not_reduced_over_group": "on a mesh, some tensors' synchronized gradients differ between ranks along one "
                               "dimension: replicated parameters never all-reduced over it (tp's norms; a "
                               "mixture-of-experts router and experts on each tp rank's sequence shard, torchtitan "

@@ -13,6 +13,7 @@ on (``Target(mesh=...)``) and what the diagnosis reads in its gradient (``@contr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from harness.core.formats import supervised_tokens
 from harness.core.loss import count_device, global_token_loss
-from harness.core.microbatch import Microbatch
+from harness.core.microbatch import IGNORE_INDEX, Microbatch
 from harness.recipes.catalog import Target, control
 from harness.recipes.correct import accumulate
 from harness.recipes.helpers import require_tokens, token_group, token_group_size
@@ -128,3 +129,56 @@ class PerShardSequenceMean(SequenceMean):
     count all-reduced over the cp group, the sequences counted over the data-parallel group)."""
 
     name = "per_shard_sequence_mean"
+
+
+ULYSSES = "harness.ulysses:ulysses"
+"""The built-in model with Ulysses' attention (heads over cp, two all-to-alls): the sequence-parallel model the two
+controls below run on."""
+
+
+@control(Target("parity", "uneven", mesh=MESH, model=ULYSSES), "global_scale")
+class LossTimesDataParallelUnderSp:
+    """Ulysses sequence parallelism with the loss scaled by the data-parallel size where the gradients are averaged
+    over dp x sp: each rank's loss sum times ``dp / N`` (``N`` the window's count, rightly all-reduced over dp x sp),
+    where ``dp * sp / N`` belongs. Every gradient is ``1/sp`` of the reference's (VeOmni PR #338: ``loss * dp_size``
+    where its fsdp group, dp x sp, averages; its own check, 8 ranks at sp=8, logged a loss 8 times too small). Right
+    on a mesh without sp (cp here)."""
+
+    name = "loss_times_dp_under_sp"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        total = require_tokens(_count_over(window, token_group(mesh)))
+        size = int(mesh["dp"].size())
+        accumulate(model, window, lambda s: global_token_loss(s, total, size))
+        return None
+
+
+def shifted_again(mb: Microbatch) -> Microbatch:
+    """``mb`` with its labels moved one more column to the left within what this rank holds: each column's target
+    becomes the next column's (the chunk's first target dropped, its last column unsupervised). On a cp rank of a
+    model that shards the sequence the columns are its chunk, already shifted before sharding."""
+    labels = torch.full_like(mb.labels, IGNORE_INDEX)
+    labels[:, :-1] = mb.labels[:, 1:]
+    weights = None
+    if mb.weights is not None:
+        weights = torch.zeros_like(mb.weights)
+        weights[:, :-1] = mb.weights[:, 1:]
+    return dataclasses.replace(mb, labels=labels, weights=weights)
+
+
+@control(Target("parity", "uneven", mesh=MESH, model=ULYSSES), "labels_shifted_per_chunk")
+class LabelsShiftedAgainPerChunk:
+    """Ulysses sequence parallelism whose labels were shifted for next-token prediction and sharded, and are shifted
+    again on each rank, as a loss written for unshifted labels does (ms-swift PR #10185): every sp rank drops its
+    chunk's first target and trains each position to predict the target of the position after it, the token two
+    ahead. The count is the shifted labels' own, over dp x sp, and the factor right. Right nowhere: on a mesh without
+    sp it shifts every row instead (a double shift)."""
+
+    name = "labels_shifted_again_per_chunk"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        shifted = [shifted_again(mb) for mb in window]
+        total = require_tokens(_count_over(shifted, token_group(mesh)))
+        size = token_group_size(mesh)
+        accumulate(model, shifted, lambda s: global_token_loss(s, total, size))
+        return None
