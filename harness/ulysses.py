@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.data.config import Config
-from harness.model import Block, TinyCausalLM, build_model
+from harness.model import Block, ModelError, TinyCausalLM, build_model
 
 
 class _AllToAll(torch.autograd.Function):
@@ -128,9 +128,19 @@ class UlyssesBlock(Block):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+def check_heads(cp: int, n_heads: int) -> None:
+    """:class:`~harness.model.ModelError` (a ValueError) naming both where ``cp`` does not divide ``n_heads`` (Ulysses
+    gives each cp rank ``n_heads / cp`` whole heads)."""
+    if n_heads % cp:
+        msg = (f"cp={cp} does not divide n_heads={n_heads}: Ulysses sequence parallelism gives each cp rank n_heads / "
+               f"cp whole heads; run a cp that divides {n_heads} (--mesh dp=2,cp=2 for the built-in model's 2 heads), "
+               "or the all-gather attention, --model harness.model:sequence_sharded")
+        raise ModelError(msg)
+
+
 def ulysses_cp_plan(model: nn.Module, cp_mesh: Any) -> None:
     """Make every :class:`UlyssesBlock` of ``model`` split its heads over ``cp_mesh`` (in place); ValueError where
-    the cp size does not divide a block's heads (Ulysses gives each cp rank ``n_heads / cp`` whole heads)."""
+    the cp size does not divide a block's heads (:func:`check_heads`)."""
     cp = int(cp_mesh.size())
     blocks = [m for m in model.modules() if isinstance(m, UlyssesBlock)]
     if not blocks:
@@ -138,14 +148,15 @@ def ulysses_cp_plan(model: nn.Module, cp_mesh: Any) -> None:
                "harness.ulysses:ulysses (or harness.ulysses.ulysses_blocks(model))")
         raise ValueError(msg)
     for block in blocks:
-        if block.n_heads % cp:
-            msg = (f"cp={cp} does not divide n_heads={block.n_heads}: Ulysses sequence parallelism gives each cp "
-                   f"rank n_heads / cp whole heads; run a cp that divides {block.n_heads} (--mesh dp=2,cp=2 for the "
-                   "built-in model's 2 heads), or the all-gather attention, --model harness.model:sequence_sharded")
-            raise ValueError(msg)
+        check_heads(cp, block.n_heads)
     group = cp_mesh.get_group()
     for block in blocks:
         block.cp_group = group
+
+
+ulysses_cp_plan.check = lambda cp: check_heads(cp, Config().n_heads)  # type: ignore[attr-defined]
+"""Called by the battery before any rank starts (``plan.check(cp)``, where a cp plan declares one): the factory's
+model has the built-in configuration's heads."""
 
 
 def ulysses_blocks(model: TinyCausalLM) -> TinyCausalLM:
@@ -166,4 +177,5 @@ def ulysses() -> TinyCausalLM:
 ulysses.cp_plan = ulysses_cp_plan  # type: ignore[attr-defined]
 
 
-__all__ = ["UlyssesBlock", "all_to_all", "ulysses", "ulysses_attention", "ulysses_blocks", "ulysses_cp_plan"]
+__all__ = ["UlyssesBlock", "all_to_all", "check_heads", "ulysses", "ulysses_attention", "ulysses_blocks",
+           "ulysses_cp_plan"]

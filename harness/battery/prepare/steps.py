@@ -110,6 +110,9 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
                "a cp rank's chunk carries its positions in the harness format only (Microbatch.positions, passed as "
                "position_ids); run it with --batch-format harness")
         raise ValueError(msg)
+    refuse = getattr(sequence_plan_of(spec.model), "check", None) if spec.mesh.size("cp") > 1 else None
+    if callable(refuse):  # a cp the model cannot shard over (Ulysses: one that does not divide its heads), likewise
+        refuse(spec.mesh.size("cp"))
     if spec.mesh.size("pp") > 1:  # a split that loses part of the forward is refused here, not in every rank
         probe_meshes(spec.model, [spec.mesh], spec.batch_format, spec.pp_schedule)
     objective = resolve(spec.objective, spec.recipe)
