@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from harness.battery.plan.options import BatteryOptions
+from harness.battery.prepare.objective import AuxiliaryError
+from harness.core.router_terms import DeclarationError
 from harness.model import ModelError
 from harness.recipes import CORRECT_RECIPE
 from harness.workflow.commands import config_from, config_path_of, outputs_of
@@ -121,6 +123,9 @@ def cmd_battery(args: argparse.Namespace) -> int:
         except ModelError as exc:
             printed.stop(said)
             raise BadInput(f"--model: {exc}" if model is not None else str(exc)) from None
+        except (AuxiliaryError, DeclarationError) as exc:  # the recipe's auxiliary term, refused before any rank
+            printed.stop(said)
+            raise BadInput(f"--recipe: {exc}") from None
         if stopped:
             block = printed.stop(said)
             if block:

@@ -31,3 +31,18 @@ class KilledOnRankThree:
         if dist.get_rank() == 3:
             os.kill(os.getpid(), signal.SIGKILL)
         model(window[0].inputs).sum().backward()
+
+
+class DictOnlyAuxiliary:
+    """A recipe whose auxiliary term reads a dict batch (``batch["input_ids"]``) while the battery feeds harness
+    microbatches: its ``auxiliary_loss`` raises a TypeError when the reference computes the term. The recipe's
+    error: refused before any rank, never taken for a limit of the model (which would turn every case n/a)."""
+
+    name = "dict_only_auxiliary"
+    auxiliary_unit = "microbatch"
+
+    def auxiliary_loss(self, model: torch.nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor:
+        return batch["input_ids"].float().sum() * 0.0
+
+    def backward_window(self, model: torch.nn.Module, window: Sequence[Any]) -> None:
+        model(window[0].inputs).sum().backward()

@@ -153,7 +153,7 @@ class Run:
         token mean adds up (the reference, the logged-loss check and the diagnosis all go through here)."""
         return self.spec.loss_sum(model, mb)
 
-    def terms(self, model: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def terms(self, model: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, object]:
         """One microbatch's term of the declared objective's numerator and its auxiliary value
         (:func:`harness.battery.prepare.objective.terms`); under the plain token mean, :meth:`loss_sum`."""
         return terms(self.spec, self.objective, model, mb)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from harness.battery import scenarios
-from harness.battery.prepare.objective import terms
+from harness.battery.prepare.objective import AuxiliaryError, terms
 from harness.battery.prepare.probe.facts import rank_threads
 from harness.battery.prepare.start import load as load_start
 from harness.battery.spec import ModelSpec
@@ -86,7 +86,7 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
             current[:] = [mb]
             return spec.loss_sum(m, mb)
 
-        def terms_of(m: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def terms_of(m: torch.nn.Module, mb: Microbatch) -> tuple[torch.Tensor, object]:
             current[:] = [mb]
             return terms(spec, objective, m, mb)
 
@@ -103,7 +103,7 @@ def compute_chain(windows: scenarios.Windows, precision: str, init_seed: int | N
                 ref = (reference_gradient(model, window, loss_of, used=seen) if objective.plain else
                        reference_gradient(model, window, used=seen, objective=objective, terms_of=terms_of))
             except Exception as exc:
-                if spec.path is None or isinstance(exc, DeclarationError):  # the recipe's error, not the model's
+                if spec.path is None or isinstance(exc, DeclarationError | AuxiliaryError):  # the recipe's error
                     raise
                 mb = current[0] if current else window[0][0]
                 where = next(((r, m) for r, mbs in enumerate(window) for m, x in enumerate(mbs) if x is mb), (0, 0))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from harness.battery.plan.options import RunSpec
 from harness.battery.spec import ModelSpec
 from harness.core import objectives as ob
 from harness.core.microbatch import Microbatch
-from harness.core.router_terms import bind
+from harness.core.router_terms import DeclarationError, bind
 from harness.diagnosis.evidence import terms as objective_terms
 
 Auxiliary = Callable[[nn.Module, object, torch.Tensor], object]
@@ -85,11 +86,33 @@ def _coefficient(name: str, obj: object, recipe: str) -> float | None:
     return float(value)
 
 
+class AuxiliaryError(RuntimeError):
+    """The recipe's own ``auxiliary_loss`` raised while the reference computed its term: the recipe's error, never
+    the model's limit (a run whose every case then reads n/a would say "every check holds")."""
+
+
 def auxiliary_of(objective: ob.Objective) -> Auxiliary | None:
-    """The parent's ``auxiliary_loss`` of the objective's recipe (None: no auxiliary term)."""
+    """The parent's ``auxiliary_loss`` of the objective's recipe (None: no auxiliary term); an exception it raises
+    comes out as :class:`AuxiliaryError` naming the recipe."""
     if objective.auxiliary_recipe is None:
         return None
-    return getattr(_loaded(objective.auxiliary_recipe), "auxiliary_loss", None)
+    own = getattr(_loaded(objective.auxiliary_recipe), "auxiliary_loss", None)
+    if own is None:
+        return None
+
+    def called(model: nn.Module, batch: Any, logits: torch.Tensor) -> Any:
+        try:
+            return own(model, batch, logits)
+        except DeclarationError:
+            raise
+        except Exception as exc:
+            msg = (f"recipe={objective.auxiliary_recipe!r}: its auxiliary_loss(model, batch, logits) raised "
+                   f"{type(exc).__name__}: {str(exc).strip()} (called on the single-device reference model with a "
+                   f"{type(batch).__name__} batch and logits {tuple(logits.shape)}, as on the ranks); fix the "
+                   "recipe's auxiliary_loss")
+            raise AuxiliaryError(msg) from exc
+
+    return called
 
 
 def with_factors(windows: Sequence[Sequence[Sequence[Microbatch]]],
@@ -133,4 +156,4 @@ def value_at(spec: ModelSpec, objective: ob.Objective, model: nn.Module,
     return total
 
 
-__all__ = ["Auxiliary", "auxiliary_of", "resolve", "terms", "value_at", "windows_for", "with_factors"]
+__all__ = ["Auxiliary", "AuxiliaryError", "auxiliary_of", "resolve", "terms", "value_at", "windows_for", "with_factors"]
