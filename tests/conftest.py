@@ -44,12 +44,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The shipped battery's cases at W=4 (the most expensive launches) run in this repository's slow tier: the test
-    command keeps W=1, 2 and 3 of every check and scenario, and CI runs the slow tier too. Users' own sessions
-    (``pytest --pyargs harness.battery``) are not affected: this conftest is the repository's."""
+    """The shipped battery's cases at W=4 (the most expensive launches) and on ``token_budget`` (the scenario of
+    re-split micro-batches, whose recipes' tests are tests/distributed/test_dynamic_microbatches.py) run in this
+    repository's slow tier: the test command keeps W=1, 2 and 3 of every check and of the other scenarios, and CI runs
+    the slow tier too. Users' own sessions (``pytest --pyargs harness.battery``) are not affected: this conftest is
+    the repository's."""
     for item in items:
         case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-        if item.nodeid.startswith("harness/battery/test_battery.py") and getattr(case, "world_size", None) == 4:
+        if item.nodeid.startswith("harness/battery/test_battery.py") and (
+                getattr(case, "world_size", None) == 4 or getattr(case, "scenario", None) == "token_budget"):
             item.add_marker(pytest.mark.slow)
 
 

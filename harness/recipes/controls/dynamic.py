@@ -47,7 +47,8 @@ class FixedNormalizerWithoutDp(FixedNormalizer):
     """Dr. GRPO's constant normalizer (``loss_agg_mode="seq-mean-token-sum-norm"``) without the data-parallel factor:
     each rank's loss sum divided by the constant C, and DDP's average over the W ranks divides it by W once more, so
     every token weighs ``1/(W C)``, 1/W of the declared objective. verl added ``* dp_size`` to the loss (#5366: FSDP
-    averages the gradients over the ranks); before, the constant objective was 1/dp of itself (#3741)."""
+    averages the gradients over the ranks; #3741 had questioned this loss's scale): without it the constant objective
+    is 1/dp of itself."""
 
     name = "fixed_normalizer_without_dp"
 
