@@ -9,6 +9,9 @@ router and tp named."""
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+
 import pytest
 
 from harness.battery.judge import checks
@@ -16,6 +19,7 @@ from harness.battery.launch import runner
 from harness.battery.launch.run import Run
 from harness.battery.plan.options import RunSpec
 from harness.core.mesh import Mesh
+from harness.distributed.launcher import launch
 
 MOE_TP = "harness.moe_tp:moe"
 TP = Mesh.parse("dp=2,tp=2")
@@ -67,3 +71,19 @@ def test_the_router_left_unreduced_over_tp_parts_the_tp_ranks_and_is_read_by_nam
     assert verdict.diagnosis is not None and "not_reduced_over_group" == verdict.diagnosis["signature"]
     line = verdict.diagnosis["line"]
     assert "blocks.0.mlp.router.weight" in line and "differ along tp only" in line and "#2387" in line, line
+
+
+@pytest.mark.slow
+def test_every_expert_runs_on_every_tp_rank_or_the_reductions_pair_up_wrongly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 sums each Partial gradient over tp one parameter at a time, for the parameters that have one: with a
+    token per tp rank each rank leaves experts unused, and skipping them pairs one rank's reduction with another
+    parameter's on its peer. The plan calls every expert (on no rows where none chose it) and matches the unsharded
+    model; the layer's own dispatch, which skips them, does not (its control)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    bodies = importlib.import_module("moe_tp_bodies")
+    right = launch(bodies.largest_error_on_two_tokens, 4, True)
+    skipped = launch(bodies.largest_error_on_two_tokens, 4, False)
+    # float32 sums in another order across the shards.
+    assert max(right) < 1e-6, right
+    assert min(skipped) > 1e-2, skipped
