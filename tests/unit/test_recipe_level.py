@@ -195,6 +195,20 @@ def test_a_window_whose_shape_makes_two_readings_one_reads_as_either() -> None:
     assert readings(both)["pkg:recipe"].cause is None
 
 
+def test_a_mean_per_microbatch_is_one_with_a_re_split_s_micro_batch_mean_where_a_case_reads_the_re_split() -> None:
+    """A recipe that re-splits by a token budget reads dynamic_microbatch_mean where its split differs from the
+    window's microbatches, and per_microbatch_mean where it falls on them: one cause. The negative control: without a
+    case reading the re-split, a mean per microbatch and a mean per rank on two microbatches a rank stay apart."""
+    two_each = {(0, 0): 0.7, (0, 1): 0.7, (1, 0): 1.6, (1, 1): 1.6}
+    split = [_positional("token_budget", "dynamic_microbatch_mean", {(0, 0): 0.5, (0, 1): 1.5, (1, 0): 1.2}),
+             _positional("uneven", "per_microbatch_mean", {(0, 0): 0.5, (0, 1): 1.5, (1, 0): 1.2}),
+             _positional("long", "mean_of_local_means", two_each)]
+    read = readings(split)["pkg:recipe"]
+    assert "dynamic_microbatch_mean" == read.cause and () == read.also
+    apart = split[1:]
+    assert readings(apart)["pkg:recipe"].cause is None
+
+
 def test_an_auxiliary_factor_w_times_k_and_a_term_summed_over_ranks_are_one_where_every_rank_has_one_microbatch(
         ) -> None:
     """An auxiliary term never divided by k and multiplied by W reads W*k on two microbatches a rank and W on one:

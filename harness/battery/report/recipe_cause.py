@@ -4,6 +4,7 @@ pattern fits), and each recipe's failing cases give one reading, which the last 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from harness.battery.judge.verdict import FAIL, Verdict
@@ -23,6 +24,14 @@ clipping check fails in the same case as parity). Its finding, where the check n
 CLIPPED = frozenset({"clipping_not_applied", "clipped_by_wrong_norm"})
 """Parity readings that name the clip: each is one view of a wrong clip, whatever the clipping check said there. A
 gradient through an engaged clip that no weighting explains (``unexplained``, an extra term, a scale) is one too."""
+
+OWN_SPLIT = "dynamic_microbatch_mean"
+"""Each micro-batch of a rank's own re-split (a token budget) weighing 1/(W * K_r). Where a recipe's cases read it,
+its cases reading a mean per rank or per microbatch are that split where it fell on the rank (K_r = 1) or on the
+window's microbatches: they may be explained by it (:attr:`~harness.diagnosis.recipe_level.Case.implied`). Where none
+reads it, a mean per rank in one case and per microbatch in another stay apart."""
+
+SPLIT_VIEWS = frozenset({"mean_of_local_means", "per_microbatch_mean"})
 
 RUN_FAILURES = frozenset({"desync", "crash", "died", "deadline", "refused"})
 """How a run itself failed: every check of that run fails the same way, and counts once."""
@@ -91,6 +100,9 @@ def cases_of(verdicts: Iterable[Verdict]) -> list[Case]:
         linked = [w for w in by_case[_key(v)] if w is not v and any({v.check, w.check} == pair for pair in LINKED)]
         named = [own_reading(w) for w in linked if not own_reading(w).endswith(NUMBERS)]
         out.append(case_of(v, tuple([*named, CLIP] if linked else named)))
+    if any(c.reading == OWN_SPLIT for c in out):
+        out = [dataclasses.replace(c, consistent=c.consistent | {OWN_SPLIT}, implied=c.implied | {OWN_SPLIT})
+               if c.reading in SPLIT_VIEWS else c for c in out]
     return out
 
 
