@@ -33,6 +33,7 @@ from harness.distributed.expert_parallel import plans_of as expert_plans_of
 from harness.distributed.launcher import LaunchError
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.tensor_parallel import plan_of, recipe_plan
+from harness.model import ModelError
 from harness.recipes import load_recipe
 from harness.recipes.contract import clips
 
@@ -109,7 +110,7 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         msg = (f"model={spec.model!r} shards the sequence (its cp_plan) and the batch format is {spec.batch_format}: "
                "a cp rank's chunk carries its positions in the harness format only (Microbatch.positions, passed as "
                "position_ids); run it with --batch-format harness")
-        raise ValueError(msg)
+        raise ModelError(msg)  # a ValueError: refused once on the command line, as a model that cannot be used
     refuse = getattr(sequence_plan_of(spec.model), "check", None) if spec.mesh.size("cp") > 1 else None
     if callable(refuse):  # a cp the model cannot shard over (Ulysses: one that does not divide its heads), likewise
         refuse(spec.mesh.size("cp"))
