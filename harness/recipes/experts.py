@@ -14,15 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
-from harness.core.microbatch import IGNORE_INDEX, Microbatch
+from harness.core.microbatch import Microbatch
 from harness.distributed.expert_parallel import sum_and_divide
-from harness.moe import load_balancing_loss, router_outputs
 from harness.recipes.correct import MeshTokenMean
-from harness.recipes.helpers import data_group_size, expert_data_group, expert_divide_factor, held_experts
-from harness.recipes.objectives import _MeshAuxiliary, data_microbatches
+from harness.recipes.helpers import expert_data_group, expert_divide_factor, held_experts
+from harness.recipes.moe_terms import RouterBalancePerMicrobatch
 
 
 def reduce_experts(model: nn.Module, mesh: Any, divide: float) -> None:
@@ -48,27 +46,16 @@ class MeshTokenMeanReducingExperts(MeshTokenMean):
         return logged
 
 
-class MeshTokenMeanWithRouterBalance(_MeshAuxiliary):
-    """The token mean plus the router's load-balancing term (:func:`harness.moe.load_balancing_loss` over the
-    supervised tokens, times :data:`ROUTER_BALANCE`), one value per microbatch averaged over every microbatch of the
-    data group, on a mesh or dp=W; the MoE model's own router probabilities feed it."""
+class MeshTokenMeanWithRouterBalance(RouterBalancePerMicrobatch):
+    """The token mean plus the router's load-balancing term, one value per microbatch averaged over every microbatch
+    of the data group (:class:`harness.recipes.moe_terms.RouterBalancePerMicrobatch`), under the name the
+    expert-parallel and tensor-parallel recipes and controls of the MoE model build on."""
 
     name = "mesh_token_mean_with_router_balance"
-    auxiliary_unit = "microbatch"
 
-    def auxiliary_loss(self, model: nn.Module, batch: Microbatch, logits: torch.Tensor) -> torch.Tensor:
-        return ROUTER_BALANCE * load_balancing_loss(router_outputs(model), batch.labels != IGNORE_INDEX)
-
-    def auxiliary_scale(self, window: Sequence[Microbatch], mesh: Any, tokens: int) -> float:
-        return data_group_size(mesh) / data_microbatches(window, mesh)
-
-
-ROUTER_BALANCE = 0.1
-"""The load-balancing term's coefficient (Switch Transformer's 1e-2 scaled up so its gradient is well above the
-tolerances)."""
 
 mesh_token_mean_reducing_experts = MeshTokenMeanReducingExperts()
 mesh_token_mean_with_router_balance = MeshTokenMeanWithRouterBalance()
 
-__all__ = ["ROUTER_BALANCE", "MeshTokenMeanReducingExperts", "MeshTokenMeanWithRouterBalance",
+__all__ = ["MeshTokenMeanReducingExperts", "MeshTokenMeanWithRouterBalance",
            "mesh_token_mean_reducing_experts", "mesh_token_mean_with_router_balance", "reduce_experts"]
