@@ -61,9 +61,7 @@ def split_by_tokens(window: Sequence[Microbatch], budget: int, at_least: int = 1
         raise ValueError(msg)
     longest = max(n for _, _, n in rows)
     if longest > budget:
-        msg = (f"split_by_tokens(budget={budget}): a row holds {longest} tokens, more than the budget; a row is never "
-               f"cut, so raise the budget (ppo_max_token_len_per_gpu) to {longest} at least")
-        raise ValueError(msg)
+        raise ValueError(_too_long(budget, longest))
     if at_least > len(rows):
         msg = (f"split_by_tokens(at_least={at_least}): the window holds {len(rows)} rows, and a micro-batch needs one "
                "at least; lower the budget's count to match, or give every rank as many rows")
@@ -76,6 +74,11 @@ def split_by_tokens(window: Sequence[Microbatch], budget: int, at_least: int = 1
 
 
 Row = tuple[Microbatch, int, int]
+
+
+def _too_long(budget: int, longest: int) -> str:
+    return (f"split_by_tokens(budget={budget}): a row holds {longest} tokens, more than the budget; a row is never "
+            f"cut, so raise the budget (ppo_max_token_len_per_gpu) to {longest} at least")
 
 
 def _first_fit(rows: Sequence[Row], budget: int) -> list[list[Row]]:
@@ -124,13 +127,13 @@ def _collate(rows: Sequence[Row]) -> Microbatch:
     return Microbatch(inputs, labels, weights)
 
 
-def max_over_ranks(value: int) -> int:
-    """The largest ``value`` over every rank (the identity outside a process group)."""
+def max_over_ranks(*values: int) -> tuple[int, ...]:
+    """The largest of each of ``values`` over every rank, in one all-reduce (the identity outside a process group)."""
     if not dist.is_initialized():
-        return value
-    t = torch.tensor(value, dtype=torch.int64, device=count_device())
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=count_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
+    return tuple(int(v) for v in t.tolist())
 
 
 def gathers_every_forward(model: nn.Module) -> bool:
@@ -141,11 +144,15 @@ def gathers_every_forward(model: nn.Module) -> bool:
 
 def dynamic_microbatches(model: nn.Module, window: Sequence[Microbatch], budget: int) -> list[Microbatch]:
     """This rank's micro-batches under ``budget``: its own count under DDP (ranks may differ), the largest count of
-    any rank under FSDP2 (all-reduced, so that every rank runs as many forwards, each an all-gather)."""
-    parts = split_by_tokens(window, budget)
-    if gathers_every_forward(model):
-        parts = split_by_tokens(window, budget, at_least=max_over_ranks(len(parts)))
-    return parts
+    any rank under FSDP2 (so that every rank runs as many forwards, each an all-gather). One all-reduce of the
+    longest row and the count over every rank comes first, so that a row over the budget on any rank is refused by
+    every rank together (one rank raising alone would leave the others in their first synchronization)."""
+    longest = max(row_length(mb, i) for mb in window for i in range(mb.inputs.shape[0]))
+    own = len(split_by_tokens(window, budget)) if longest <= budget else 0
+    longest, most = max_over_ranks(longest, own)
+    if longest > budget:
+        raise ValueError(_too_long(budget, longest))
+    return split_by_tokens(window, budget, at_least=most if gathers_every_forward(model) else 1)
 
 
 class DynamicTokenMean:

@@ -54,3 +54,14 @@ def test_a_constant_without_the_dp_factor_is_right_on_one_rank_and_half_on_two()
     verdict = checks.parity(runner.run(recipe, "uneven", 2, **options))  # type: ignore[arg-type]
     assert verdict.diagnosis is not None and "constant_averaged_over_ranks" == verdict.diagnosis["signature"]
     assert "C=1024" in str(verdict.diagnosis["sentence"])
+
+
+def test_a_row_over_the_budget_is_refused_by_every_rank_together() -> None:
+    """A budget under the longest row of one rank only: the longest row is all-reduced first, so both ranks raise
+    the same ValueError naming the budget and the row (no rank left in a synchronization), and the verdict says it."""
+    run = runner.run("support.dynamic_recipes:budget_under_the_longest_row", "uneven", 2)
+    assert run.records is not None
+    said = "split_by_tokens(budget=64): a row holds 127 tokens"
+    assert all(str(r[0].error).startswith(f"ValueError: {said}") for r in run.records)
+    verdict = checks.parity(run)
+    assert ("fail", "refused") == (verdict.status, verdict.cause) and said in verdict.message
