@@ -36,7 +36,7 @@ def control(name: str) -> str:
 
 
 SLOW_FAMILIES = ("strategies", "clipping", "objectives", "context_parallel", "hsdp", "tensor_parallel", "pipeline",
-                 "packed")
+                 "packed", "expert_parallel", "router_terms", "loss_parallel", "dynamic")
 """Families whose controls past the first run in the slow tier only."""
 
 SLOW_CONTROLS = ("skip_backward_of_empty_microbatch", "trainer_router_loss_per_microbatch")

@@ -12,7 +12,7 @@ from harness.battery.launch import runner
 from harness.battery.prepare.objective import AuxiliaryError
 
 
-@pytest.mark.parametrize("model", [None, "harness.moe:moe"])
+@pytest.mark.parametrize("model", [None, pytest.param("harness.moe:moe", marks=pytest.mark.slow)])
 def test_an_auxiliary_loss_that_raises_refuses_the_run_naming_the_recipe(model: str | None) -> None:
     with pytest.raises(AuxiliaryError, match=r"DictOnlyAuxiliary.*auxiliary_loss.*raised TypeError.*fix the recipe"):
         runner.run("user_recipes.broken:DictOnlyAuxiliary", "uneven", 2, model=model)

@@ -28,6 +28,7 @@ CITED: dict[str, str] = {
     "transformers.LlamaForCausalLM": "transformers.LlamaForCausalLM",
     "transformers.__version__": "transformers.__version__",
     "transformers.loss.loss_utils": "transformers.loss.loss_utils",
+    "transformers.models.mixtral.modeling_mixtral": "transformers.models.mixtral.modeling_mixtral",
     "transformers.loss.loss_utils.ForCausalLMLoss": "transformers.loss.loss_utils.ForCausalLMLoss",
     "transformers.trainer_pt_utils": "transformers.trainer_pt_utils",
     "transformers.trainer_pt_utils.nested_gather": "transformers.trainer_pt_utils.nested_gather",
