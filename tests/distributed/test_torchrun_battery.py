@@ -26,10 +26,11 @@ def test_the_correct_recipe_passes_every_check_across_two_agents(tmp_path: Path)
     assert report["expected"] == report["run"] == report["counts"]["pass"] + report["counts"]["n/a"]
     cases = ET.parse(junit).getroot().findall(".//testcase")
     assert len(cases) == report["run"] and not ET.parse(junit).getroot().findall(".//failure")
-    # The references and checks are dealt over the ranks, not left to rank 0: 7 runs at W=4 give 2, 2, 2, 1.
+    # The references and checks are dealt over the ranks, not left to rank 0: 8 runs at W=4 (the eight scenarios)
+    # give 2 each.
     # Found anywhere in the agents' output: under load two workers' lines can land on one line of the text.
     shares = sorted(int(n) for n in re.findall(r"prepared and judged (\d+) of ", text))
-    assert [1, 2, 2, 2] == shares, text[-3000:]
+    assert [2, 2, 2, 2] == shares, text[-3000:]
 
 
 @pytest.mark.parametrize(("name", "scenario", "cause"), [("mean_of_local_means", "uneven", "numbers"),
