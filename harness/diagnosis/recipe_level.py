@@ -133,6 +133,9 @@ AUXILIARY_PER_RANK = ("auxiliary_summed_over_ranks", "auxiliary_misweighted")
 """An auxiliary term's readings that are one where every rank has one microbatch: a factor ``W * k`` (a term
 multiplied by W and never divided by k, ``Trainer``'s on a transformers MoE model's router loss) is then ``W``."""
 
+AUXILIARY_ONE_RANK = ("auxiliary_not_divided_by_k", "auxiliary_misweighted")
+"""An auxiliary term's readings that are one where the window has one rank: a factor ``W * k`` is then ``k``."""
+
 FREE_PER_RANK = ("per_rank_normalizer", "subgroup_count", "count_group")
 """Readings that give each rank (or group of ranks) a factor of its own, free of the window's counts: where one rank
 holds every token, any of them is a common scale."""
@@ -140,8 +143,8 @@ holds every token, any of them is a common scale."""
 
 def _same_here(reading: str, weights: Sequence[Mapping[str, object]]) -> set[str]:
     """The readings this window's shape makes one with ``reading``: where every rank has one microbatch, a mean per
-    microbatch and a mean per rank, and an auxiliary term's factor W and W * k; where one rank holds every token, a
-    scale and a factor per rank."""
+    microbatch and a mean per rank, and an auxiliary term's factor W and W * k; where the window has one rank, an
+    auxiliary term's factor k and W * k; where one rank holds every token, a scale and a factor per rank."""
     ranks: dict[int, set[int]] = {}
     holding = set()
     for w in weights:
@@ -154,6 +157,8 @@ def _same_here(reading: str, weights: Sequence[Mapping[str, object]]) -> set[str
         out.update(PER_RANK)
     if reading == AUXILIARY_PER_RANK[0] and ranks and all(len(m) == 1 for m in ranks.values()):
         out.update(AUXILIARY_PER_RANK)
+    if reading == AUXILIARY_ONE_RANK[0] and len(ranks) == 1:
+        out.update(AUXILIARY_ONE_RANK)
     if reading == "global_scale" and len(holding) == 1:
         out.update(FREE_PER_RANK)
     return out

@@ -221,6 +221,17 @@ def test_an_auxiliary_factor_w_times_k_and_a_term_summed_over_ranks_are_one_wher
     assert readings([misweighted, two_each])["pkg:recipe"].cause is None
 
 
+def test_an_auxiliary_factor_w_times_k_and_a_term_never_divided_by_k_are_one_where_the_window_has_one_rank(
+        ) -> None:
+    """At W=1 a router term multiplied by W and never divided by k weighs k: both readings name one cause. The
+    negative control: the same reading on two ranks stays apart."""
+    misweighted = _positional("uneven", "auxiliary_misweighted", {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 1.0, (1, 1): 1.0})
+    one_rank = _positional("uneven", "auxiliary_not_divided_by_k", {(0, 0): 1.0, (0, 1): 1.0})
+    assert "auxiliary_misweighted" == readings([misweighted, one_rank])["pkg:recipe"].cause
+    two_ranks = _positional("uneven", "auxiliary_not_divided_by_k", {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 1.0})
+    assert readings([misweighted, two_ranks])["pkg:recipe"].cause is None
+
+
 def test_a_control_names_its_cause_only_when_the_recipe_level_reads_it() -> None:
     """The catalog test's rule, with its negative controls: another cause, and no one cause, do not name it."""
     molm = [_verdict("parity", "uneven", "mean_of_local_means", _local_means(UNEVEN), UNEVEN),
