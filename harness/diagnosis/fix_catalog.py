@@ -133,9 +133,10 @@ FIXES: dict[str, str] = {
                       "set_force_sum_reduction_for_comms(True) on every expert module (torchtitan), under DeepSpeed "
                       "the fix of PR #6546; or leave the reduction to the harness (no reduces_experts)",
     "router_cut_off": "gather the routing gates (and anything the experts weigh their outputs by) with an autograd "
-                      "collective (torch.distributed.nn.functional.all_gather, or all-to-all with autograd), never a "
-                      "plain dist.all_gather into preallocated tensors, so the main loss's gradient reaches the "
-                      "router",
+                      "collective, an all-to-all or an all-gather whose backward sums the gradient back to its owner "
+                      "(on gloo over a subgroup not torch.distributed.nn.functional.all_gather, whose backward fails "
+                      "there in torch 2.13), never a plain dist.all_gather into preallocated tensors, so the main "
+                      "loss's gradient reaches the router",
     "not_reduced_over_group": "all-reduce the gradients of the replicated parameters this reading names over the "
                               "dimension it names (a hand-written tensor-parallel layer's norms, a mixture-of-experts "
                               "router and experts under sequence parallelism), or let DTensor (parallelize_module, "

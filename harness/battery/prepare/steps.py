@@ -34,6 +34,7 @@ from harness.distributed.launcher import LaunchError
 from harness.distributed.sequence_sharding import plan_of as sequence_plan_of
 from harness.distributed.tensor_parallel import plan_of, recipe_plan
 from harness.model import ModelError
+from harness.moe_plan import plan_of as moe_plan_of
 from harness.recipes import load_recipe
 from harness.recipes.contract import clips
 
@@ -161,6 +162,13 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         # such a window meets the same DDP as on every other scenario.
         gradless = bool(found.gradless) if found is not None else False
         wrap = spec.find_unused == "on" or (spec.find_unused == "auto" and (needs or gradless))
+        if not wrap and spec.find_unused == "auto" and spec.strategy == "ddp" and moe_plan_of(spec.model) is not None:
+            # Routing may leave an expert without a token in any microbatch, on weights the reference never visits
+            # (after a wrong step): DDP without find_unused_parameters then stops the run at the next forward.
+            wrap = True
+            notes += ("the model declares experts (its moe_plan): routing may leave an expert without a token in any "
+                      "microbatch, so the ranks' DDP runs with find_unused_parameters=True here (--find-unused-"
+                      "parameters auto), and your training code needs it too",)
         if needs:
             how = ("the ranks' DDP runs with it here (--find-unused-parameters auto), and your training code needs "
                    "it too, or every parameter a gradient" if wrap else

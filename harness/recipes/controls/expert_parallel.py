@@ -74,12 +74,15 @@ class Fsdp2ExpertsAveragedOverTheirMesh(MeshTokenMean):
                 module.set_gradient_divide_factor(size)
 
 
-@control(Target("parity", "uneven", mesh="ep=2", model=MOE), "router_cut_off")
+@control(Target("parity", "uneven", mesh="dp_shard=2,ep=2", model=MOE, strategy="fsdp2"), "router_cut_off")
 class RouterGatesWithoutGrad(MeshTokenMeanWithRouterBalance):
     """An expert-parallel layer that sends the routing gates to the expert ranks with a plain ``all_gather``, which
     carries no gradient: the router learns from its load-balancing term alone, nothing from the main loss (NeMo
     Automodel PR #2995). The recipe brings its own ``ep_plan``, the built-in one with the gates gathered as plain
-    values; the correct recipe of the case is ``mesh_token_mean_with_router_balance``."""
+    values; the correct recipe of the case is ``mesh_token_mean_with_router_balance``. Judged under FSDP2 (NeMo
+    Automodel's strategy): under DDP with ``find_unused_parameters=True``, which a model declaring experts needs, DDP
+    marks the router unused after the forward and the auxiliary term's backward then raises "Expected to mark a
+    variable ready only once"."""
 
     name = "router_gates_without_grad"
     ep_plan = staticmethod(partial(shard_experts, gates_with_grad=False))
