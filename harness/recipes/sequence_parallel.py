@@ -46,30 +46,30 @@ def reduce_over_tp(model: nn.Module, mesh: Any) -> None:
     sum_and_divide(sequence_parallel_parameters(model), tp_group(mesh), 1.0)
 
 
-class MeshTokenMeanReducingOverTp(MeshTokenMean):
+class _ReducingOverTp:
+    """A recipe whose MoE layers are held locally on each tp rank (:func:`harness.moe_tp.local_moe_tp_plan`), their
+    gradients summed over tp after the window's last backward (the recipe it is mixed into computes the loss)."""
+
+    tp_plan = staticmethod(local_moe_tp_plan)
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
+        logged = super().backward_window(model, window, mesh)  # type: ignore[misc]
+        reduce_over_tp(model, mesh)
+        return logged
+
+
+class MeshTokenMeanReducingOverTp(_ReducingOverTp, MeshTokenMean):
     """:class:`harness.recipes.correct.MeshTokenMean`, with the MoE layers held locally on each tp rank and their
     gradients summed over tp after the window's last backward."""
 
     name = "mesh_token_mean_reducing_over_tp"
-    tp_plan = staticmethod(local_moe_tp_plan)
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
-        logged = super().backward_window(model, window, mesh)
-        reduce_over_tp(model, mesh)
-        return logged
 
 
-class RouterBalanceReducingOverTp(MeshTokenMeanWithRouterBalance):
+class RouterBalanceReducingOverTp(_ReducingOverTp, MeshTokenMeanWithRouterBalance):
     """:class:`harness.recipes.experts.MeshTokenMeanWithRouterBalance` (the token mean plus the router's
     load-balancing term) with the MoE layers held locally on each tp rank and their gradients summed over tp."""
 
     name = "router_balance_reducing_over_tp"
-    tp_plan = staticmethod(local_moe_tp_plan)
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
-        logged = super().backward_window(model, window, mesh)
-        reduce_over_tp(model, mesh)
-        return logged
 
 
 mesh_token_mean_reducing_over_tp = MeshTokenMeanReducingOverTp()

@@ -23,7 +23,7 @@ from harness.core.microbatch import Microbatch
 from harness.distributed.tensor_parallel import builtin_plan
 from harness.moe_tp import local_moe_tp_plan
 from harness.recipes.catalog import Target, control
-from harness.recipes.correct import accumulate, global_sum
+from harness.recipes.correct import MeshTokenMean, accumulate, global_sum
 from harness.recipes.helpers import global_count, require_tokens, token_group, token_group_size
 
 TP_MESH = "dp=2,tp=2"
@@ -77,21 +77,14 @@ def norms_left_local(model: nn.Module, tp_mesh: Any) -> None:
 
 
 @control(_tp_target("ranks_agree"), "not_reduced_over_group")
-class NormGradsNotReducedOverTp:
+class NormGradsNotReducedOverTp(MeshTokenMean):
     """Hand-written tensor parallelism with sequence parallelism (``tp_plan``: :func:`norms_left_local`), whose
     replicated LayerNorm weights are updated from each rank's gradient over its own positions, never all-reduced
     over tp: the norms' gradients are partial sums, the tp ranks of one data coordinate step apart, and parity
-    misses the reference on those parameters. The loss is the correct recipe's."""
+    misses the reference on those parameters. The loss is the correct recipe's (:class:`MeshTokenMean`)."""
 
     name = "norm_grads_not_reduced_over_tp"
     tp_plan = staticmethod(norms_left_local)
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
-        group = token_group(mesh)
-        total = _window_count(window, group)
-        size = token_group_size(mesh)
-        local = accumulate(model, window, lambda s: global_token_loss(s, total, size))
-        return global_sum(local, group) / total
 
 
 @control(_tp_target("clipping"), "clipped_by_wrong_norm")
@@ -126,7 +119,7 @@ MOE_TP_MODEL = "harness.moe_tp:moe"
 
 @control(Target("ranks_agree", "uneven", strategy="fsdp2", mesh=TP_MESH, model=MOE_TP_MODEL),
          "not_reduced_over_group")
-class RouterGradsNotReducedOverTp:
+class RouterGradsNotReducedOverTp(MeshTokenMean):
     """torchtitan #2387: hand-written sequence parallelism in a mixture-of-experts model (``tp_plan``:
     :func:`harness.moe_tp.local_moe_tp_plan`), each tp rank applying the router, the experts and the shared expert,
     plain tensors, to its own positions, and nothing summing their gradients over tp: each rank keeps the partial sum
@@ -135,10 +128,3 @@ class RouterGradsNotReducedOverTp:
 
     name = "router_grads_not_reduced_over_tp"
     tp_plan = staticmethod(local_moe_tp_plan)
-
-    def backward_window(self, model: nn.Module, window: Sequence[Microbatch], mesh: Any = None) -> float | None:
-        group = token_group(mesh)
-        total = _window_count(window, group)
-        size = token_group_size(mesh)
-        local = accumulate(model, window, lambda s: global_token_loss(s, total, size))
-        return global_sum(local, group) / total
