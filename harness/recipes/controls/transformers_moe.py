@@ -7,22 +7,16 @@ control up, never with this module."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import nn
-
 from harness.core.formats import HF
 from harness.recipes.catalog import Target, control
-from harness.recipes.libraries.transformers_moe import RouterAuxLossTokenMean
+from harness.recipes.libraries.transformers_moe import TrainerRouterLossPerWindow
 
 MIXTRAL = "harness.recipes.libraries.transformers_moe:tiny_mixtral"
 """The ``--model`` these controls need: a transformers Mixtral built from a config with ``output_router_logits``."""
 
 
 @control(Target("parity", "uneven", batch_format=HF, model=MIXTRAL, library="transformers"), "auxiliary_misweighted")
-class TrainerRouterLossPerMicrobatch:
+class TrainerRouterLossPerMicrobatch(TrainerRouterLossPerWindow):
     """``Trainer``'s own inner loop (``get_batch_samples``, then ``training_step`` per microbatch under ``no_sync``
     but the last, ``average_tokens_across_devices=True``, the 5.x default) on a Mixtral whose config sets
     ``output_router_logits=True``: the model adds ``router_aux_loss_coef * aux_loss`` to every microbatch's loss, and
@@ -35,24 +29,7 @@ class TrainerRouterLossPerMicrobatch:
     normalization); the W is transformers issue #48690's (the router loss multiplied by the DDP world size)."""
 
     name = "trainer_router_loss_per_microbatch"
-    auxiliary_unit = "microbatch"
-
-    def __init__(self) -> None:
-        self.loop: Any = None
-
-    def setup(self, model: nn.Module | None = None) -> None:
-        from harness.recipes.libraries.transformers_loss import TransformersGlobalItemsHF
-
-        self.loop = TransformersGlobalItemsHF()
-        self.loop.setup(model)
-
-    def auxiliary_loss(self, model: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor:
-        return RouterAuxLossTokenMean().auxiliary_loss(model, batch, logits)
-
-    def backward_window(self, model: nn.Module, window: Sequence[Any]) -> float:
-        if self.loop is None:
-            self.setup()
-        return float(self.loop.backward_window(model, window))
+    trainer = None
 
 
 __all__ = ["MIXTRAL", "TrainerRouterLossPerMicrobatch"]

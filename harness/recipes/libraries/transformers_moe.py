@@ -229,6 +229,8 @@ class TrainerRouterLossPerWindow:
 
     name = "transformers_moe_trainer_router_loss"
     auxiliary_unit = "microbatch"
+    trainer: Any = staticmethod(router_loss_trainer)
+    """What builds the Trainer class the loop runs (None: transformers' own ``Trainer``)."""
 
     def __init__(self) -> None:
         self.loop: Any = None
@@ -237,7 +239,8 @@ class TrainerRouterLossPerWindow:
         from harness.recipes.libraries.transformers_loss import TransformersGlobalItemsHF
 
         self.loop = TransformersGlobalItemsHF()
-        self.loop.trainer_class = router_loss_trainer()
+        if self.trainer is not None:
+            self.loop.trainer_class = self.trainer()
         self.loop.setup(model)
 
     def auxiliary_loss(self, model: nn.Module, batch: Any, logits: torch.Tensor) -> torch.Tensor:
