@@ -167,7 +167,9 @@ class ExpertReducer:
             p.register_post_accumulate_grad_hook(self._ready)
 
     def _arm(self, module: nn.Module, args: object) -> None:
-        self.armed = bool(getattr(module, "require_backward_grad_sync", True)) and torch.is_grad_enabled()
+        # A forward without gradients (an evaluation between a forward and its backward) decides nothing, as in DDP.
+        if torch.is_grad_enabled():
+            self.armed = bool(getattr(module, "require_backward_grad_sync", True))
 
     def _ready(self, param: torch.Tensor) -> None:
         if self.armed and not self.queued:

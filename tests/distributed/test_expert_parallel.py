@@ -92,3 +92,12 @@ def test_a_users_own_moe_model_runs_over_ep_through_its_declarations(mesh: str, 
         wrong = checks.parity(runner.run(RunSpec("harness.recipes:experts_averaged_over_expert_data", "uneven", 4,
                                                  "fp32", layout=layout, model=model)))
         assert wrong.diagnosis is not None and "experts_scaled" == wrong.diagnosis["signature"], wrong.message
+
+
+@pytest.mark.slow
+def test_a_forward_without_gradients_between_a_forward_and_its_backward_leaves_the_expert_reduction_armed() -> None:
+    """A correct loop that evaluates (no grad) between forward and backward holds parity over dp=2,ep=2 under DDP:
+    the forward without gradients decides nothing (it once disarmed the experts' reduction, and the experts read
+    as never reduced over dp)."""
+    verdict = checks.parity(_run("user_recipes.moe_models:EvalBetweenForwardAndBackward", "dp=2,ep=2"))
+    assert verdict.passed, verdict.message

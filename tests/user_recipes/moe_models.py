@@ -119,3 +119,25 @@ def ep_plan(model, ep_mesh):
 
 my_moe.moe_plan = MoePlan(experts=("moe.experts",), router=("moe.gate",))
 my_moe.ep_plan = ep_plan
+
+
+class EvalBetweenForwardAndBackward:
+    """A correct token-mean loop that runs a no-grad forward (a logged evaluation) between each microbatch's forward
+    and its backward: the expert reduction must follow the forward that prepared the backward, as DDP's does."""
+
+    name = "eval_between_forward_and_backward"
+
+    def backward_window(self, model, window, mesh=None):
+        import torch.nn.functional as F
+
+        from harness.recipes import global_count, require_tokens, sync_context, token_group, token_group_size
+
+        group, size = token_group(mesh), token_group_size(mesh)
+        total = require_tokens(global_count(sum(int((mb.labels != -100).sum()) for mb in window), group=group))
+        for i, mb in enumerate(window):
+            with sync_context(model, i, len(window)):
+                logits = model(mb.inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=-100, reduction="sum")
+                with torch.no_grad():
+                    model(mb.inputs)
+                (loss * size / total).backward()
