@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,15 @@ UNBALANCE_ENV = "HARNESS_AUDIT_UNBALANCE"
 MAX_MB_ENV = "HARNESS_AUDIT_MAX_CAPTURE_MB"
 MODEL_ENV = "HARNESS_AUDIT_MODEL"
 VERDICT = "verdict.json"
+
+
+def write_verdict(folder: Path, found: dict[str, Any], midway: Callable[[], None] | None = None) -> None:
+    """Write ``found`` to ``<folder>/verdict.json`` whole or not at all: the command polls for the file and reads it as
+    soon as it exists, so it is written under a temporary name and renamed (``midway``: see
+    :func:`harness.resume.atomic.write_temp`)."""
+    from harness.resume.atomic import write_atomic
+
+    write_atomic(folder / VERDICT, json.dumps(found).encode(), midway)
 
 
 def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
@@ -54,7 +64,7 @@ def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
 
     found = exchange(audit, verdict_of)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        (folder / VERDICT).write_text(json.dumps(found))
+        write_verdict(folder, found)
     if os.environ.get(CONTINUE_ENV) != "1":
         sys.stdout.flush()
         sys.stderr.flush()
@@ -83,4 +93,4 @@ def start() -> None:
 
 
 __all__ = ["CONTINUE_ENV", "DIR_ENV", "LABELS_ENV", "MAX_MB_ENV", "MODEL_ENV", "OBJECTIVE_ENV", "SKIP_ENV",
-           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "finish", "start"]
+           "UNBALANCE_ENV", "VERDICT", "WINDOWS_ENV", "finish", "start", "write_verdict"]
