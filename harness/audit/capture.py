@@ -33,11 +33,17 @@ VERDICT = "verdict.json"
 
 def write_verdict(folder: Path, found: dict[str, Any], midway: Callable[[], None] | None = None) -> None:
     """Write ``found`` to ``<folder>/verdict.json`` whole or not at all: the command polls for the file and reads it as
-    soon as it exists, so it is written under a temporary name and renamed (``midway``: see
-    :func:`harness.resume.atomic.write_temp`)."""
-    from harness.resume.atomic import write_atomic
-
-    write_atomic(folder / VERDICT, json.dumps(found).encode(), midway)
+    soon as it exists, so it is written under a temporary name and renamed over the final one (``midway()`` is called
+    with half of it written, as a slow disk or a descheduled rank would leave it)."""
+    data = json.dumps(found)
+    tmp = folder / f".{VERDICT}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        if midway is not None:
+            midway()
+        f.write(data[len(data) // 2:])
+    os.replace(tmp, folder / VERDICT)
 
 
 def finish(audit: Any, folder: Path, handles: list[Any]) -> None:
