@@ -1,6 +1,7 @@
 """An auxiliary term's weight read by the fact of the window its unit makes it depend on: the microbatch count k of a
 per-microbatch term, the data group's size of a global one, each microbatch's micro-batch size B of a per-sequence
-one, the token total N of a per-token one (docs/objectives.md, "Router auxiliary terms").
+one, the token total N of a per-token one, and tp's size for a per-token or global term scaled by one sequence
+shard's token count (docs/objectives.md, "Router auxiliary terms").
 
 :func:`harness.diagnosis.objective.auxiliary_reading` fits the term's columns (one per microbatch) beside the main
 loss's blocks and divides each fitted weight by its unit's ``1/D``; a ratio ``c`` common to every microbatch is
@@ -82,6 +83,13 @@ def candidates(ev: Evidence, window: int) -> tuple[list[Candidate], list[Candida
         first.append(Candidate(float(n), "auxiliary_not_divided_by_tokens", f"N={n} times its unit's weight: its "
                                f"per-token sum was never divided by the window's supervised count N={n} (multiplied by "
                                "the main loss's world-size factor, whose division by N never came)"))
+    tp = ev.mesh.size("tp")
+    if unit in (ob.TOKEN, ob.GLOBAL) and tp > 1:
+        first.append(Candidate(1 / tp, "auxiliary_divided_by_tp", f"1/tp = 1/{tp} of its unit's weight: it was "
+                               f"scaled by the router's local token count, the tokens of one tp rank's sequence shard "
+                               f"(1/{tp} of the microbatch's under sequence parallelism), where the microbatch's whole "
+                               f"count belongs (Megatron-LM's num_local_tokens under per-token loss); multiply its "
+                               f"scale by tp={tp}, the size of the group the sequence is sharded over", "tp"))
     if unit == ob.SEQUENCE and len(rows) == 1 and next(iter(rows)) > 1:
         (b,) = rows
         first.append(Candidate(1 / b, "auxiliary_divided_by_micro_batch_size", _b_words(f"{b} rows in every one")))

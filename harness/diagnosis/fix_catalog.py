@@ -111,6 +111,11 @@ FIXES: dict[str, str] = {
                                              "sequences with a supervised token (all-reduced over the data ranks), "
                                              "times the data group's size: each sequence weighs 1/S "
                                              "(harness.recipes.moe_terms:sequence_router_balance)",
+    "auxiliary_divided_by_tp": "scale the per-token auxiliary term by the microbatch's whole supervised count (every "
+                               "tp rank's shard of the sequence), not the router's local count of one shard: "
+                               "multiply the scale by the tp size (Megatron-LM PR #5047's tp_cp_group.size()), then "
+                               "divide by the window's N as the main loss is "
+                               "(harness.recipes.moe_terms:token_router_balance)",
     "auxiliary_not_divided_by_tokens": "divide the per-token auxiliary sum by the window's supervised count N, "
                                        "all-reduced before the first backward, as the main loss is: {right}",
     "per_shard_sequence_mean": "all-reduce each row's supervised count over the cp group (mesh[\"cp\"]) before the "

@@ -86,6 +86,9 @@ SIGNATURES: dict[str, str] = {
     "auxiliary_divided_by_micro_batch_size": "the main loss's weights are right; a per-sequence auxiliary term weighs "
                                              "1/B of its unit's weight in each microbatch of B rows: its sequences "
                                              "averaged where their sum belongs (Megatron-LM PR #5798)",
+    "auxiliary_divided_by_tp": "the main loss's weights are right; a per-token or global auxiliary term weighs 1/tp of "
+                               "its unit's weight under sequence parallelism: scaled by one tp rank's sequence shard's "
+                               "token count (Megatron-LM PR #5047, #1652)",
     "auxiliary_not_divided_by_tokens": "the main loss's weights are right; a per-token auxiliary term weighs N times "
                                        "its unit's weight: never divided by the window's token total (verl #6609, "
                                        "PR #6836)",

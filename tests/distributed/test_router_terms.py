@@ -1,6 +1,6 @@
 """Router auxiliary terms of the built-in MoE model through the battery: each unit's correct recipe passes over dp=W
 and dp x cp, and each public-record mistake fails parity, its term read off by the fact of the window its unit makes
-it depend on (k, dp, the micro-batch size B, the token total N)."""
+it depend on (k, dp, the micro-batch size B, the token total N; tp under sequence parallelism)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ WORDS = {
 """What each control's reading says, the fact named."""
 
 
-def moe_run(recipe: str, scenario: str = "uneven", shape: str = "dp=2") -> runner.Run:
+def moe_run(recipe: str, scenario: str = "uneven", shape: str = "dp=2", model: str = MOE,
+            strategy: str = "ddp") -> runner.Run:
     mesh = Mesh.parse(shape)
-    return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", model=MOE, layout=mesh))
+    return runner.run(RunSpec(recipe, scenario, mesh.world_size, "fp32", model=model, layout=mesh, strategy=strategy))
 
 
 def test_the_global_term_averaged_over_the_data_ranks_reads_one_over_dp() -> None:
@@ -73,3 +74,22 @@ def test_the_microbatch_mistake_reads_k_over_dp_and_cp() -> None:
     verdict = checks.parity(moe_run("harness.recipes:router_balance_every_microbatch", "long", "dp=2,cp=2"))
     assert verdict.diagnosis is not None, verdict.message
     assert "auxiliary_not_divided_by_k" == verdict.diagnosis["signature"], verdict.diagnosis["line"]
+
+
+@pytest.mark.slow
+def test_the_per_token_term_over_the_shard_s_count_reads_one_over_tp() -> None:
+    """Under tensor parallelism with sequence parallelism (``harness.moe_tp:moe``, dp=2,tp=2, FSDP2) the per-token
+    term holds with the microbatch's whole count, and pre-multiplied by one tp rank's shard of it (Megatron-LM PR
+    #5047) fails parity read as 1/tp, the reading naming the group the sequence is sharded over."""
+    tp = {"shape": "dp=2,tp=2", "model": "harness.moe_tp:moe", "strategy": "fsdp2"}
+    right = moe_run("harness.recipes.moe_terms:token_router_balance", **tp)
+    for check in (checks.parity, checks.ranks_agree):
+        verdict = check(right)
+        assert verdict.passed, verdict.message
+    control = "router_token_balance_over_local_tokens"
+    t = CONTROLS[control]
+    assert (t.mesh, t.model, t.strategy) == (tp["shape"], tp["model"], tp["strategy"])
+    verdict = checks.parity(moe_run(f"harness.recipes:{control}", t.scenario, **tp))
+    assert "fail" == verdict.status and verdict.diagnosis is not None, verdict.message
+    assert "auxiliary_divided_by_tp" == DIAGNOSES[control] == verdict.diagnosis["signature"], verdict.diagnosis["line"]
+    assert "1/tp = 1/2 of its unit's weight" in str(verdict.diagnosis["line"]), verdict.diagnosis["line"]

@@ -85,5 +85,29 @@ class RouterTokenBalanceUnnormalized(TokenRouterBalance):
         return float(token_group_size(mesh))
 
 
-__all__ = ["MOE", "GlobalRouterBalanceOverDataRanks", "RouterBalanceEveryMicrobatch", "RouterTokenBalanceUnnormalized",
-           "SequenceRouterBalanceOverLength"]
+MOE_TP = "harness.moe_tp:moe"
+"""The built-in mixture-of-experts model under tensor parallelism with sequence parallelism: each tp rank's router
+routes its own shard of the sequence (:mod:`harness.moe_tp`)."""
+
+
+@control(Target("parity", "uneven", strategy="fsdp2", mesh="dp=2,tp=2", model=MOE_TP), "auxiliary_divided_by_tp")
+class RouterTokenBalanceOverLocalTokens(TokenRouterBalance):
+    """A per-token router term pre-multiplied by the router's *local* token count under sequence parallelism:
+    Megatron-LM PR #5047 (#1652), where ``--calculate-per-token-loss`` scaled ``aux_loss`` and ``z_loss`` by
+    ``num_local_tokens``, the tokens of this tp rank's sequence shard (the microbatch's over tp when every shard holds
+    as many), while every gradient is divided by the whole window's token total: the term weighs 1/tp of its unit's,
+    a router strength that changes with the tp size. The term is the whole microbatch's on every tp rank (the
+    routing gathered over tp), so only the count is the shard's; the fix multiplies the scale by tp (the size of the
+    group the tokens are sharded over)."""
+
+    name = "router_token_balance_over_local_tokens"
+
+    def scale(self, window: Sequence[Any], masks: Sequence[torch.Tensor], mesh: Any, tokens: int,
+              context: Any) -> float:
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        tp = int(mesh["tp"].size()) if "tp" in names else 1
+        return super().scale(window, masks, mesh, tokens, context) / tp
+
+
+__all__ = ["MOE", "MOE_TP", "GlobalRouterBalanceOverDataRanks", "RouterBalanceEveryMicrobatch",
+           "RouterTokenBalanceOverLocalTokens", "RouterTokenBalanceUnnormalized", "SequenceRouterBalanceOverLength"]
