@@ -8,7 +8,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +62,24 @@ def battery_options(args: argparse.Namespace) -> BatteryOptions:
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     return options
+
+
+def where_run(worlds: Sequence[int], meshes: Sequence[Any], verdicts: Sequence[Any]) -> str:
+    """Where the cases ran, for the summary line: the world sizes of the ``dp=W`` cases that ran (all of ``worlds``
+    when none ran and no mesh was given), and each mesh with its world size."""
+    flat = sorted({v.world_size for v in verdicts if v.mesh is None and v.world_size > 0})
+    parts = [f"at world sizes {flat or list(worlds)}"] if flat or not meshes else []
+    if meshes:
+        over = " and ".join(f"{m.label} (W={m.world_size})" for m in meshes)
+        parts.append(f"{'the cases ' if parts else ''}over mesh {over}")
+    return ", ".join(parts)
+
+
+def ran_at(worlds: Sequence[int], meshes: Sequence[Any], verdicts: Sequence[Any]) -> list[int]:
+    """The world sizes the cases ran at (the report's ``world_sizes``): the ``dp=W`` cases' and the meshes'; ``worlds``
+    where no case ran."""
+    found = {v.world_size for v in verdicts if v.world_size > 0} | {m.world_size for m in meshes}
+    return sorted(found) if verdicts else list(worlds)
 
 
 def cmd_battery(args: argparse.Namespace) -> int:
@@ -165,14 +185,14 @@ def cmd_battery(args: argparse.Namespace) -> int:
     unrejected = [c for c in results if not c.rejected]
     usage = [v for v in failed if v.cause == "usage"]
     status = 2 if usage else 1 if failed or unrejected else 0
-    meshes = f", the cases over mesh {' and '.join(m.label for m in options.meshes)}" if options.meshes else ""
     quick = " (--quick)" if options.quick else ""
-    print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets at world sizes "
-          f"{list(worlds)}{meshes}, precision {options.precision}{quick}, in {time.monotonic() - start:.1f} s "
-          "(CPU, gloo)")
+    print(f"\n{len(verdicts)} checks over {len(recipes)} recipe(s) and {len(results)} control targets "
+          f"{where_run(worlds, options.meshes, verdicts)}, precision {options.precision}{quick}, in "
+          f"{time.monotonic() - start:.1f} s (CPU, gloo)")
     expected = (len(cases) + len(lanes)) * len(recipes)
-    payload = report_json(recipes, verdicts, expected, status, controls=results, world_sizes=worlds,
-                          precision=options.precision, model=model, batch_format=batch_format, model_notes=notes)
+    payload = report_json(recipes, verdicts, expected, status, controls=results,
+                          world_sizes=ran_at(worlds, options.meshes, verdicts), precision=options.precision,
+                          model=model, batch_format=batch_format, model_notes=notes)
     unrejected_lines = [f"control {c.control} not rejected: {c.verdict.message}" for c in unrejected]
     report, text = write_full_report(options.report, payload, verdicts, [format_controls(results), *unrejected_lines])
     junit = getattr(args, "junit", None)

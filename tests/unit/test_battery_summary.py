@@ -252,3 +252,23 @@ def test_a_fix_the_group_before_gave_is_not_repeated() -> None:
     assert 1 == screen.count("fix: divide by N")
     assert 2 == screen.count("fix: the same as above")
     assert "fix: use no_sync" in screen
+
+
+def test_the_summary_line_names_where_the_cases_ran() -> None:
+    """A mesh run's cases ran over the mesh alone: the last line and the report name it and its W, never the dp=W
+    world sizes the battery would run without --mesh (which it said before: the control)."""
+    from dataclasses import replace
+
+    from harness.core.mesh import Mesh
+    from harness.workflow.checks import ran_at, where_run
+
+    mesh = Mesh.parse("dp=2,cp=2")
+    over_mesh = [replace(_v("parity", "uneven", 4, "fp32", PASS), mesh="dp=2,cp=2")]
+    assert "over mesh dp=2,cp=2 (W=4)" == where_run((2, 3), [mesh], over_mesh)
+    assert "[2, 3]" not in where_run((2, 3), [mesh], over_mesh)
+    assert [4] == ran_at((2, 3), [mesh], over_mesh)
+    flat = [_v("parity", "uneven", w, "fp32", PASS) for w in (2, 3)]
+    assert "at world sizes [2, 3]" == where_run((1, 2, 3), [], flat)
+    assert [2, 3] == ran_at((1, 2, 3), [], flat)
+    assert "at world sizes [2], the cases over mesh dp=2,cp=2 (W=4)" == where_run((2,), [mesh], [*flat[:1], *over_mesh])
+    assert [2] == ran_at((2,), [], [])
