@@ -33,7 +33,7 @@ from harness.core.microbatch import Microbatch
 from harness.core.reference import Reference, reference_gradient
 from harness.diagnosis.clipping import read_norm
 from harness.diagnosis.diagnose import diagnose
-from harness.diagnosis.evidence import Evidence, RankWindow, model_at, terms
+from harness.diagnosis.evidence import Evidence, RankWindow, first_supervised, model_at, terms
 from harness.diagnosis.fixes import check_fix
 from harness.diagnosis.result import Diagnosis
 
@@ -121,7 +121,7 @@ def _reference(convention: ScriptModel, start: torch.Tensor, per_rank: Sequence[
     """The declared objective's gradient over every rank's calls at the flat weights ``start``, in ``dtype``."""
     if sum(mb.supervised for mbs in per_rank for mb in mbs) == 0:
         return None
-    model = model_at(convention, start, dtype)
+    model = model_at(convention, start, dtype, first_supervised(per_rank))
     ref = reference_gradient(model, per_rank, convention.loss_sum, objective=None if objective.plain else objective,
                              terms_of=None if objective.plain else
                              (lambda m, mb: terms(convention, objective, None, m, mb)))

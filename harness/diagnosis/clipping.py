@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from harness.core.compare import compare, flat_grad, tolerances
-from harness.diagnosis.evidence import Evidence
+from harness.diagnosis.evidence import Evidence, first_supervised
 from harness.diagnosis.signatures import SIGNATURES, Signature
 
 CLIPPING_SIGNATURES = {
@@ -179,7 +179,7 @@ def _presync_norms(ev: Evidence, window: int) -> list[tuple[str, float]]:
 
     assert ev.records is not None
     rec = ev.records[0][window]
-    model = ev.model_at(rec.params_before, torch.float64)
+    model = ev.model_at(rec.params_before, torch.float64, first_supervised(ev.windows[window]))
     model.train()
     z = od.normalizer(ev, window)
     out = []
@@ -285,7 +285,7 @@ def _unclipped_truth(ev: Evidence, window: int, rank: int) -> tuple[torch.Tensor
     start = ev.reference_starts[window] if window < len(ev.reference_starts) else None
     if start is not None and torch.equal(rec.params_before.to(start.dtype), start):
         return ref.gradient.double() / clip_factor(ev, window), "the reference's"
-    model = ev.model_at(rec.params_before, torch.float64)
+    model = ev.model_at(rec.params_before, torch.float64, first_supervised(ev.windows[window]))
     model.train()
     model.zero_grad(set_to_none=True)
     z = od.normalizer(ev, window)

@@ -27,7 +27,7 @@ from harness.diagnosis import packed as pd
 from harness.diagnosis import ranks as rr
 from harness.diagnosis.axes import axes_of
 from harness.diagnosis.constant import constant_reading
-from harness.diagnosis.evidence import Evidence
+from harness.diagnosis.evidence import Evidence, first_supervised
 from harness.diagnosis.experts import expert_reading, router_cut_off
 from harness.diagnosis.fit import (
     EXPLAINED_RESIDUAL,
@@ -71,7 +71,7 @@ def _column(ev: Evidence, model: torch.nn.Module, mb: Microbatch) -> torch.Tenso
     """The gradient of ``mb``'s term of the declared objective's numerator (its loss sum under the token mean)."""
     model.zero_grad(set_to_none=True)
     ev.terms(model, mb)[0].backward()
-    return flat_grad(model)
+    return flat_grad(model).double()
 
 
 def diagnose(ev: Evidence, window: int | None = None, rank: int | None = None,
@@ -296,7 +296,7 @@ def _diagnose(ev: Evidence, window: int, rank: int, per_sequence: bool) -> Diagn
     # A clipping run: undo the reference's own clip factor, so that a recipe that clips like the reference reads
     # as its weighting (and one that clips by another factor reads as the scale it applied).
     g = g / clipping.clip_factor(ev, window)
-    model = ev.model_at(rec.params_before, torch.float64)
+    model = ev.model_at(rec.params_before, torch.float64, first_supervised(ev.windows[window]))
     model.train()
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]

@@ -139,9 +139,11 @@ class Evidence:
     def model_path(self) -> str | None:
         return self.model.path
 
-    def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Module:
-        """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
-        return model_at(self.model, params, dtype)
+    def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None,
+                 probe: Microbatch | None = None) -> nn.Module:
+        """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given (float64
+        with ``probe``: in the model's own dtype where it cannot run in float64, :func:`model_at`)."""
+        return model_at(self.model, params, dtype, probe)
 
     def terms(self, model: nn.Module, mb: Microbatch,
               objective: ob.Objective | None = None) -> tuple[torch.Tensor, object]:
@@ -163,11 +165,16 @@ class Evidence:
             torch.set_num_threads(before)
 
 
-def model_at(convention: Convention, params: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Module:
+def model_at(convention: Convention, params: torch.Tensor, dtype: torch.dtype | None = None,
+             probe: Microbatch | None = None) -> nn.Module:
     """A fresh single-device model of ``convention`` holding the flat weights ``params`` (model order), in ``dtype``
-    if given."""
+    if given. With ``probe`` (a microbatch of the run) and ``dtype`` float64: a model that cannot run in float64 (its
+    forward on ``probe`` raises there, as transformers' ``grouped_mm`` experts do on a CPU torch) is built in its own
+    dtype instead, as the pre-flight's backward check is (:mod:`harness.battery.prepare.probe.backward_check`);
+    :func:`runs_in_float64` says which, once per model."""
     model = convention.build()
-    if dtype is not None:
+    if dtype is not None and not (dtype == torch.float64 and probe is not None
+                                  and not runs_in_float64(convention, probe)):
         model = model.to(dtype)
     with torch.no_grad():
         offset = 0
@@ -176,6 +183,28 @@ def model_at(convention: Convention, params: torch.Tensor, dtype: torch.dtype | 
             p.copy_(params[offset : offset + n].view_as(p))
             offset += n
     return model
+
+
+_FLOAT64: dict[tuple[str | None, str], bool] = {}
+
+
+def first_supervised(windows: Sequence[Sequence[Microbatch]]) -> Microbatch | None:
+    """The first microbatch of ``windows`` (per rank) that holds a supervised token (None: none does)."""
+    return next((mb for rank in windows for mb in rank if mb.supervised), None)
+
+
+def runs_in_float64(convention: Convention, probe: Microbatch) -> bool:
+    """Whether ``convention``'s model runs its forward on ``probe`` in float64 (tried once per model and batch
+    format, then remembered)."""
+    key = (convention.path, convention.batch_format)
+    if key not in _FLOAT64:
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                convention.loss_sum(convention.build().to(torch.float64), probe)
+            _FLOAT64[key] = True
+        except Exception:  # whatever the model raises there: it is judged in its own dtype
+            _FLOAT64[key] = False
+    return _FLOAT64[key]
 
 
 def terms(convention: Convention, objective: ob.Objective, auxiliary: Auxiliary | None, model: nn.Module,
@@ -192,4 +221,5 @@ def terms(convention: Convention, objective: ob.Objective, auxiliary: Auxiliary 
     return term, (None if auxiliary is None else auxiliary(model, convention.reference_batch(mb), raw))
 
 
-__all__ = ["Auxiliary", "Convention", "Evidence", "RankWindow", "Windows", "model_at", "terms"]
+__all__ = ["Auxiliary", "Convention", "Evidence", "RankWindow", "Windows", "first_supervised", "model_at",
+           "runs_in_float64", "terms"]

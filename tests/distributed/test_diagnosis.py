@@ -306,3 +306,20 @@ def test_an_auxiliary_term_beside_right_weights_read_less_exactly_is_still_read(
     verdict = checks.parity(runner.run("harness.recipes:auxiliary_summed_over_ranks", "varying", 4))
     assert verdict.diagnosis is not None, verdict.message
     assert "auxiliary_summed_over_ranks" == verdict.diagnosis["signature"], verdict.message
+
+
+def test_a_model_that_cannot_run_in_float64_is_diagnosed_in_its_own_dtype() -> None:
+    """A model whose float64 forward raises (a float32 table kept as a plain attribute, as transformers' grouped_mm
+    experts raise on a CPU torch) is recomputed in float32 by the diagnosis, as the pre-flight checks its backward:
+    the per-microbatch mean reads its own cause instead of the diagnosis's traceback. The built-in model still runs
+    in float64 (the control)."""
+    from harness.battery.spec import ModelSpec
+    from harness.diagnosis.evidence import runs_in_float64
+
+    path = "user_recipes.backward_models:Float32OnlyLM"
+    run = runner.run("harness.recipes:per_microbatch_mean", "uneven", 2, "fp32", model=path)
+    verdict = checks.parity(run)
+    assert verdict.diagnosis is not None and "per_microbatch_mean" == verdict.diagnosis["signature"], verdict.message
+    probe = run.windows[0][0][0]
+    assert not runs_in_float64(ModelSpec(path), probe)
+    assert runs_in_float64(ModelSpec(None), probe)

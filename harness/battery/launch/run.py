@@ -158,9 +158,11 @@ class Run:
         (:func:`harness.battery.prepare.objective.terms`); under the plain token mean, :meth:`loss_sum`."""
         return terms(self.spec, self.objective, model, mb)
 
-    def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given."""
-        return model_at(self.spec, params, dtype)
+    def model_at(self, params: torch.Tensor, dtype: torch.dtype | None = None,
+                 probe: Microbatch | None = None) -> torch.nn.Module:
+        """A fresh single-device model holding the flat weights ``params`` (model order), in ``dtype`` if given (float64
+        with ``probe``: in the model's own dtype where it cannot run in float64, :func:`model_at`)."""
+        return model_at(self.spec, params, dtype, probe)
 
 def token_mean_at(run: Run, params: torch.Tensor, window: int) -> float:
     """The global token mean of ``window`` at the weights ``params`` (flat, model order): what a logged loss must be

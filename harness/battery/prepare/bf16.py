@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness.core.reference import reference_gradient
+from harness.diagnosis.evidence import first_supervised
 
 if TYPE_CHECKING:
     from harness.battery.launch.run import Run
@@ -236,7 +237,7 @@ def read_windows(run: Run, gradient_of: Callable[..., torch.Tensor]) -> list[Win
                 before = records[k].params_before
                 key = before.numpy().tobytes()
                 if key not in truths:
-                    model = run.model_at(before, torch.float64)
+                    model = run.model_at(before, torch.float64, first_supervised(window))
                     truth = gradient_of(model, window).double()
                     # Each rank's own mean, a rank without tokens contributing zero (the guarded 0/0), over W.
                     locals_ = [gradient_of(model, [mbs]).double() if sum(mb.supervised for mb in mbs) > 0
