@@ -319,10 +319,15 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
 
         facts = probe_model(ModelSpec(options.model, options.batch_format))
     parity_judged = [0]
+    seen: list[Layout] = []
+    unjudged: list[str] = []  # why each layout's checks were all n/a (the model refused the lane, say)
 
     def check(layout: Layout) -> None:
         verdicts = judge_layout(recipe, layout, options, precision, strategy, mesh)
+        seen.append(layout)
         parity_judged[0] += any(v.check == "parity" and v.status == PASS for v in verdicts)
+        if verdicts and all(v.status == NOT_APPLICABLE and registry.MODEL_REFUSED in v.message for v in verdicts):
+            unjudged.append(verdicts[0].message)
         failed = _failing(verdicts)
         if failed:
             raise _LayoutFailed(layout, failed)
@@ -386,6 +391,10 @@ def drawn_verdict(recipe: str, options: BatteryOptions | None = None, derandomiz
     said = (f"check drawn passed: recipe {recipe}, {precision}, {strategy}: {examples} layouts ({len(first)} chosen to "
             f"tell mistakes apart, the rest drawn, {how}; W in {','.join(map(str, sorted(worlds)))}) pass every "
             f"check that applies ({', '.join(DRAWN_CHECKS)})")
+    if seen and len(unjudged) == len(seen):
+        return Verdict("drawn", recipe, "drawn", 0, precision, NOT_APPLICABLE, f"check drawn not applicable: recipe "
+                       f"{recipe}, {precision}, {strategy}: no check applies on any of the {len(seen)} layouts; the "
+                       f"first's: {unjudged[0]}", label=label, strategy=strategy)
     if precision == "bf16":
         if parity_judged[0] == 0:
             return Verdict("drawn", recipe, "drawn", 0, precision, NOT_APPLICABLE, said.replace(

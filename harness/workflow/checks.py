@@ -222,8 +222,12 @@ def cmd_battery(args: argparse.Namespace) -> int:
              f"{sorted({c.control for c in unrejected})}")
     else:
         skipped = sorted({v.check for v in verdicts if v.status == "skipped"})
+        # A lane whose every case is n/a judged nothing: the model refused it (notes above say why).
+        unjudged = sorted({v.precision for v in verdicts} - {v.precision for v in verdicts if v.status != "n/a"})
         print("every check holds" + ("; every negative control is rejected by its targeted check" if results else "")
-              + (f" (skipped: {', '.join(skipped)}; see above what they said)" if skipped else ""))
+              + (f" (skipped: {', '.join(skipped)}; see above what they said)" if skipped else "")
+              + (f" (not judged: the {', '.join(unjudged)} lane{'s' if len(unjudged) > 1 else ''}, every case n/a on "
+                 "this model; see above why)" if unjudged else ""))
     return status
 
 

@@ -323,3 +323,26 @@ def test_a_model_that_cannot_run_in_float64_is_diagnosed_in_its_own_dtype() -> N
     probe = run.windows[0][0][0]
     assert not runs_in_float64(ModelSpec(path), probe)
     assert runs_in_float64(ModelSpec(None), probe)
+
+
+def test_a_lane_whose_truth_is_float64_is_not_judged_on_a_model_that_cannot_run_there(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The default lanes (fp32 and fp64) on a model whose float64 forward raises: the fp32 lane is judged, every fp64
+    case is n/a before any rank starts, the model's note says why and the last line says the lane was not judged (it
+    used to end in the reference chain's traceback). The built-in model runs in float64: nothing is refused there."""
+    from harness.battery.plan.options import RunSpec
+    from harness.battery.prepare.steps import float64_refusal
+
+    path = "user_recipes.backward_models:Float32OnlyLM"
+    status = main(["battery", "--recipe", "harness.recipes:global_token_mean", "--model", path, "--precision", "both",
+                   "--battery-world-sizes", "2", "--battery-examples", "2"])
+    out = capsys.readouterr().out
+    assert 0 == status, out
+    assert "the model cannot run in float64 (RuntimeError: expected m1 and m2" in out
+    assert out.rstrip().endswith("every check holds (not judged: the fp64 lane, every case n/a on this model; see "
+                                 "above why)"), out[-600:]
+    report = json.loads(Path(out.split("full report: ", 1)[1].split(" ", 1)[0]).read_text())
+    lanes = {(v["precision"], v["status"]) for v in report["checks"]}
+    assert ("fp64", "n/a") in lanes and ("fp32", "pass") in lanes and ("fp64", "pass") not in lanes
+    assert float64_refusal(RunSpec("harness.recipes:global_token_mean", "uneven", 2, "fp64", model=path))
+    assert float64_refusal(RunSpec("harness.recipes:global_token_mean", "uneven", 2, "fp64")) is None

@@ -44,6 +44,9 @@ CHECKS: dict[str, Callable[[Run], Verdict]] = {}
 """Every check by name, in :data:`REGISTRY`'s order (the plan, the command line and the controls' targets name them)."""
 
 
+MODEL_REFUSED = "A property of the model, not of the recipe"
+"""What the message of a case the model cannot run says (n/a with the model's own error before it)."""
+
 def check(*, per_precision: bool = False, scenarios: str = "with_tokens") -> Callable[[Callable[[Run], Verdict]],
                                                                                        Callable[[Run], Verdict]]:
     """Register a check: the plan (:func:`harness.battery.plan.cases.cases`), the command line and the pytest lane find
@@ -64,9 +67,9 @@ def check(*, per_precision: bool = False, scenarios: str = "with_tokens") -> Cal
         @functools.wraps(fn)
         def judged(run: Run) -> Verdict:
             if run.model_error is not None:
-                return make_verdict(name, run, NOT_APPLICABLE, f"{run.model_error}. A property of the model, not of "
-                                    "the recipe: this case is not judged on this model (docs/your-model.md says what "
-                                    "a model must allow)", notes=run.notes)
+                return make_verdict(name, run, NOT_APPLICABLE, f"{run.model_error}. {MODEL_REFUSED}: this case is "
+                                    "not judged on this model (docs/your-model.md says what a model must allow)",
+                                    notes=run.notes)
             verdict = usage_error(name, run) or fn(run)
             if not run.notes:
                 return verdict

@@ -128,6 +128,10 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
         notes += (str(start_note(model)),)
     computes_in = None
     found = None
+    refused = float64_refusal(spec) if spec.precision in ("fp64", "bf16") else None
+    if refused is not None:  # the lane's truth is float64: its cases are n/a, naming why, and no rank starts
+        return Prepared(spec, windows, model, Chain([], [], (), model_error=refused), False, (refused, *notes), None,
+                        objective, None, start)
     if spec.model is not None:  # every rank must rebuild the weights the reference starts from
         digest = weights_digest(model.build())
         found = probe_model(model)
@@ -181,6 +185,21 @@ def prepare(spec: RunSpec, windows: scenarios.Windows, *, share_chain: bool = Fa
             else:
                 notes += (*unused, f"the model therefore needs DDP's find_unused_parameters=True: {how}")
     return Prepared(spec, windows, model, chain, wrap, notes, computes_in, objective, noise, start)
+
+
+def float64_refusal(spec: RunSpec) -> str | None:
+    """Why ``spec``'s lane cannot be judged on its model, where the lane computes its truth in float64 (the fp64 lane,
+    and the bf16 lane's reference) and the model cannot run there (the probe's backward check found its float64
+    forward raising: transformers' ``grouped_mm`` experts on a CPU torch); None: it can."""
+    if spec.model is None:
+        return None
+    check = probe_once(spec.model, spec.batch_format).backward
+    if check is None or check.not_float64 is None:
+        return None
+    lane = "the fp64 lane" if spec.precision == "fp64" else "the bf16 lane (judged against float64)"
+    return (f"the model cannot run in float64 ({check.not_float64}): {lane} computes its reference there, so it is "
+            "not judged on this model; the fp32 lane is (a float64-capable path of the model, such as transformers' "
+            "experts_implementation='eager', opens it)")
 
 
 _DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
