@@ -32,7 +32,8 @@ SCHEMA = "harness.explain/1"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="the effective token weights of a recipe's gradient and the mistake they name")
     p.add_argument("--recipe", required=True, metavar="PKG.MODULE:ATTR", help="the recipe to explain")
-    p.add_argument("--scenario", default="uneven", help="battery scenario (default: uneven)")
+    p.add_argument("--scenario", default=None, help="battery scenario (default: uneven; where --recipe names a "
+                   "negative control, its target's, as for every option below that is not given)")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: 2, or the mesh's)")
     p.add_argument("--mesh", metavar="DIM=N,...", help="run over this mesh instead of dp=W, e.g. dp=2,cp=2 (the sizes' "
                    "product is the world size; the battery's --mesh, one shape)")
@@ -48,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the model the recipe trains: a zero-argument callable returning a torch.nn.Module "
                    "(default: the built-in TinyCausalLM)")
-    p.add_argument("--batch-format", default="harness", choices=BATCH_FORMATS, help=BATCH_FORMAT_HELP)
+    p.add_argument("--batch-format", default=None, choices=BATCH_FORMATS, help=BATCH_FORMAT_HELP)
     p.add_argument("--window", type=int, default=None, help="window to read (default: the worst one)")
     p.add_argument("--rank", type=int, default=None, help="rank whose gradient is read (default: the worst one)")
     p.add_argument("--per-sequence", action="store_true", help="also fit one weight per sequence")
@@ -58,7 +59,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-recipe-level", dest="recipe_level", action="store_false",
                    help="skip the recipe-level diagnosis (the battery's quick scenarios at this world size, read "
                    "together as the battery's last screen reads them)")
-    p.set_defaults(fn=cmd_explain)
+    # Not given: the control's target's (control_defaults), else these (the help above names them).
+    p.set_defaults(fn=cmd_explain, strategy=None, precision=None, objective=None)
+
+
+DEFAULTS = {"scenario": "uneven", "batch_format": "harness", "strategy": "ddp", "precision": "fp32",
+            "objective": "token_mean"}
+"""What an option not given is, where --recipe is no registered negative control (or its target leaves it open)."""
+
+
+def control_defaults(args: argparse.Namespace) -> str | None:
+    """Where ``--recipe`` names a negative control (``harness.recipes:<name>``), fill each option not given from the
+    control's target (:class:`harness.recipes.catalog.Target`: its scenario, mesh, model, strategy, precision,
+    objective, batch format, first world size), so that ``explain`` reads the mistake where it shows; then every
+    option still unset takes :data:`DEFAULTS`. Returns the sentence naming what was filled (None: nothing)."""
+    from harness.recipes import CONTROLS
+
+    module, _, name = args.recipe.partition(":")
+    target = CONTROLS.get(name) if module == "harness.recipes" else None
+    filled = []
+    if target is not None:
+        values = {"scenario": target.scenario, "mesh": target.mesh, "model": target.model, "strategy": target.strategy,
+                  "precision": target.precision, "objective": target.objective, "batch_format": target.batch_format}
+        for dest, value in values.items():
+            if getattr(args, dest) is None and value is not None and value != DEFAULTS.get(dest):
+                setattr(args, dest, value)
+                filled.append(f"--{dest.replace('_', '-')} {value}")
+        if args.world_size is None and args.mesh is None and target.world_sizes:
+            args.world_size = target.world_sizes[0]
+            filled.append(f"--world-size {args.world_size}")
+    for dest, value in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if not filled:
+        return None
+    return (f"explain: {args.recipe} is a negative control; run where its mistake shows (its target): "
+            f"{' '.join(filled)} (an option given on the command line wins)")
 
 
 def _stem(recipe: str, scenario: str, world: int, precision: str, strategy: str = "ddp",
@@ -153,6 +189,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from harness.recipes import RecipeError, load_recipe
     from harness.workflow.checks import check_model_option
 
+    filled = control_defaults(args)
+    if filled:
+        print(filled + "\n")
     known = (*scenarios.SCENARIOS, *mesh_scenarios.MESH_SCENARIOS)
     if args.scenario not in known:
         raise BadInput(f"--scenario={args.scenario!r} is not one of {', '.join(known)}")
