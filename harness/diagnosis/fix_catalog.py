@@ -86,6 +86,10 @@ FIXES: dict[str, str] = {
                                "own mean divided by the rank's micro-batch count, which weighs a micro-batch of few "
                                "tokens like one of many and a rank of many micro-batches less (verl: "
                                "use_dynamic_bsz with loss_agg_mode=token-mean and the global token count)",
+    "dynamic_microbatch_rows_share": "{right}, whatever micro-batches a token budget re-splits the window into; not "
+                                     "each micro-batch's own token mean times its share of the rank's rows, which "
+                                     "weighs a token of a micro-batch of short rows more than one of long rows (verl: "
+                                     "use_dynamic_bsz with loss_agg_mode=token-mean and the global token count)",
     "constant_averaged_over_ranks": "multiply each rank's {term} over the declared constant by {size}, as the token "
                                     "mean's loss is: {right}; the gradients' average over the ranks divides by W, "
                                     "and a constant has no all-reduced count to cancel it (verl #5366's * dp_size)",

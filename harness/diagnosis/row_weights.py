@@ -72,13 +72,34 @@ def read_rows(rows: Sequence[Block], token_weight: Sequence[float], world_size: 
             times = "" if abs(scale - 1) <= ROW_TOLERANCE else f", times {scale:.4g}"
             return Signature(name, f"a {kind} mean over {what}: every token weighs 1/({factors}{count}){times}; the "
                              f"per-sequence view fits it (residual {residual:.1e}), where {declared}", scale)
-    return read_own_splits(live, world_size, residual, declared)
+    every = {r: sum(1 for b in rows if b.rank == r) for r in {b.rank for b in rows}}
+    return read_own_splits(live, world_size, residual, declared, every)
 
 
-def _own_split(held: Sequence[tuple[Block, float]]) -> tuple[float, int, int] | None:
-    """One rank's rows grouped by equal token weight: ``(u, K, rows in the largest group)`` where every group's
-    weight x tokens is a whole multiple of ``u`` (a group of equal weights is a micro-batch, or several of equal
-    counts), ``K`` those multiples' sum; None where they are not whole multiples."""
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """One rank's rows grouped by equal token weight (a group is a micro-batch, or several of one weight)."""
+
+    unit: float
+    """The lightest group's weight (its weight x tokens)."""
+    count: int | None
+    """``K``: the groups' weights in units summed, where each is a whole multiple of :attr:`unit` (None: not)."""
+    largest: int
+    """Rows in the largest group."""
+    per_row: float | None
+    """Each row's share of its group's weight, where every group weighs in proportion to its rows (each micro-batch
+    weighing its rows' share); None otherwise."""
+    rows_differ: bool
+    """Whether the groups hold different numbers of rows (only then does :attr:`per_row` tell a weight by rows from
+    one by micro-batches)."""
+    masses: tuple[float, ...] = ()
+    """Each group's weight x tokens."""
+    group_rows: tuple[int, ...] = ()
+    """Each group's rows (those with a supervised token)."""
+
+
+def _own_split(held: Sequence[tuple[Block, float]]) -> _Split | None:
+    """:class:`_Split` of one rank's rows (None: a group without weight)."""
     groups: list[list[float]] = []  # [token weight, tokens, rows]
     for b, t in sorted(held, key=lambda bt: bt[1]):
         if groups and abs(t / groups[-1][0] - 1) <= ROW_TOLERANCE:
@@ -91,13 +112,16 @@ def _own_split(held: Sequence[tuple[Block, float]]) -> tuple[float, int, int] | 
     if unit <= 0:
         return None
     multiples = [round(m / unit) for m in masses]
-    if any(abs(m / (j * unit) - 1) > ROW_TOLERANCE for m, j in zip(masses, multiples)):
-        return None
-    return unit, sum(multiples), int(max(rows for _, _, rows in groups))
+    whole = all(abs(m / (j * unit) - 1) <= ROW_TOLERANCE for m, j in zip(masses, multiples))
+    shares = [m / rows for m, (_, _, rows) in zip(masses, groups)]
+    even = max(abs(x / shares[0] - 1) for x in shares) <= ROW_TOLERANCE
+    return _Split(unit, sum(multiples) if whole else None, int(max(rows for _, _, rows in groups)),
+                  shares[0] if even else None, len({rows for _, _, rows in groups}) > 1, tuple(masses),
+                  tuple(int(rows) for _, _, rows in groups))
 
 
 def read_own_splits(live: Sequence[tuple[Block, float]], world_size: int, residual: float,
-                    declared: str) -> Signature | None:
+                    declared: str, every: dict[int, int] | None = None) -> Signature | None:
     """``dynamic_microbatch_mean`` where the rows' token weights are each rank's own micro-batches' token means,
     each divided by that rank's micro-batch count ``K_r``: rows of one micro-batch share the weight
     ``1/(W * K_r * n_d)`` (``n_d`` its supervised tokens), so each micro-batch weighs ``1/(W * K_r)`` whatever its
@@ -105,23 +129,36 @@ def read_own_splits(live: Sequence[tuple[Block, float]], world_size: int, residu
     not the window's microbatches, and are read off the weights: groups of equal token weight. ``K_r`` is the
     groups' count (a group of two micro-batches of one count weighs twice); where a rank's split also held
     micro-batches without a supervised token, they count in ``K_r`` unseen, and the weights read at scale 1 give it.
+    Where every rank's groups weigh in proportion to their rows, and some rank's groups hold different numbers of
+    rows, each micro-batch's mean was weighted by its share of the rank's rows instead:
+    ``dynamic_microbatch_rows_share`` (where every micro-batch holds as many rows the two are one gradient, and the
+    first reading stays).
     None where a rank's groups do not weigh whole multiples of one weight, where no group holds two rows (a mean per
     row is a sequence mean), or where ranks' scales differ."""
     by_rank: dict[int, list[tuple[Block, float]]] = {}
     for b, t in live:
         by_rank.setdefault(b.rank, []).append((b, t))
     splits = {r: _own_split(held) for r, held in sorted(by_rank.items())}
-    if any(s is None for s in splits.values()) or max(s[2] for s in splits.values() if s) < 2:
+    if any(s is None for s in splits.values()) or max(s.largest for s in splits.values() if s) < 2:
         return None
     held = {r: s for r, s in splits.items() if s is not None}
-    if all(k == 1 for _, k, _ in held.values()):
-        return None  # one micro-batch per rank: a mean of local means, read as such
-    scales = [world_size * k * u for u, k, _ in held.values()]
+    shares = {r: s.per_row for r, s in held.items() if s.per_row is not None}
+    if len(shares) == len(held) and any(s.rows_differ for s in held.values()):
+        rows = {r: len(by_rank[r]) for r in held}
+        scale = sum(world_size * rows[r] * share for r, share in shares.items()) / len(shares)
+        spread = max(abs(world_size * rows[r] * share / scale - 1) for r, share in shares.items())
+        if spread <= ROW_TOLERANCE:
+            return _rows_share(rows, scale, residual, declared)
+    counts = {r: s.count for r, s in held.items() if s.count is not None}
+    if len(counts) < len(held) or all(k == 1 for k in counts.values()):
+        # Not whole multiples (or one micro-batch per rank, a mean of local means): rows without a supervised token
+        # may sit in the micro-batches, counted in their rows' share though the weights cannot show them.
+        return _rows_share_with_unseen(held, every or {}, world_size, residual, declared)
+    scales = [world_size * counts[r] * s.unit for r, s in held.items()]
     c = sum(scales) / len(scales)
-    counts = {r: k for r, (_, k, _) in held.items()}
-    if max(abs(s / c - 1) for s in scales) > ROW_TOLERANCE:
-        whole = {r: 1 / (world_size * u) for r, (u, _, _) in held.items()}  # scale 1: K_r is 1/(W u)
-        if any(abs(x - round(x)) > ROW_TOLERANCE * x or round(x) < held[r][1] for r, x in whole.items()):
+    if max(abs(x / c - 1) for x in scales) > ROW_TOLERANCE:
+        whole = {r: 1 / (world_size * s.unit) for r, s in held.items()}  # scale 1: K_r is 1/(W u)
+        if any(abs(x - round(x)) > ROW_TOLERANCE * x or round(x) < counts[r] for r, x in whole.items()):
             return None
         c, counts = 1.0, {r: round(x) for r, x in whole.items()}
     times = "" if abs(c - 1) <= ROW_TOLERANCE else f", times {c:.4g}"
@@ -130,7 +167,40 @@ def read_own_splits(live: Sequence[tuple[Block, float]], world_size: int, residu
                      f"the rank's micro-batch count K_r ({said}): every token of micro-batch d weighs "
                      f"1/(W * K_r * n_d){times}, so each micro-batch weighs 1/(W * K_r) whatever its tokens (a window "
                      f"re-split by a token budget, each micro-batch's mean over the rank's count); the per-sequence "
-                     f"view fits it (residual {residual:.1e}), where {declared}", c)
+                     f"view fits it (residual {residual:.1e}), where {declared}", c,
+                     alternatives=("dynamic_microbatch_rows_share",) if len(shares) == len(held) else ())
+
+
+def _rows_share_with_unseen(held: dict[int, _Split], every: dict[int, int], world_size: int, residual: float,
+                            declared: str) -> Signature | None:
+    """``dynamic_microbatch_rows_share`` at scale 1 where micro-batches also hold rows without a supervised token:
+    each group's weight is then a whole number of rows' shares ``1/(W * B_r)`` (``B_r`` every row of the rank, those
+    without a token included), at least its rows with a token, at most ``B_r`` over the groups; and some rank's
+    groups weigh unlike numbers of shares (else a mean per micro-batch reads the same). None where that fails."""
+    if not held or any(r not in every for r in held):
+        return None
+    differ = False
+    for r, split in held.items():
+        share = 1 / (world_size * every[r])
+        units = [m / share for m in split.masses]
+        whole = [round(u) for u in units]
+        if any(abs(u - j) > ROW_TOLERANCE * max(j, 1) or j < n for u, j, n in zip(units, whole, split.group_rows)):
+            return None
+        if sum(whole) > every[r]:
+            return None
+        differ = differ or len(set(whole)) > 1
+    return _rows_share(dict(every), 1.0, residual, declared) if differ else None
+
+
+def _rows_share(rows: dict[int, int], scale: float, residual: float, declared: str) -> Signature:
+    times = "" if abs(scale - 1) <= ROW_TOLERANCE else f", times {scale:.4g}"
+    said = ", ".join(f"rank {r}: B_r={b}" for r, b in rows.items())
+    return Signature("dynamic_microbatch_rows_share", f"a token mean per micro-batch of each rank's own split, "
+                     f"weighted by the micro-batch's share of the rank's rows ({said}): every token of micro-batch d "
+                     f"weighs B_d/(W * B_r * n_d){times}, so a micro-batch of B_d rows weighs B_d/(W * B_r) whatever "
+                     f"its tokens (a window re-split by a token budget, each micro-batch's mean times its rows over "
+                     f"the rank's: verl's FSDP actor under use_dynamic_bsz); the per-sequence view fits it (residual "
+                     f"{residual:.1e}), where {declared}", scale)
 
 
 def merge_chunks(rows: Sequence[Block], token_weight: Sequence[float], whole: Sequence[int], cp: int

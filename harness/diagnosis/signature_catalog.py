@@ -65,6 +65,10 @@ SIGNATURES: dict[str, str] = {
                                "not the window's microbatches), and a token of micro-batch d weighs "
                                "1/(W * K_r * n_d): each micro-batch's token mean divided by the rank's micro-batch "
                                "count K_r (verl #3294, #4021)",
+    "dynamic_microbatch_rows_share": "each rank's rows fall in micro-batches of its own (a re-split by a token "
+                                     "budget), and a token of micro-batch d weighs B_d/(W * B_r * n_d): each "
+                                     "micro-batch's token mean times its share of the rank's rows (verl's FSDP actor "
+                                     "under use_dynamic_bsz: loss * micro-batch rows / ppo_mini_batch_size)",
     "constant_averaged_over_ranks": "under a constant normalizer C every token weighs 1/(W * C): the loss sum divided "
                                     "by the constant without the data-parallel factor, so the gradients' average "
                                     "over the W ranks divides it again (verl #3741, #5366)",

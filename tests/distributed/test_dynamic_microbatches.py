@@ -1,6 +1,6 @@
 """Dynamic micro-batches over real ranks: the recipe that re-splits its window by a token budget
 (harness.recipes.dynamic:dynamic_token_mean) passes every check of every scenario while its ranks run different numbers
-of micro-batches (DDP) or the largest count on every rank (FSDP2); its two RL controls read their own causes where
+of micro-batches (DDP) or the largest count on every rank (FSDP2); its RL controls read their own causes where
 their mistakes show and pass where they cannot."""
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ def test_the_micro_batch_mean_control_reads_each_rank_s_micro_batch_count() -> N
     assert "fail" == verdict.status and verdict.diagnosis is not None
     assert "dynamic_microbatch_mean" == verdict.diagnosis["signature"]
     assert "(rank 0: 3, rank 1: 4)" in str(verdict.diagnosis["sentence"])
+
+
+def test_the_rows_share_control_reads_each_micro_batch_weighted_by_its_rows() -> None:
+    """verl's FSDP actor under use_dynamic_bsz: each micro-batch's mean times its rows over the rank's. On token_budget
+    at W=2 the reading names the rows' share and each rank's rows, not a micro-batch count; the mean per micro-batch
+    over the count, on the same window, still reads as itself (the control of the reading)."""
+    verdict = checks.parity(runner.run("harness.recipes:dynamic_microbatch_rows_share", "token_budget", 2))
+    assert "fail" == verdict.status and verdict.diagnosis is not None
+    assert "dynamic_microbatch_rows_share" == verdict.diagnosis["signature"], verdict.diagnosis["sentence"]
+    assert "weighted by the micro-batch's share of the rank's rows (rank 0: B_r=" in str(verdict.diagnosis["sentence"])
+    other = checks.parity(runner.run("harness.recipes:dynamic_microbatch_mean", "token_budget", 2))
+    assert other.diagnosis is not None and "dynamic_microbatch_mean" == other.diagnosis["signature"]
 
 
 def test_a_constant_without_the_dp_factor_is_right_on_one_rank_and_half_on_two() -> None:

@@ -62,3 +62,23 @@ class FixedNormalizerWithoutDp(FixedNormalizer):
                 (term / c).backward()  # the constant alone: no W to undo the ranks' average
             local += float(term.detach())
         return global_sum(local) / c  # the logged loss is right: the mistake is in the gradient alone
+
+
+@control(Target("parity", "token_budget"), "dynamic_microbatch_rows_share")
+class DynamicMicrobatchRowsShare(DynamicMicrobatchMean):
+    """Each token-budget micro-batch's own token mean weighted by its share of the rank's rows, as verl's FSDP actor
+    scales it under ``use_dynamic_bsz`` (``loss = policy_loss * (response_mask.shape[0] / ppo_mini_batch_size)``,
+    with ``loss_agg_mode="token-mean"``): a token of micro-batch d on rank r weighs ``B_d / (W * B_r * n_d)``, right
+    only where every row holds as many tokens, so a micro-batch of short rows weighs as much as one of long rows."""
+
+    name = "dynamic_microbatch_rows_share"
+
+    def backward_window(self, model: nn.Module, window: Sequence[Microbatch]) -> float | None:
+        window_count(window)  # every rank refuses a window without a supervised token, together
+        parts = dynamic_microbatches(model, window, self.budget)
+        rows = sum(int(mb.inputs.shape[0]) for mb in parts)
+        for i, mb in enumerate(parts):
+            with sync_context(model, i, len(parts)):
+                s = forward_loss_sum(model, mb)
+                (s / max(mb.supervised, 1) * (mb.inputs.shape[0] / rows)).backward()
+        return None
