@@ -89,13 +89,9 @@ def moe_tp_plan(model: nn.Module, tp_mesh: Any, *, replicated: str = "dtensor") 
     """Shard :class:`harness.moe.MoECausalLM` over ``tp_mesh`` in place (the layout in the module's docstring); each
     MoE layer runs on this rank's sequence shard, its parameters held as ``replicated`` says (:data:`REPLICATED`)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+
+    from harness.tp_layout import sequence_parallel_plan
 
     if replicated not in REPLICATED:
         msg = f"replicated={replicated!r} must be one of {', '.join(map(repr, REPLICATED))}"
@@ -104,24 +100,12 @@ def moe_tp_plan(model: nn.Module, tp_mesh: Any, *, replicated: str = "dtensor") 
         msg = (f"moe_tp_plan shards a harness.moe.MoECausalLM, got {type(model).__name__}: a model of your own "
                "declares its own tp_plan")
         raise TypeError(msg)
-    plan: dict[str, Any] = {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        "ln": SequenceParallel(),
-    }
-    for i in range(len(model.blocks)):
-        b = f"blocks.{i}"
-        plan |= {
-            f"{b}.ln1": SequenceParallel(),
-            f"{b}.ln2": SequenceParallel(),
-            f"{b}.qkv": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-            f"{b}.proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            # The MoE layer takes this rank's positions as a plain tensor and gives its output back as this rank's
-            # part of the sequence: no collective on either side.
-            f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True),
-        }
+    # The MoE layer takes this rank's positions as a plain tensor and gives its output back as this rank's part of
+    # the sequence: no collective on either side.
+    plan = sequence_parallel_plan(
+        model, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        lambda b: {f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=True)})
     parallelize_module(model, tp_mesh, plan, src_data_rank=None)
     for layer in model.moe_layers():
         layer.dispatch = every_expert

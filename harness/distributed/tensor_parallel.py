@@ -43,36 +43,20 @@ def builtin_plan(model: nn.Module, tp_mesh: Any, *, sequence_parallel_norms: boo
     control's plan). ``vocab_parallel=True`` leaves the logits a DTensor sharded on the vocabulary (the loss is then
     computed under ``loss_parallel``); the vocabulary must divide by the tp size."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan: dict[str, Any] = {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "head": (ColwiseParallel(input_layouts=Shard(1), use_local_output=False) if vocab_parallel
-                 else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
-    }
+    from harness.tp_layout import sequence_parallel_plan
+
     vocab = int(model.head.out_features)  # type: ignore[union-attr, arg-type]
     if vocab_parallel and vocab % tp_mesh.size():
         msg = (f"vocab_parallel: the vocabulary ({vocab}) must divide by the tp size ({tp_mesh.size()}) to shard the "
                "logits on it (gloo scatters equal shards only); pick a tp size that divides it")
         raise ValueError(msg)
-    norms = ["ln"]
-    for i in range(len(model.blocks)):  # type: ignore[arg-type]
-        b = f"blocks.{i}"
-        norms += [f"{b}.ln1", f"{b}.ln2"]
-        plan |= {
-            f"{b}.qkv": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-            f"{b}.proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            f"{b}.mlp.0": ColwiseParallel(input_layouts=Shard(1)),
-            f"{b}.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    if sequence_parallel_norms:
-        plan |= {name: SequenceParallel() for name in norms}
+    head = (ColwiseParallel(input_layouts=Shard(1), use_local_output=False) if vocab_parallel
+            else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+    plan = sequence_parallel_plan(model, head, lambda b: {f"{b}.mlp.0": ColwiseParallel(input_layouts=Shard(1)),
+                                                          f"{b}.mlp.2": RowwiseParallel(output_layouts=Shard(1))},
+                                  norms=sequence_parallel_norms)
     # Every rank holds the same full weights (the fingerprint and the start the parent sends are checked before), so
     # each cuts its own shard from them: torch's default scatters rank 0's copy, a collective per parameter.
     parallelize_module(model, tp_mesh, plan, src_data_rank=None)

@@ -20,7 +20,7 @@ HARNESS = Path(__file__).parents[2] / "harness"
 ORDER = ("core", "data", "model", "distributed", "diagnosis", "recipes", "battery", "audit", "resume", "training",
          "testing", "workflow")
 OUTSIDE = {"__init__", "__main__", "train"}
-BESIDE = {"moe": "model", "moe_plan": "model", "moe_tp": "model", "ulysses": "model"}
+BESIDE = {"moe": "model", "moe_plan": "model", "moe_tp": "model", "tp_layout": "model", "ulysses": "model"}
 """Modules beside a layer's own module that belong to its layer: ``harness.moe`` builds on ``harness.model``."""
 
 
